@@ -1,0 +1,209 @@
+"""Group nodes into ordered partition units: one unit per repeated block, embedding and head apart.
+
+A "block container" is an nn.ModuleList/Sequential whose children repeat a class (GPT layers,
+ResNet blocks). Each child is a block unit; whatever runs before the first block is the
+embedding unit and whatever runs after the last is the head unit; other top-level modules between
+blocks become units of their own. Costs are lowered from sympy to `Poly` so solvers get plain data.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import sympy
+import torch.fx as fx
+from torch import nn
+
+from .costs import NodeCost
+from .meta_keys import COST, MODULE, TENSOR, TP, UNIT
+from .poly import Poly
+from .shapes import B, TensorInfo
+from .tp import annotate_tp_roles
+
+__all__ = ["Part", "Unit", "group_nodes", "lower_units", "SELECTIVE_RATIO"]
+
+SELECTIVE_RATIO = 4  # selective recompute drops tensors larger than this many times the unit input
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Part:
+    """Costs of the sharded (divided by t) or replicated part of a unit, per microbatch of size b."""
+
+    fwd_flops: Poly = field(default_factory=Poly)
+    bwd_flops: Poly = field(default_factory=Poly)
+    mm_flops: Poly = field(default_factory=Poly)  # forward FLOPs in matrix products
+    fwd_bytes: Poly = field(default_factory=Poly)
+    bwd_bytes: Poly = field(default_factory=Poly)
+    saved_bytes: Poly = field(default_factory=Poly)  # activations kept for backward (no recompute)
+    selective_bytes: Poly = field(default_factory=Poly)  # of saved_bytes, what selective recompute drops
+    selective_flops: Poly = field(default_factory=Poly)  # forward FLOPs selective recompute redoes
+    params: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Unit:
+    index: int
+    name: str
+    kind: str  # embedding | block | head | layer
+    module_type: str
+    nodes: tuple[str, ...]
+    sharded: Part
+    replicated: Part
+    param_bytes_per_param: int  # element size of the traced parameters
+    input_bytes: Poly  # activation entering the unit (what full recompute keeps; what p2p sends)
+    output_bytes: Poly
+    tp_fwd_allreduce_bytes: Poly  # summed all-reduce messages under tensor parallelism, forward
+    tp_bwd_allreduce_bytes: Poly
+    tp_allreduces: int  # number of all-reduces forward (the same number backward)
+    matmuls: int
+
+    @property
+    def params(self) -> int:
+        return self.sharded.params + self.replicated.params
+
+    def fwd_flops(self, b: float) -> float:
+        return self.sharded.fwd_flops(b) + self.replicated.fwd_flops(b)
+
+    def bwd_flops(self, b: float) -> float:
+        return self.sharded.bwd_flops(b) + self.replicated.bwd_flops(b)
+
+
+def _containers(root: nn.Module) -> list[str]:
+    found = []
+    for name, mod in root.named_modules():
+        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
+            counts = Counter(type(c) for c in mod)
+            if counts.most_common(1)[0][1] >= 2 and not any(name.startswith(f + ".") for f in found):
+                found.append(name)
+    return found
+
+
+def _key(path: str, containers: list[str]) -> tuple[str, bool]:
+    for c in containers:
+        prefix = f"{c}." if c else ""
+        if path.startswith(prefix) and path != c:
+            idx = path[len(prefix):].split(".")[0]
+            return f"{prefix}{idx}", True
+    return path.split(".")[0], False
+
+
+def group_nodes(gm: fx.GraphModule, root: nn.Module) -> list[tuple[str, str, list[fx.Node]]]:
+    """Ordered (name, kind, nodes) groups; every node lands in exactly one group.
+
+    `root` is the traced nn.Module (the GraphModule flattens containers into plain Modules)."""
+    containers = _containers(root)
+    groups: list[tuple[str, bool, list[fx.Node]]] = []
+    pending: list[fx.Node] = []  # nodes without a module of their own: join the next group
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.users:
+            pending.append(node)  # parameters/buffers live with their first user
+            continue
+        key, is_block = _key(node.meta.get(MODULE, ""), containers)
+        if node.op in ("placeholder", "output") or key == "":
+            (groups[-1][2] if groups and node.op != "placeholder" else pending).append(node)
+            continue
+        if not groups or groups[-1][0] != key:
+            groups.append((key, is_block, []))
+        groups[-1][2].extend(pending + [node])
+        pending = []
+    if pending:
+        groups[-1][2].extend(pending)
+    return _merge_edges(groups)
+
+
+def _merge_edges(groups: list[tuple[str, bool, list[fx.Node]]]) -> list[tuple[str, str, list[fx.Node]]]:
+    blocks = [i for i, g in enumerate(groups) if g[1]]
+    if not blocks:
+        return [(name, "layer", nodes) for name, _, nodes in groups]
+    first, last = blocks[0], blocks[-1]
+    out: list[tuple[str, str, list[fx.Node]]] = []
+    if first > 0:
+        out.append(("+".join(g[0] for g in groups[:first]), "embedding", [n for g in groups[:first] for n in g[2]]))
+    out.extend((name, "block" if is_b else "layer", nodes) for name, is_b, nodes in groups[first:last + 1])
+    if last < len(groups) - 1:
+        out.append(("+".join(g[0] for g in groups[last + 1:]), "head", [n for g in groups[last + 1:] for n in g[2]]))
+    return out
+
+
+def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
+    z = sympy.Integer(0)
+    fw = bw = mm = fb = bb = sel_f = z
+    saved: dict[str, sympy.Expr] = {}
+    params = 0
+    for n in nodes:
+        c: NodeCost = n.meta[COST]
+        fw, bw, mm, fb, bb = fw + c.fwd_flops, bw + c.bwd_flops, mm + c.mm_flops, fb + c.fwd_bytes, bb + c.bwd_bytes
+        params += c.params
+        saved.update(c.saved)
+        if n.name in selective:
+            sel_f += c.fwd_flops
+    sel_b = sum((v for k, v in saved.items() if k.split(".")[0] in selective), z)
+    p = lambda e: Poly.of(e, B)  # noqa: E731
+    return Part(fwd_flops=p(fw), bwd_flops=p(bw), mm_flops=p(mm), fwd_bytes=p(fb), bwd_bytes=p(bb),
+                saved_bytes=p(sum(saved.values(), z)), selective_bytes=p(sel_b), selective_flops=p(sel_f),
+                params=params)
+
+
+def _boundary_bytes(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr]:
+    inside = set(nodes)
+    ins: dict[fx.Node, sympy.Expr] = {}
+    outs: dict[fx.Node, sympy.Expr] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            info = a.meta.get(TENSOR)
+            if (a not in inside or a.op == "placeholder") and isinstance(info, TensorInfo) and a.op != "get_attr":
+                ins[a] = info.nbytes
+        info = n.meta.get(TENSOR)
+        if isinstance(info, TensorInfo) and any(u not in inside or u.op == "output" for u in n.users):
+            outs[n] = info.nbytes
+    z = sympy.Integer(0)
+    return sum(ins.values(), z), sum(outs.values(), z)
+
+
+def _selective_set(nodes: list[fx.Node], input_numel: float) -> set[str]:
+    big = set()
+    for n in nodes:
+        info, cost = n.meta.get(TENSOR), n.meta[COST]
+        if isinstance(info, TensorInfo) and cost.kind in ("matmul", "elementwise") and input_numel > 0:
+            if float(info.numel.subs(B, 1)) > SELECTIVE_RATIO * input_numel:
+                big.add(n.name)
+    return big
+
+
+def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
+    """Group, mark tensor-parallel roles, and lower node costs to plain `Unit`s."""
+    groups = group_nodes(gm, root)
+    annotate_tp_roles(gm, [nodes for _, _, nodes in groups])
+    units = []
+    for index, (name, kind, nodes) in enumerate(groups):
+        for n in nodes:
+            n.meta[UNIT] = index
+        in_b, out_b = _boundary_bytes(nodes)
+        elem = next((p.element_size() for p in gm.parameters()), 4)
+        selective = _selective_set(nodes, float(in_b.subs(B, 1)) / elem)
+        sharded = [n for n in nodes if n.meta[TP] != "replicated"]
+        replicated = [n for n in nodes if n.meta[TP] == "replicated"]
+        fwd_ar, bwd_ar, count = _tp_allreduces(nodes)
+        mod_type = type(root.get_submodule(name)).__name__ if "+" not in name and name else kind
+        units.append(Unit(index=index, name=name, kind=kind, module_type=mod_type,
+                          nodes=tuple(n.name for n in nodes), sharded=_part(sharded, selective),
+                          replicated=_part(replicated, selective), param_bytes_per_param=elem,
+                          input_bytes=Poly.of(in_b, B), output_bytes=Poly.of(out_b, B),
+                          tp_fwd_allreduce_bytes=Poly.of(fwd_ar, B), tp_bwd_allreduce_bytes=Poly.of(bwd_ar, B),
+                          tp_allreduces=count,
+                          matmuls=sum(1 for n in nodes if n.meta[COST].mm_flops != 0)))
+    return units
+
+
+def _tp_allreduces(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr, int]:
+    """All-reduce bytes (forward, backward) and count that tensor parallelism adds to a unit."""
+    z = sympy.Integer(0)
+    fwd, bwd, count = z, z, 0
+    for n in nodes:
+        role = n.meta[TP]
+        if role in ("row", "vocab-emb"):
+            fwd += n.meta[TENSOR].nbytes
+            count += 1
+        if role in ("col", "vocab-col"):
+            bwd += sum((a.meta[TENSOR].nbytes for a in n.all_input_nodes[:1]), z)
+    return fwd, bwd, count

@@ -1,0 +1,295 @@
+"""Discrete-event simulation of one training iteration of a pipeline schedule.
+
+Each rank runs its actions in list order. A forward of stage k > 0 starts when the rank is free and
+the activation of F(k-1, mb) has arrived (its end + p2p_s); a backward of stage k < last waits for
+the gradient of B(k+1, mb) the same way; the last stage's backward waits for its own forward.
+Sends are asynchronous and never occupy the compute timeline; SEND/RECV/BUBBLE actions take no
+time. ALLREDUCE follows the rank's last backward, OPT follows ALLREDUCE, and the iteration ends
+when the last rank finishes OPT. Every idle gap on a rank becomes a Bubble:
+
+- 'A' (fill/drain): before the rank's first compute, or after its last backward up to the end of
+  the iteration (including the wait while other ranks finish their all-reduce/optimizer step);
+- 'B' (fwd-bwd): a gap that ends in a backward (waiting for a gradient from later stages);
+- 'C' (misaligned F/B): a gap that ends in a forward in the middle of the iteration.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from planner.schedule import Action, Op, Schedule, ScheduleError
+
+__all__ = ["Bubble", "Interval", "SimCosts", "SimResult", "simulate", "with_bubbles"]
+
+GAP_EPS_S = 1e-12
+"""Idle gaps shorter than this are not bubbles (float noise)."""
+
+_F, _B, _ALLREDUCE, _OPT, _BUBBLE = Op.F, Op.B, Op.ALLREDUCE, Op.OPT, Op.BUBBLE
+_RECV = frozenset({Op.RECV_F, Op.RECV_B})
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SimCosts:
+    """Plain-data costs of one schedule's stages and ranks."""
+
+    forward_s: tuple[float, ...]
+    """Per virtual stage: seconds of one microbatch's forward."""
+    backward_s: tuple[float, ...]
+    """Per virtual stage: seconds of one microbatch's backward (including any recompute)."""
+    p2p_s: float
+    """One activation (or gradient) transfer between adjacent stages on different ranks."""
+    allreduce_s: tuple[float, ...]
+    """Per rank: data-parallel gradient all-reduce at the end of the iteration (0 if d == 1)."""
+    optimizer_s: tuple[float, ...]
+    """Per rank: optimizer step."""
+    static_bytes: tuple[int, ...]
+    """Per rank: weights + gradients + optimizer state."""
+    activation_bytes: tuple[int, ...]
+    """Per virtual stage: bytes stashed per microbatch from its forward until its backward."""
+    capacity_bytes: int
+    """Device memory."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Interval:
+    """A span of one rank's timeline."""
+
+    start: float
+    end: float
+    action: str
+    """Action string (``1F0``, ``ALLREDUCE``, ``BUBBLE3``)."""
+    kind: str
+    """'compute' (F, B, OPT), 'comm' (ALLREDUCE) or 'bubble'."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Bubble:
+    """An idle interval on one rank."""
+
+    id: int
+    """Unique per rank, in time order; the runtime sees it as action ``BUBBLE{id}``."""
+    rank: int
+    start_s: float
+    """Offset from the start of the iteration."""
+    duration_s: float
+    kind: str
+    """'A' (fill/drain), 'B' (ends in a backward), 'C' (ends in a forward mid-iteration)."""
+    free_bytes: int
+    """capacity - static - activations in flight on the rank at the bubble start, at least 0."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SimResult:
+    iteration_s: float
+    timelines: tuple[tuple[Interval, ...], ...]
+    """Per rank, in time order, covering [0, iteration_s] (gaps under GAP_EPS_S aside)."""
+    bubbles: tuple[Bubble, ...]
+    """All bubbles, ordered by rank then time."""
+    busy_s: tuple[float, ...]
+    """Per rank: F + B + ALLREDUCE + OPT time."""
+    bubble_fraction: float
+    """Total bubble time over p * iteration_s."""
+    peak_bytes: tuple[int, ...]
+    """Per rank: static bytes + the most activation bytes in flight at once."""
+
+
+def _check_costs(s: Schedule, c: SimCosts) -> None:
+    stages, p = s.num_stages, s.p
+    for name, want in (
+        ("forward_s", stages),
+        ("backward_s", stages),
+        ("activation_bytes", stages),
+        ("allreduce_s", p),
+        ("optimizer_s", p),
+        ("static_bytes", p),
+    ):
+        got = len(getattr(c, name))
+        if got != want:
+            raise ValueError(f"SimCosts.{name} has {got} entries, schedule needs {want}")
+
+
+# One busy record per executed F/B/ALLREDUCE/OPT: (start, end, step index in the rank's list).
+_Record = tuple[float, float, int]
+
+
+def _execute(s: Schedule, c: SimCosts) -> list[list[_Record]]:
+    """Start/end of every timed action, found by running ranks until they block on an input."""
+    p, m, last = s.p, s.m, s.num_stages - 1
+    n = s.num_stages * m
+    fend = [-1.0] * n  # end time of F(k, mb) at index k*m + mb; -1 = not run yet
+    bend = [-1.0] * n
+    hop = c.p2p_s if p > 1 else 0.0  # with p == 1 neighbour stages share the rank
+    fwd, bwd = c.forward_s, c.backward_s
+    ptr, free, blocked = [0] * p, [0.0] * p, [-1] * p  # blocked: encoded key the rank waits on
+    records: list[list[_Record]] = [[] for _ in range(p)]
+    ready = list(range(p))
+    while ready:
+        r = ready.pop()
+        acts, rec, t, i = s.ranks[r], records[r], free[r], ptr[r]
+        while i < len(acts):
+            a = acts[i]
+            op = a.op
+            if op is _F:
+                k, idx = a.stage, a.stage * m + a.mb
+                if k > 0:
+                    arrive = fend[idx - m]
+                    if arrive < 0.0:
+                        blocked[r] = idx - m
+                        break
+                    arrive += hop
+                    if arrive > t:
+                        t = arrive
+                end = t + fwd[k]
+                rec.append((t, end, i))
+                t = fend[idx] = end
+                if k < last:
+                    nxt = (k + 1) % p
+                    if blocked[nxt] == idx:
+                        blocked[nxt] = -1
+                        ready.append(nxt)
+            elif op is _B:
+                k, idx = a.stage, a.stage * m + a.mb
+                if k < last:
+                    arrive = bend[idx + m]
+                    if arrive < 0.0:
+                        blocked[r] = n + idx + m
+                        break
+                    arrive += hop
+                else:
+                    arrive = fend[idx]
+                    if arrive < 0.0:
+                        blocked[r] = -2  # own forward comes later: never resolves
+                        break
+                if arrive > t:
+                    t = arrive
+                end = t + bwd[k]
+                rec.append((t, end, i))
+                t = bend[idx] = end
+                if k > 0:
+                    prv = (k - 1) % p
+                    if blocked[prv] == n + idx:
+                        blocked[prv] = -1
+                        ready.append(prv)
+            elif op is _ALLREDUCE or op is _OPT:
+                end = t + (c.allreduce_s[r] if op is _ALLREDUCE else c.optimizer_s[r])
+                rec.append((t, end, i))
+                t = end
+            i += 1
+        ptr[r], free[r] = i, t
+    _raise_if_stuck(s, ptr)
+    return records
+
+
+def _raise_if_stuck(s: Schedule, ptr: list[int]) -> None:
+    stuck = [r for r in range(s.p) if ptr[r] < len(s.ranks[r])]
+    if stuck:
+        where = "; ".join(f"rank {r}, step {ptr[r]} ({s.ranks[r][ptr[r]]})" for r in stuck[:4])
+        raise ScheduleError(f"simulation cannot finish, ranks wait forever: {where}")
+
+
+def _bubble_kind(op: Op | None, started: bool, after_last_b: bool) -> str:
+    if not started or after_last_b or op is None:
+        return "A"
+    return "B" if op is _B else ("C" if op is _F else "A")
+
+
+def _rank_timeline(
+    r: int, acts: tuple[Action, ...], rec: list[_Record], iteration: float, c: SimCosts
+) -> tuple[list[Interval], list[Bubble], int]:
+    """Intervals (busy and bubble) of one rank, its bubbles, and its peak activation bytes."""
+    last_b = max((j for j, (_, _, i) in enumerate(rec) if acts[i].op is _B), default=-1)
+    free_base = c.capacity_bytes - c.static_bytes[r]
+    act_bytes = c.activation_bytes
+    intervals: list[Interval] = []
+    bubbles: list[Bubble] = []
+    held = peak = 0
+    prev = 0.0
+
+    def gap(until: float, op: Op | None, j: int) -> None:
+        if until - prev <= GAP_EPS_S:
+            return
+        kind = _bubble_kind(op, j > 0, j > last_b)
+        bid = len(bubbles)
+        bubbles.append(
+            Bubble(id=bid, rank=r, start_s=prev, duration_s=until - prev, kind=kind,
+                   free_bytes=max(free_base - held, 0))
+        )
+        intervals.append(Interval(start=prev, end=until, action=f"BUBBLE{bid}", kind="bubble"))
+
+    for j, (start, end, i) in enumerate(rec):
+        a = acts[i]
+        gap(start, a.op, j)
+        kind = "comm" if a.op is _ALLREDUCE else "compute"
+        intervals.append(Interval(start=start, end=end, action=str(a), kind=kind))
+        if a.op is _F:
+            held += act_bytes[a.stage]
+            peak = max(peak, held)
+        elif a.op is _B:
+            held -= act_bytes[a.stage]
+        prev = end
+    gap(iteration, None, len(rec))
+    return intervals, bubbles, peak
+
+
+def simulate(schedule: Schedule, costs: SimCosts) -> SimResult:
+    """Simulate one iteration; raises ScheduleError if the schedule cannot run to completion."""
+    _check_costs(schedule, costs)
+    records = _execute(schedule, costs)
+    iteration = max((rec[-1][1] for rec in records if rec), default=0.0)
+    timelines, bubbles, busy, peaks = [], [], [], []
+    for r, rec in enumerate(records):
+        intervals, rank_bubbles, peak = _rank_timeline(r, schedule.ranks[r], rec, iteration, costs)
+        timelines.append(tuple(intervals))
+        bubbles.extend(rank_bubbles)
+        busy.append(sum(end - start for start, end, _ in rec))
+        peaks.append(costs.static_bytes[r] + peak)
+    idle = sum(b.duration_s for b in bubbles)
+    fraction = idle / (schedule.p * iteration) if iteration > 0 else 0.0
+    return SimResult(
+        iteration_s=iteration,
+        timelines=tuple(timelines),
+        bubbles=tuple(bubbles),
+        busy_s=tuple(busy),
+        bubble_fraction=fraction,
+        peak_bytes=tuple(peaks),
+    )
+
+
+def _insert_at(acts: list[Action], step: int) -> int:
+    """Bubble goes before the RECVs that feed the compute ending it (a blocking recv is the wait)."""
+    while step > 0 and acts[step - 1].op in _RECV:
+        step -= 1
+    return step
+
+
+def with_bubbles(schedule: Schedule, result: SimResult) -> Schedule:
+    """Insert ``BUBBLE{id}`` actions where each simulated bubble occurs (old ones are dropped)."""
+    if len(result.timelines) != schedule.p:
+        raise ValueError(f"result has {len(result.timelines)} ranks, schedule has p={schedule.p}")
+    ranks = []
+    for r, timeline in enumerate(result.timelines):
+        base = [a for a in schedule.ranks[r] if a.op is not _BUBBLE]
+        step_of = {str(a): i for i, a in enumerate(base) if a.op in (_F, _B, _ALLREDUCE, _OPT)}
+        inserts: dict[int, list[Action]] = {}
+        pending: list[Action] = []
+        for iv in timeline:
+            if iv.kind == "bubble":
+                pending.append(Action.parse(iv.action))
+                continue
+            if iv.action not in step_of:
+                raise ValueError(f"rank {r}: simulated action {iv.action} is not in the schedule")
+            if pending:
+                inserts.setdefault(_insert_at(base, step_of[iv.action]), []).extend(pending)
+                pending = []
+        inserts.setdefault(len(base), []).extend(pending)
+        ranks.append(_merge(base, inserts))
+    return Schedule(kind=schedule.kind, p=schedule.p, v=schedule.v, m=schedule.m, ranks=tuple(ranks))
+
+
+def _merge(base: list[Action], inserts: dict[int, list[Action]]) -> tuple[Action, ...]:
+    out: list[Action] = []
+    for i, a in enumerate(base):
+        out.extend(inserts.get(i, ()))
+        out.append(a)
+    out.extend(inserts.get(len(base), ()))
+    return tuple(out)

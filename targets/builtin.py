@@ -1,0 +1,141 @@
+"""Built-in targets, every figure with its source.
+
+Conventions (applied to every entry below):
+- FLOP/s are DENSE peaks. NVIDIA's Hopper/Ada datasheets print tensor figures "with sparsity"
+  (marked *); those are halved here. fp32 is the non-tensor (CUDA core) figure, since an fp32
+  matmul without TF32 runs there; fp64 is the FP64 Tensor Core figure where the GPU has one.
+- Memory capacity is binary: NVIDIA's "80GB" HBM is 80 GiB (an A100 80GB reports 81920 MiB in
+  nvidia-smi). Bandwidths are decimal (1 GB/s = 1e9 B/s).
+- Link figures are per direction. Datasheets quote NVLink and PCIe as bidirectional totals
+  (A100: "NVLink 600 GB/s", "PCIe Gen4 64 GB/s"); we halve them.
+- PCIe is the datasheet peak (Gen3 16, Gen4 32, Gen5 64 GB/s per direction), not the ~80%
+  that pinned-memory copies achieve (~25 GB/s on Gen4): every figure here is a peak, and the
+  cost models apply efficiency in one place rather than in some figures and not others.
+- Inter-node: per-GPU share of the node's compute NICs, at line rate (200 Gb/s = 25e9 B/s).
+- Latencies are NCCL's own per-step estimates for the ring algorithm, Simple protocol
+  (NCCL src/graph/tuning.cc, table hwLat): NVLink 3.4 us, PCI 5.7 us, network 9.6 us.
+"""
+
+from __future__ import annotations
+
+from targets.specs import ClusterSpec, GPUSpec, Target
+
+__all__ = ["BUILTIN_TARGETS", "DEFAULT_TARGET"]
+
+GiB = 2**30
+GB = 1e9  # bytes/s multiplier for "GB/s"
+TFLOPS = 1e12
+GBIT = 1e9 / 8  # bytes/s in one Gb/s
+
+NVLINK_LATENCY_S = 3.4e-6  # NCCL tuning.cc hwLat[NVLINK][Ring][Simple]
+PCIE_LATENCY_S = 5.7e-6  # NCCL tuning.cc hwLat[PCI][Ring][Simple]
+NET_LATENCY_S = 9.6e-6  # NCCL tuning.cc hwLat[NET][Ring][Simple]
+
+# --- V100 SXM2 ---------------------------------------------------------------------------
+# NVIDIA Tesla V100 GPU Accelerator datasheet (V100 SXM2 column): double precision 7.8 TFLOPS,
+# single precision 15.7 TFLOPS, tensor performance 125 TFLOPS (fp16 in, fp32 accumulate),
+# 16 GB or 32 GB HBM2 at 900 GB/s, PCIe Gen3 32 GB/s (bidirectional -> 16 GB/s per direction).
+# No bf16, tf32 or fp8 (those arrive with Ampere/Hopper).
+_V100_FLOPS = {"fp64": 7.8 * TFLOPS, "fp32": 15.7 * TFLOPS, "fp16": 125 * TFLOPS}
+V100_16GB = GPUSpec(name="V100 SXM2 16GB", peak_flops=_V100_FLOPS, hbm_bytes=16 * GiB,
+                    hbm_bw=900 * GB, pcie_bw=16 * GB)
+V100_32GB = GPUSpec(name="V100 SXM2 32GB", peak_flops=_V100_FLOPS, hbm_bytes=32 * GiB,
+                    hbm_bw=900 * GB, pcie_bw=16 * GB)
+
+# DGX-1 with V100 (NVIDIA DGX-1 with Tesla V100 System Architecture whitepaper, 2017): 8 GPUs in
+# a hybrid cube-mesh of NVLink2, 6 links per GPU x 25 GB/s per direction = 150 GB/s per direction
+# (V100 datasheet: "NVLink 300 GB/s" bidirectional); four 100 Gb/s EDR InfiniBand ports per node
+# -> 4 x 12.5 GB/s / 8 GPUs = 6.25 GB/s per GPU.
+DGX1_V100 = ClusterSpec(gpus_per_node=8, nvlink_bw=150 * GB, nvlink_latency_s=NVLINK_LATENCY_S,
+                        internode_bw=4 * 100 * GBIT / 8, internode_latency_s=NET_LATENCY_S)
+
+# --- A100 SXM ----------------------------------------------------------------------------
+# NVIDIA A100 Tensor Core GPU datasheet (2021): FP64 Tensor Core 19.5 TFLOPS, FP32 19.5 TFLOPS,
+# TF32 156 TFLOPS, BF16 312 TFLOPS, FP16 312 TFLOPS (dense; 2x with sparsity), no FP8;
+# A100 40GB SXM: 40 GB HBM2, 1,555 GB/s; A100 80GB SXM: 80 GB HBM2e, 2,039 GB/s;
+# NVLink 600 GB/s (bidirectional), PCIe Gen4 64 GB/s (bidirectional -> 32 GB/s per direction).
+_A100_FLOPS = {"fp64": 19.5 * TFLOPS, "fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
+               "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS}
+A100_40GB = GPUSpec(name="A100 40GB SXM", peak_flops=_A100_FLOPS, hbm_bytes=40 * GiB,
+                    hbm_bw=1555 * GB, pcie_bw=32 * GB)
+A100_80GB = GPUSpec(name="A100 80GB SXM", peak_flops=_A100_FLOPS, hbm_bytes=80 * GiB,
+                    hbm_bw=2039 * GB, pcie_bw=32 * GB)
+
+# DGX A100 (NVIDIA DGX A100 datasheet and System Architecture whitepaper): 8 GPUs on NVSwitch,
+# NVLink3 12 links x 25 GB/s = 300 GB/s per direction per GPU (A100 datasheet: 600 GB/s
+# bidirectional); 8 single-port ConnectX-6 HDR 200 Gb/s InfiniBand for compute = 25 GB/s per GPU.
+DGX_A100 = ClusterSpec(gpus_per_node=8, nvlink_bw=300 * GB, nvlink_latency_s=NVLINK_LATENCY_S,
+                       internode_bw=200 * GBIT, internode_latency_s=NET_LATENCY_S)
+
+# --- H100 SXM / H200 ---------------------------------------------------------------------
+# NVIDIA H100 Tensor Core GPU datasheet (H100 SXM column): FP64 Tensor Core 67 TFLOPS,
+# FP32 67 TFLOPS, TF32 989* , BF16 1,979*, FP16 1,979*, FP8 3,958* TFLOPS (* with sparsity,
+# halved here: 494.5 / 989.5 / 989.5 / 1979); 80 GB HBM3 at 3.35 TB/s;
+# NVLink 900 GB/s (bidirectional), PCIe Gen5 128 GB/s (bidirectional -> 64 GB/s per direction).
+_H100_SXM_FLOPS = {"fp64": 67 * TFLOPS, "fp32": 67 * TFLOPS, "tf32": 989 / 2 * TFLOPS,
+                   "bf16": 1979 / 2 * TFLOPS, "fp16": 1979 / 2 * TFLOPS, "fp8": 3958 / 2 * TFLOPS}
+H100_SXM = GPUSpec(name="H100 SXM 80GB", peak_flops=_H100_SXM_FLOPS, hbm_bytes=80 * GiB,
+                   hbm_bw=3350 * GB, pcie_bw=64 * GB)
+
+# NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column): same compute figures as H100 SXM
+# (FP64 TC 67, FP32 67, TF32 989*, BF16 1,979*, FP16 1,979*, FP8 3,958* TFLOPS);
+# 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s, PCIe Gen5 128 GB/s (both bidirectional).
+H200 = GPUSpec(name="H200 SXM 141GB", peak_flops=_H100_SXM_FLOPS, hbm_bytes=141 * GiB,
+               hbm_bw=4800 * GB, pcie_bw=64 * GB)
+
+# DGX H100 / DGX H200 (NVIDIA DGX H100 and DGX H200 datasheets): 8 GPUs on NVSwitch, NVLink4
+# 18 links x 25 GB/s = 450 GB/s per direction per GPU (900 GB/s bidirectional); 8 single-port
+# ConnectX-7 at 400 Gb/s (NDR) for compute = 50 GB/s per GPU.
+DGX_H100 = ClusterSpec(gpus_per_node=8, nvlink_bw=450 * GB, nvlink_latency_s=NVLINK_LATENCY_S,
+                       internode_bw=400 * GBIT, internode_latency_s=NET_LATENCY_S)
+
+# --- PCIe parts --------------------------------------------------------------------------
+# NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe column): FP64 Tensor Core 51 TFLOPS,
+# FP32 51 TFLOPS, TF32 756*, BF16 1,513*, FP16 1,513*, FP8 3,026* TFLOPS (* with sparsity,
+# halved: 378 / 756.5 / 756.5 / 1513); 80 GB HBM2e at 2 TB/s; PCIe Gen5 128 GB/s bidirectional.
+H100_PCIE = GPUSpec(
+    name="H100 PCIe 80GB",
+    peak_flops={"fp64": 51 * TFLOPS, "fp32": 51 * TFLOPS, "tf32": 756 / 2 * TFLOPS,
+                "bf16": 1513 / 2 * TFLOPS, "fp16": 1513 / 2 * TFLOPS, "fp8": 3026 / 2 * TFLOPS},
+    hbm_bytes=80 * GiB, hbm_bw=2000 * GB, pcie_bw=64 * GB)
+
+# NVIDIA RTX 6000 Ada Generation datasheet: 48 GB GDDR6 with ECC, 960 GB/s, FP32 91.1 TFLOPS,
+# "Tensor Performance 1,457.0 TFLOPS" = FP8 with sparsity -> 728.5 dense; PCIe Gen4 x16
+# (64 GB/s bidirectional), no NVLink. NVIDIA Ada Lovelace GPU Architecture whitepaper (appendix,
+# RTX 6000 Ada): BF16/FP16 tensor with FP32 accumulate 364.2 dense, TF32 182.1 dense.
+RTX6000_ADA = GPUSpec(
+    name="RTX 6000 Ada 48GB",
+    peak_flops={"fp32": 91.1 * TFLOPS, "tf32": 182.1 * TFLOPS, "bf16": 364.2 * TFLOPS,
+                "fp16": 364.2 * TFLOPS, "fp8": 728.5 * TFLOPS},
+    hbm_bytes=48 * GiB, hbm_bw=960 * GB, pcie_bw=32 * GB)
+
+# PCIe servers: the datasheet PCIe figure is the intra-node link (GPU peer-to-peer through PCIe
+# switches). The node layout is an ASSUMPTION, not a datasheet figure: 8 GPUs per node and one NIC
+# per two GPUs (400 Gb/s NDR for the Gen5 part, 200 Gb/s HDR for the Gen4 part). Override with a
+# YAML file that describes your cluster.
+PCIE5_SERVER = ClusterSpec(gpus_per_node=8, nvlink_bw=64 * GB, nvlink_latency_s=PCIE_LATENCY_S,
+                           internode_bw=400 * GBIT / 2, internode_latency_s=NET_LATENCY_S)
+PCIE4_SERVER = ClusterSpec(gpus_per_node=8, nvlink_bw=32 * GB, nvlink_latency_s=PCIE_LATENCY_S,
+                           internode_bw=200 * GBIT / 2, internode_latency_s=NET_LATENCY_S)
+
+BUILTIN_TARGETS: tuple[Target, ...] = (
+    Target(name="v100-16gb", gpu=V100_16GB, cluster=DGX1_V100,
+           description="V100 SXM2 16GB in DGX-1 nodes (8 GPUs, NVLink2 cube-mesh, 4x EDR 100 Gb/s IB)"),
+    Target(name="v100-32gb", gpu=V100_32GB, cluster=DGX1_V100,
+           description="V100 SXM2 32GB in DGX-1 nodes (8 GPUs, NVLink2 cube-mesh, 4x EDR 100 Gb/s IB)"),
+    Target(name="a100-40gb", gpu=A100_40GB, cluster=DGX_A100,
+           description="A100 40GB SXM in DGX A100 nodes (8 GPUs, NVLink3 300 GB/s, 8x HDR 200 Gb/s IB)"),
+    Target(name="a100-80gb", gpu=A100_80GB, cluster=DGX_A100,
+           description="A100 80GB SXM in DGX A100 nodes (8 GPUs, NVLink3 300 GB/s, 8x HDR 200 Gb/s IB)"),
+    Target(name="h100-sxm", gpu=H100_SXM, cluster=DGX_H100,
+           description="H100 SXM 80GB in DGX H100 nodes (8 GPUs, NVLink4 450 GB/s, 8x NDR 400 Gb/s IB)"),
+    Target(name="h100-pcie", gpu=H100_PCIE, cluster=PCIE5_SERVER,
+           description="H100 PCIe 80GB, 8 per server over PCIe Gen5, one NDR 400 Gb/s NIC per 2 GPUs"),
+    Target(name="h200", gpu=H200, cluster=DGX_H100,
+           description="H200 SXM 141GB in DGX H200 nodes (8 GPUs, NVLink4 450 GB/s, 8x NDR 400 Gb/s IB)"),
+    Target(name="rtx6000-ada", gpu=RTX6000_ADA, cluster=PCIE4_SERVER,
+           description="RTX 6000 Ada 48GB, 8 per server over PCIe Gen4, one HDR 200 Gb/s NIC per 2 GPUs"),
+)
+
+#: The target used when none is named.
+DEFAULT_TARGET = "a100-80gb"

@@ -1,0 +1,152 @@
+"""GPU, cluster and target specs: plain frozen data that cost models read.
+
+Units are SI throughout: FLOP/s, bytes, bytes/s, seconds. Bandwidths are per direction.
+Figures are datasheet peaks; efficiency (achieved vs. peak) is the cost models' business,
+so that one efficiency knob applies uniformly instead of being baked into some figures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from collections.abc import Mapping
+
+__all__ = ["DTYPES", "DTYPE_ALIASES", "TargetError", "GPUSpec", "ClusterSpec", "Target", "canonical_dtype"]
+
+#: Dtype names accepted as keys of ``GPUSpec.peak_flops`` (dense, no structured sparsity).
+DTYPES: tuple[str, ...] = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8")
+
+#: Other spellings of the dtypes above (torch names, with or without ``torch.``).
+DTYPE_ALIASES: dict[str, str] = {
+    "float64": "fp64", "double": "fp64",
+    "float32": "fp32", "float": "fp32",
+    "float16": "fp16", "half": "fp16",
+    "bfloat16": "bf16",
+    "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "float8": "fp8",
+}
+
+
+class TargetError(ValueError):
+    """A target, GPU or cluster spec is unknown or invalid; the message says which and why."""
+
+
+def canonical_dtype(dtype: object) -> str:
+    """Map 'bf16', 'bfloat16', 'torch.bfloat16' or a torch dtype to a name in DTYPES."""
+    name = str(dtype).strip().lower().removeprefix("torch.")
+    name = DTYPE_ALIASES.get(name, name)
+    if name not in DTYPES:
+        raise TargetError(f"unknown dtype {dtype!r} — known dtypes: {', '.join(DTYPES)}")
+    return name
+
+
+def _check_positive(owner: str, field_name: str, value: object, *, allow_zero: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value >= 0 if allow_zero else value > 0)
+    if not ok:
+        what = "a non-negative" if allow_zero else "a positive"
+        raise TargetError(f"{owner}: {field_name} must be {what} finite number, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GPUSpec:
+    """One GPU model's datasheet figures."""
+
+    name: str
+    """Human name, e.g. 'A100 80GB SXM'."""
+    peak_flops: Mapping[str, float] = field(hash=False)
+    """Dense peak FLOP/s per dtype (keys from DTYPES); a dtype the GPU lacks is absent."""
+    hbm_bytes: int
+    """Device memory capacity in bytes."""
+    hbm_bw: float
+    """Device memory bandwidth, bytes/s."""
+    pcie_bw: float
+    """Host<->device bandwidth, bytes/s per direction."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise TargetError(f"GPUSpec: name must be a non-empty string, got {self.name!r}")
+        owner = f"GPU {self.name!r}"
+        if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
+            raise TargetError(f"{owner}: peak_flops must be a non-empty mapping dtype -> FLOP/s, "
+                              f"got {self.peak_flops!r}")
+        flops: dict[str, float] = {}
+        for key, value in self.peak_flops.items():
+            if key not in DTYPES:
+                raise TargetError(f"{owner}: peak_flops has unknown dtype {key!r} — "
+                                  f"known dtypes: {', '.join(DTYPES)}")
+            _check_positive(owner, f"peak_flops[{key!r}]", value)
+            flops[key] = float(value)
+        # A private copy, so the caller's dict cannot change a frozen spec behind its back.
+        object.__setattr__(self, "peak_flops", flops)
+        if isinstance(self.hbm_bytes, float) and self.hbm_bytes.is_integer():
+            object.__setattr__(self, "hbm_bytes", int(self.hbm_bytes))
+        if not isinstance(self.hbm_bytes, int):
+            raise TargetError(f"{owner}: hbm_bytes must be a whole number of bytes, got {self.hbm_bytes!r}")
+        for name in ("hbm_bytes", "hbm_bw", "pcie_bw"):
+            _check_positive(owner, name, getattr(self, name))
+
+    def peak(self, dtype: object) -> float:
+        """Dense peak FLOP/s for ``dtype`` ('bf16', 'bfloat16', torch.bfloat16, ...)."""
+        name = canonical_dtype(dtype)
+        try:
+            return self.peak_flops[name]
+        except KeyError:
+            raise TargetError(f"GPU {self.name!r} has no {name} peak — it supports "
+                              f"{', '.join(sorted(self.peak_flops))}") from None
+
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        """The dtypes this GPU has a peak for, in DTYPES order."""
+        return tuple(d for d in DTYPES if d in self.peak_flops)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ClusterSpec:
+    """How GPUs are wired: within a node (NVLink, or PCIe on PCIe parts) and across nodes."""
+
+    gpus_per_node: int
+    """GPUs in one node."""
+    nvlink_bw: float
+    """Per-GPU unidirectional intra-node bandwidth usable by collectives, bytes/s
+    (NVLink, or the PCIe link on PCIe-only parts)."""
+    nvlink_latency_s: float
+    """Per-step latency of an intra-node collective, seconds."""
+    internode_bw: float
+    """Per-GPU unidirectional inter-node bandwidth, bytes/s (node NIC bandwidth / GPUs per node)."""
+    internode_latency_s: float
+    """Per-step latency of an inter-node collective, seconds."""
+
+    def __post_init__(self) -> None:
+        owner = "cluster"
+        if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) \
+                or self.gpus_per_node < 1:
+            raise TargetError(f"{owner}: gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
+        _check_positive(owner, "nvlink_bw", self.nvlink_bw)
+        _check_positive(owner, "internode_bw", self.internode_bw)
+        _check_positive(owner, "nvlink_latency_s", self.nvlink_latency_s, allow_zero=True)
+        _check_positive(owner, "internode_latency_s", self.internode_latency_s, allow_zero=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Target:
+    """A GPU in a cluster: what the planner plans for."""
+
+    name: str
+    """Registry name, e.g. 'a100-80gb', or the name a user YAML file gives."""
+    gpu: GPUSpec
+    cluster: ClusterSpec
+    description: str = ""
+    """One line on what this is and where its figures come from."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name.strip():
+            raise TargetError(f"Target: name must be a non-empty string, got {self.name!r}")
+        if not isinstance(self.gpu, GPUSpec):
+            raise TargetError(f"target {self.name!r}: gpu must be a GPUSpec, got {type(self.gpu).__name__}")
+        if not isinstance(self.cluster, ClusterSpec):
+            raise TargetError(f"target {self.name!r}: cluster must be a ClusterSpec, "
+                              f"got {type(self.cluster).__name__}")
+
+    def with_gpus_per_node(self, gpus_per_node: int) -> Target:
+        """This target with the cluster's GPUs per node replaced (e.g. a 4-GPU partition of a node)."""
+        return replace(self, cluster=replace(self.cluster, gpus_per_node=gpus_per_node))
