@@ -32,12 +32,14 @@ class Part:
     fwd_flops: Poly = field(default_factory=Poly)
     bwd_flops: Poly = field(default_factory=Poly)
     mm_flops: Poly = field(default_factory=Poly)  # forward FLOPs in matrix products
+    mm_bytes: Poly = field(default_factory=Poly)  # forward bytes moved by matrix products
     fwd_bytes: Poly = field(default_factory=Poly)
     bwd_bytes: Poly = field(default_factory=Poly)
     saved_bytes: Poly = field(default_factory=Poly)  # activations kept for backward (no recompute)
     selective_bytes: Poly = field(default_factory=Poly)  # of saved_bytes, what selective recompute drops
     selective_flops: Poly = field(default_factory=Poly)  # forward FLOPs selective recompute redoes
     params: int = 0
+    kernels: int = 0  # nodes that launch a kernel (views excluded), for launch overhead
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,7 +129,7 @@ def _merge_edges(groups: list[tuple[str, bool, list[fx.Node]]]) -> list[tuple[st
 
 def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
     z = sympy.Integer(0)
-    fw = bw = mm = fb = bb = sel_f = z
+    fw = bw = mm = mmb = fb = bb = sel_f = z
     saved: dict[str, sympy.Expr] = {}
     params = 0
     for n in nodes:
@@ -135,13 +137,16 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
         fw, bw, mm, fb, bb = fw + c.fwd_flops, bw + c.bwd_flops, mm + c.mm_flops, fb + c.fwd_bytes, bb + c.bwd_bytes
         params += c.params
         saved.update(c.saved)
+        if c.mm_flops != 0:
+            mmb += c.fwd_bytes
         if n.name in selective:
             sel_f += c.fwd_flops
     sel_b = sum((v for k, v in saved.items() if k.split(".")[0] in selective), z)
     p = lambda e: Poly.of(e, B)  # noqa: E731
-    return Part(fwd_flops=p(fw), bwd_flops=p(bw), mm_flops=p(mm), fwd_bytes=p(fb), bwd_bytes=p(bb),
+    kernels = sum(1 for n in nodes if n.meta[COST].kind not in ("view", "none"))
+    return Part(fwd_flops=p(fw), bwd_flops=p(bw), mm_flops=p(mm), mm_bytes=p(mmb), fwd_bytes=p(fb), bwd_bytes=p(bb),
                 saved_bytes=p(sum(saved.values(), z)), selective_bytes=p(sel_b), selective_flops=p(sel_f),
-                params=params)
+                params=params, kernels=kernels)
 
 
 def _boundary_bytes(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr]:

@@ -13,10 +13,12 @@ Communication naming follows torch: ``kSEND_Fm`` is sent by stage k (to k+1) and
 
 from __future__ import annotations
 
+import gc
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
-from typing import Iterable
+from typing import Iterable, Iterator
 
 __all__ = [
     "KINDS",
@@ -24,6 +26,7 @@ __all__ = [
     "Op",
     "Schedule",
     "ScheduleError",
+    "gc_paused",
     "generate",
     "gpipe",
     "grid",
@@ -158,6 +161,22 @@ def stage_rank(stage: int, p: int) -> int:
     return stage % p
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic GC while building or walking >100k small acyclic objects.
+
+    Allocation-triggered full collections find nothing to free here and doubled the run time of
+    generate/validate/simulate on 64-rank schedules.
+    """
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 # ---------------------------------------------------------------------------------------------
 # Generators
 
@@ -168,6 +187,21 @@ def _check_pm(p: int, m: int, v: int = 1) -> None:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
 
+_new_action = Action.__new__
+_set_stage, _set_op, _set_mb = Action.stage.__set__, Action.op.__set__, Action.mb.__set__  # type: ignore[attr-defined]
+
+
+def _action(stage: int, op: Op, mb: int) -> Action:
+    """``Action(stage=..., op=..., mb=...)`` without the checks, for generators whose actions are
+    well formed by construction: a 64-rank schedule has ~400k actions and the checked frozen
+    __init__ (~2 us each) dominated generation time."""
+    obj = _new_action(Action)
+    _set_stage(obj, stage)
+    _set_op(obj, op)
+    _set_mb(obj, mb)
+    return obj
+
+
 def _with_comm(order: Iterable[tuple[Op, int, int]], last: int) -> tuple[Action, ...]:
     """Wrap each compute (op, stage, mb) with its RECV before and SEND after; end with ALLREDUCE, OPT."""
     out: list[Action] = []
@@ -175,22 +209,23 @@ def _with_comm(order: Iterable[tuple[Op, int, int]], last: int) -> tuple[Action,
     for op, k, mb in order:
         if op is _F:
             if k > 0:
-                add(Action(stage=k, op=_RECV_F, mb=mb))
-            add(Action(stage=k, op=_F, mb=mb))
+                add(_action(k, _RECV_F, mb))
+            add(_action(k, _F, mb))
             if k < last:
-                add(Action(stage=k, op=_SEND_F, mb=mb))
+                add(_action(k, _SEND_F, mb))
         else:
             if k < last:
-                add(Action(stage=k, op=_RECV_B, mb=mb))
-            add(Action(stage=k, op=_B, mb=mb))
+                add(_action(k, _RECV_B, mb))
+            add(_action(k, _B, mb))
             if k > 0:
-                add(Action(stage=k, op=_SEND_B, mb=mb))
+                add(_action(k, _SEND_B, mb))
     add(Action(stage=None, op=_ALLREDUCE, mb=None))
     add(Action(stage=None, op=_OPT, mb=None))
     return tuple(out)
 
 
-def _one_f_one_b_order(r: int, p: int, m: int) -> list[tuple[Op, int, int]]:
+def _one_f_one_b_order(r: int, p: int, v: int, m: int) -> list[tuple[Op, int, int]]:
+    """Rank r's compute order in 1F1B (v is 1; the argument keeps one signature for both)."""
     warmup = min(p - r - 1, m)
     steady = m - warmup
     order = [(_F, r, mb) for mb in range(warmup)]
@@ -204,17 +239,19 @@ def _one_f_one_b_order(r: int, p: int, m: int) -> list[tuple[Op, int, int]]:
 def gpipe(p: int, m: int) -> Schedule:
     """GPipe: all forwards, then all backwards (in microbatch order)."""
     _check_pm(p, m)
-    ranks = tuple(
-        _with_comm([(_F, r, mb) for mb in range(m)] + [(_B, r, mb) for mb in range(m)], p - 1)
-        for r in range(p)
-    )
+    with gc_paused():
+        ranks = tuple(
+            _with_comm([(_F, r, mb) for mb in range(m)] + [(_B, r, mb) for mb in range(m)], p - 1)
+            for r in range(p)
+        )
     return Schedule(kind="gpipe", p=p, v=1, m=m, ranks=ranks)
 
 
 def one_f_one_b(p: int, m: int) -> Schedule:
     """PipeDream-Flush 1F1B: rank r runs min(p-r-1, m) warm-up forwards, then alternates F and B."""
     _check_pm(p, m)
-    ranks = tuple(_with_comm(_one_f_one_b_order(r, p, m), p - 1) for r in range(p))
+    with gc_paused():
+        ranks = tuple(_with_comm(_one_f_one_b_order(r, p, 1, m), p - 1) for r in range(p))
     return Schedule(kind="1f1b", p=p, v=1, m=m, ranks=ranks)
 
 
@@ -255,10 +292,9 @@ def interleaved(p: int, v: int, m: int) -> Schedule:
             f"interleaved schedule needs m to be a multiple of p: m={m} is not divisible by p={p}"
         )
     last = p * v - 1
-    if v == 1:
-        ranks = tuple(_with_comm(_one_f_one_b_order(r, p, m), last) for r in range(p))
-    else:
-        ranks = tuple(_with_comm(_interleaved_order(r, p, v, m), last) for r in range(p))
+    order = _one_f_one_b_order if v == 1 else _interleaved_order
+    with gc_paused():
+        ranks = tuple(_with_comm(order(r, p, v, m), last) for r in range(p))
     return Schedule(kind="interleaved", p=p, v=v, m=m, ranks=ranks)
 
 
@@ -277,9 +313,14 @@ def generate(kind: str, p: int, m: int, v: int = 1) -> Schedule:
 
 # ---------------------------------------------------------------------------------------------
 # Validation
+#
+# Stage actions are indexed in one flat table: steps[code * n + k * m + mb] is the step of action
+# (code, stage k, microbatch mb) on its rank, or -1; n = p * v * m. The rank is implied by the
+# placement (checked first), so a step is enough to name the action.
 
-_Key = tuple[Op, int, int]
-_Where = dict[_Key, tuple[int, int]]
+_CODES = (_F, _B, _SEND_F, _RECV_F, _SEND_B, _RECV_B)
+_CODE = {op: code for code, op in enumerate(_CODES)}
+_CF, _CB, _CSEND_F, _CRECV_F, _CSEND_B, _CRECV_B = range(6)
 
 
 def _at(r: int, i: int, a: Action) -> str:
@@ -290,9 +331,26 @@ def _text(op: Op, stage: int, mb: int) -> str:
     return f"{stage}{_OP_TEXT[op]}{mb}"
 
 
+class _Table:
+    """The flat step table plus what is needed to turn an index back into words."""
+
+    __slots__ = ("s", "n", "steps")
+
+    def __init__(self, s: Schedule) -> None:
+        self.s, self.n = s, s.num_stages * s.m
+        self.steps = [-1] * (6 * self.n)
+
+    def name(self, code: int, idx: int) -> tuple[int, str]:
+        """(rank, action text) of the action at code, idx = k * m + mb."""
+        k, mb = divmod(idx, self.s.m)
+        return stage_rank(k, self.s.p), _text(_CODES[code], k, mb)
+
+    def where(self, code: int, idx: int) -> str:
+        r, text = self.name(code, idx)
+        return f"rank {r}, step {self.steps[code * self.n + idx]} ({text})"
+
+
 def _check_action(s: Schedule, r: int, i: int, a: Action) -> None:
-    if a.stage is None:
-        return
     if a.stage >= s.num_stages:
         raise ScheduleError(f"{_at(r, i, a)}: stage {a.stage} out of range 0..{s.num_stages - 1}")
     if stage_rank(a.stage, s.p) != r:
@@ -305,18 +363,18 @@ def _check_action(s: Schedule, r: int, i: int, a: Action) -> None:
 
 def _check_rank_tail(r: int, acts: tuple[Action, ...]) -> None:
     """Exactly one ALLREDUCE then one OPT, after every stage action; bubble ids unique."""
-    steps = {_ALLREDUCE: [], _OPT: []}
+    steps: dict[Op, list[int]] = {_ALLREDUCE: [], _OPT: []}
     bubbles: set[int] = set()
     last_stage_step = -1
     for i, a in enumerate(acts):
-        if a.op in steps:
-            steps[a.op].append(i)
+        if a.stage is not None:
+            last_stage_step = i
         elif a.op is _BUBBLE:
             if a.mb in bubbles:
                 raise ScheduleError(f"{_at(r, i, a)}: duplicate bubble id {a.mb}")
             bubbles.add(a.mb)
         else:
-            last_stage_step = i
+            steps[a.op].append(i)
     for op, found in steps.items():
         if len(found) != 1:
             raise ScheduleError(f"rank {r}: expected one {op.value}, found {len(found)}")
@@ -329,137 +387,136 @@ def _check_rank_tail(r: int, acts: tuple[Action, ...]) -> None:
         )
 
 
-def _index(s: Schedule) -> _Where:
-    where: _Where = {}
+def _index(s: Schedule) -> _Table:
+    table = _Table(s)
+    steps, n, m, p, stages, code_of = table.steps, table.n, s.m, s.p, s.num_stages, _CODE
     for r, acts in enumerate(s.ranks):
         _check_rank_tail(r, acts)
         for i, a in enumerate(acts):
-            _check_action(s, r, i, a)
-            if a.stage is None:
+            k = a.stage
+            if k is None:
                 continue
-            key = (a.op, a.stage, a.mb)
-            if key in where:
-                r0, i0 = where[key]
-                raise ScheduleError(f"{_at(r, i, a)}: duplicate of rank {r0}, step {i0}")
-            where[key] = (r, i)
-    return where
+            if k >= stages or k % p != r or a.mb >= m:
+                _check_action(s, r, i, a)
+            key = code_of[a.op] * n + k * m + a.mb
+            if steps[key] >= 0:
+                raise ScheduleError(f"{_at(r, i, a)}: duplicate of step {steps[key]}")
+            steps[key] = i
+    return table
 
 
-def _check_coverage(s: Schedule, where: _Where) -> None:
-    for k in range(s.num_stages):
-        for mb in range(s.m):
-            for op in (_F, _B):
-                if (op, k, mb) not in where:
-                    r = stage_rank(k, s.p)
-                    raise ScheduleError(f"rank {r}: missing {_text(op, k, mb)} (stage {k} lives there)")
-
-
-def _needs_before(op: Op, k: int, last: int) -> list[Op]:
-    """Actions of the same (stage, mb) that must come earlier on the same rank."""
-    if op is _F:
-        return [_RECV_F] if k > 0 else []
-    if op is _B:
-        return [_F, _RECV_B] if k < last else [_F]
-    if op is _SEND_F:
-        return [_F]
-    if op is _SEND_B:
-        return [_B]
-    return []
-
-
-def _check_local_order(s: Schedule, where: _Where) -> None:
-    last = s.num_stages - 1
-    for (op, k, mb), (r, i) in where.items():
-        for need in _needs_before(op, k, last):
-            found = where.get((need, k, mb))
-            if found is None or found[1] > i:
-                a = s.ranks[r][i]
-                what = "comes later" if found else "is missing"
-                raise ScheduleError(
-                    f"{_at(r, i, a)}: needs {_text(need, k, mb)} earlier on rank {r}, but it {what}"
-                )
-
-
-_PARTNER = {
-    _SEND_F: (_RECV_F, +1),
-    _RECV_F: (_SEND_F, -1),
-    _SEND_B: (_RECV_B, -1),
-    _RECV_B: (_SEND_B, +1),
-}
-
-
-def _check_pairs(s: Schedule, where: _Where) -> None:
-    for (op, k, mb), (r, i) in where.items():
-        if op not in _PARTNER:
+def _check_coverage(t: _Table) -> None:
+    for code in (_CF, _CB):
+        lo = code * t.n
+        try:
+            idx = t.steps.index(-1, lo, lo + t.n) - lo
+        except ValueError:
             continue
-        partner, step = _PARTNER[op]
-        other = k + step
-        a = s.ranks[r][i]
-        if not 0 <= other < s.num_stages:
-            raise ScheduleError(f"{_at(r, i, a)}: stage {k} has no neighbour stage {other}")
-        if (partner, other, mb) not in where:
-            rr = stage_rank(other, s.p)
+        r, text = t.name(code, idx)
+        raise ScheduleError(f"rank {r}: missing {text} (stage {idx // t.s.m} lives there)")
+
+
+def _require_before(t: _Table, need: int, code: int, lo: int, hi: int) -> None:
+    """For idx in [lo, hi): where action (code, idx) exists, (need, idx) must come earlier."""
+    steps, n = t.steps, t.n
+    for idx in range(lo, hi):
+        step = steps[code * n + idx]
+        if step < 0:
+            continue
+        before = steps[need * n + idx]
+        if not 0 <= before < step:
+            r, text = t.name(need, idx)
+            what = "comes later" if before >= 0 else "is missing"
             raise ScheduleError(
-                f"{_at(r, i, a)}: no matching {_text(partner, other, mb)} on rank {rr}"
+                f"{t.where(code, idx)}: needs {text} earlier on rank {r}, but it {what}"
             )
 
 
-def _dependency(a: Action, last: int) -> _Key | None:
-    """The cross-stage action that must have run before ``a`` can run."""
-    op, k, mb = a.op, a.stage, a.mb
-    if op is _RECV_F:
-        return (_SEND_F, k - 1, mb)
-    if op is _RECV_B:
-        return (_SEND_B, k + 1, mb)
-    if op is _F and k > 0:
-        return (_F, k - 1, mb)
-    if op is _B:
-        return (_B, k + 1, mb) if k < last else (_F, k, mb)
-    return None
+def _check_local_order(t: _Table) -> None:
+    n, m = t.n, t.s.m
+    _require_before(t, _CRECV_F, _CF, m, n)  # a forward of stage k > 0 needs its input
+    _require_before(t, _CF, _CB, 0, n)  # a backward needs its own forward
+    _require_before(t, _CRECV_B, _CB, 0, n - m)  # ... and, below the last stage, its gradient
+    _require_before(t, _CF, _CSEND_F, 0, n)
+    _require_before(t, _CB, _CSEND_B, 0, n)
+
+
+def _require_partner(t: _Table, code: int, partner: int, shift: int) -> None:
+    """Every (code, idx) has (partner, idx + shift) on the neighbour; shift is +-m (one stage)."""
+    steps, n = t.steps, t.n
+    for idx in range(n):
+        if steps[code * n + idx] < 0:
+            continue
+        other = idx + shift
+        if not 0 <= other < n:
+            k = idx // t.s.m
+            raise ScheduleError(f"{t.where(code, idx)}: stage {k} has no neighbour stage {k + shift // t.s.m}")
+        if steps[partner * n + other] < 0:
+            r, text = t.name(partner, other)
+            raise ScheduleError(f"{t.where(code, idx)}: no matching {text} on rank {r}")
+
+
+def _check_pairs(t: _Table) -> None:
+    m = t.s.m
+    _require_partner(t, _CSEND_F, _CRECV_F, +m)
+    _require_partner(t, _CRECV_F, _CSEND_F, -m)
+    _require_partner(t, _CSEND_B, _CRECV_B, -m)
+    _require_partner(t, _CRECV_B, _CSEND_B, +m)
 
 
 def _check_deadlock(s: Schedule) -> None:
-    """Run every rank in order with unbounded buffers; fail if some rank can never proceed."""
-    last = s.num_stages - 1
-    done: set[_Key] = set()
-    waiting: dict[_Key, list[int]] = {}
+    """Run every rank in order with unbounded buffers; fail if some rank can never proceed.
+
+    Only RECVs wait here: after the local-order and pairing checks, the edges F(k-1)->F(k),
+    B(k+1)->B(k) and F(last)->B(last) follow from SEND->RECV edges plus each rank's own order.
+    """
+    m = s.m
+    n = s.num_stages * m
+    sent = bytearray(2 * n)  # [0, n): SEND_F(k, mb) at k*m+mb ran; [n, 2n): SEND_B
+    waiter = [-1] * (2 * n)  # the rank blocked on that send (each send has one receiver)
     ptr = [0] * s.p
     ready = list(range(s.p))
     while ready:
         r = ready.pop()
         acts = s.ranks[r]
-        i = ptr[r]
-        while i < len(acts):
+        i, end = ptr[r], len(acts)
+        while i < end:
             a = acts[i]
-            dep = _dependency(a, last)
-            if dep is not None and dep not in done:
-                waiting.setdefault(dep, []).append(r)
-                break
-            if a.stage is not None:
-                key = (a.op, a.stage, a.mb)
-                done.add(key)
-                ready.extend(waiting.pop(key, ()))
+            op = a.op
+            if op is _SEND_F or op is _SEND_B:
+                key = a.stage * m + a.mb + (n if op is _SEND_B else 0)
+                sent[key] = 1
+                if waiter[key] >= 0:
+                    ready.append(waiter[key])
+                    waiter[key] = -1
+            elif op is _RECV_F or op is _RECV_B:
+                key = (a.stage - 1) * m + a.mb if op is _RECV_F else n + (a.stage + 1) * m + a.mb
+                if not sent[key]:
+                    waiter[key] = r
+                    break
             i += 1
         ptr[r] = i
     stuck = [r for r in range(s.p) if ptr[r] < len(s.ranks[r])]
     if stuck:
-        raise ScheduleError("deadlock: " + "; ".join(_stuck_text(s, r, ptr[r], last) for r in stuck[:4]))
+        raise ScheduleError("deadlock: " + "; ".join(_stuck_text(s, r, ptr[r]) for r in stuck[:4]))
 
 
-def _stuck_text(s: Schedule, r: int, i: int, last: int) -> str:
+def _stuck_text(s: Schedule, r: int, i: int) -> str:
     a = s.ranks[r][i]
-    dep = _dependency(a, last)
-    return f"{_at(r, i, a)} waits for {_text(*dep)}" if dep else _at(r, i, a)
+    src = a.stage - 1 if a.op is _RECV_F else a.stage + 1
+    sender = _SEND_F if a.op is _RECV_F else _SEND_B
+    return f"{_at(r, i, a)} waits for {_text(sender, src, a.mb)} on rank {stage_rank(src, s.p)}"
 
 
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError (naming rank, step and action) unless the schedule is complete,
     respects every dependency, pairs every SEND with its RECV, and can run to completion."""
-    where = _index(schedule)
-    _check_coverage(schedule, where)
-    _check_local_order(schedule, where)
-    _check_pairs(schedule, where)
-    _check_deadlock(schedule)
+    with gc_paused():
+        table = _index(schedule)
+        _check_coverage(table)
+        _check_local_order(table)
+        _check_pairs(table)
+        _check_deadlock(schedule)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,135 @@
+"""Split ordered units into contiguous stages, minimizing the slowest stage under memory caps.
+
+Dynamic programming over (stages, units): best[j][i] is the smallest possible slowest-stage time
+when the first i units form j stages. Stage j (0-based) of a candidate segment must fit its cap:
+static bytes + inflight[j] x activation bytes <= cap[j] (in 1F1B stage j holds p - j microbatches).
+Because best[j-1][k] never decreases in k while the last segment's time never increases, the
+optimal split point is found by bisection, so a partition costs O(stages x units x log units).
+"""
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Sequence
+
+__all__ = ["PartitionInput", "Partition", "partition", "brute_force_partition", "NoFeasiblePartition"]
+
+INF = float("inf")
+
+
+class NoFeasiblePartition(ValueError):
+    """No contiguous split satisfies every stage's memory cap."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PartitionInput:
+    time_s: tuple[float, ...]  # per unit, forward + backward per microbatch
+    static_bytes: tuple[float, ...]  # per unit: weights + grads + optimizer state
+    activation_bytes: tuple[float, ...]  # per unit, per microbatch in flight
+    inflight: tuple[float, ...]  # per stage: microbatches whose activations the stage holds
+    cap_bytes: tuple[float, ...]  # per stage: memory available for static + activations
+
+    def __post_init__(self) -> None:
+        n = len(self.time_s)
+        if not (len(self.static_bytes) == len(self.activation_bytes) == n):
+            raise ValueError("time_s, static_bytes and activation_bytes need one entry per unit")
+        if len(self.inflight) != len(self.cap_bytes):
+            raise ValueError("inflight and cap_bytes need one entry per stage")
+        if len(self.inflight) > n:
+            raise ValueError(f"{len(self.inflight)} stages cannot be made from {n} units")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Partition:
+    bounds: tuple[int, ...]  # stage j holds units bounds[j] .. bounds[j+1]-1; len = stages + 1
+    stage_time_s: tuple[float, ...]
+    stage_bytes: tuple[float, ...]
+
+    @property
+    def bottleneck_s(self) -> float:
+        return max(self.stage_time_s)
+
+    def stages(self) -> list[range]:
+        return [range(a, b) for a, b in zip(self.bounds, self.bounds[1:])]
+
+
+def _prefix(xs: Sequence[float]) -> list[float]:
+    return [0.0, *accumulate(xs)]
+
+
+def partition(inp: PartitionInput) -> Partition:
+    n, k = len(inp.time_s), len(inp.inflight)
+    T, S, A = _prefix(inp.time_s), _prefix(inp.static_bytes), _prefix(inp.activation_bytes)
+
+    def fits(j: int, lo: int, hi: int) -> bool:
+        return S[hi] - S[lo] + inp.inflight[j] * (A[hi] - A[lo]) <= inp.cap_bytes[j]
+
+    best = [[INF] * (n + 1) for _ in range(k + 1)]
+    choice = [[-1] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    for j in range(1, k + 1):
+        prev, row = best[j - 1], best[j]
+        for i in range(j, n - (k - j) + 1):
+            lo = _first_fitting(fits, j - 1, i, j - 1)  # smallest split k whose segment fits
+            if lo is None:
+                continue
+            # among splits s in [lo, i-1]: minimize max(prev[s], T[i]-T[s]); prev rises, segment falls
+            s = _crossing(prev, T, lo, i)
+            row[i], choice[j][i] = max(prev[s], T[i] - T[s]), s
+    if best[k][n] == INF:
+        raise NoFeasiblePartition(f"no split of {n} units into {k} stages fits the memory caps")
+    bounds = [n]
+    for j in range(k, 0, -1):
+        bounds.append(choice[j][bounds[-1]])
+    bounds.reverse()
+    return _result(inp, tuple(bounds), T, S, A)
+
+
+def _first_fitting(fits, j: int, i: int, min_split: int) -> int | None:
+    """Smallest s in [min_split, i-1] with units s..i-1 fitting stage j (segments shrink as s grows)."""
+    lo, hi = min_split, i - 1
+    if not fits(j, hi, i):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(j, mid, i):
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _crossing(prev: list[float], T: list[float], lo: int, i: int) -> int:
+    """argmin over s in [lo, i-1] of max(prev[s], T[i] - T[s])."""
+    a, b = lo, i - 1
+    while a < b:  # first s where prev[s] >= segment time
+        mid = (a + b) // 2
+        if prev[mid] >= T[i] - T[mid]:
+            b = mid
+        else:
+            a = mid + 1
+    cands = [s for s in (a - 1, a) if lo <= s <= i - 1]
+    return min(cands, key=lambda s: (max(prev[s], T[i] - T[s]), s))
+
+
+def _result(inp: PartitionInput, bounds: tuple[int, ...], T: list[float], S: list[float],
+            A: list[float]) -> Partition:
+    times = tuple(T[b] - T[a] for a, b in zip(bounds, bounds[1:]))
+    mem = tuple(S[b] - S[a] + inp.inflight[j] * (A[b] - A[a]) for j, (a, b) in enumerate(zip(bounds, bounds[1:])))
+    return Partition(bounds=bounds, stage_time_s=times, stage_bytes=mem)
+
+
+def brute_force_partition(inp: PartitionInput) -> float:
+    """Slowest-stage time of the best feasible split by enumerating every split (tests only)."""
+    from itertools import combinations
+
+    n, k = len(inp.time_s), len(inp.inflight)
+    T, S, A = _prefix(inp.time_s), _prefix(inp.static_bytes), _prefix(inp.activation_bytes)
+    best = INF
+    for cuts in combinations(range(1, n), k - 1):
+        bounds = (0, *cuts, n)
+        segs = list(zip(bounds, bounds[1:]))
+        if all(S[b] - S[a] + inp.inflight[j] * (A[b] - A[a]) <= inp.cap_bytes[j] for j, (a, b) in enumerate(segs)):
+            best = min(best, max(T[b] - T[a] for a, b in segs))
+    return best

@@ -1,0 +1,195 @@
+"""Search PTD-P configurations: (t, p, d), microbatch b, interleaving v, recomputation, schedule.
+
+Candidates are enumerated under the divisibility rules, pruned by a memory lower bound, and
+priced in order of an optimistic throughput bound (perfectly balanced stages), so that once that
+bound falls below the k-th best priced configuration the rest cannot enter the top k
+(branch and bound). The best few are then simulated event by event and ranked by simulated time.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+from costmodels.compute import RECOMPUTE
+from passes.errors import UserError
+
+from .evaluate import Config, Evaluation, Evaluator, Rejected
+from .schedule import KINDS
+from .simulate import SimResult
+
+__all__ = ["Pins", "SearchResult", "search", "divisors", "NoFeasibleConfig"]
+
+
+class NoFeasibleConfig(UserError):
+    """No configuration fits in memory (or survives the pins)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Pins:
+    """Dimensions fixed by the user; None lets the search choose."""
+
+    t: int | None = None
+    p: int | None = None
+    d: int | None = None
+    b: int | None = None
+    v: int | None = None
+    recompute: str | None = None
+    schedule: str | None = None
+    max_microbatch: int = 16
+    max_v: int = 8
+    allow_cross_node_tp: bool = False
+
+    def __post_init__(self) -> None:
+        if self.recompute is not None and self.recompute not in RECOMPUTE:
+            raise UserError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.schedule is not None and self.schedule not in KINDS:
+            raise UserError(f"--schedule must be one of {', '.join(KINDS)}, got {self.schedule!r}")
+        for name in ("t", "p", "d", "b", "v"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise UserError(f"a pinned {name} must be a positive integer, got {value}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchResult:
+    best: Evaluation
+    simulation: SimResult
+    runners_up: tuple[Evaluation, ...]
+    evaluated: int
+    rejected: dict[str, int] = field(default_factory=dict)
+
+
+def divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def check_cluster(n_gpus: int, gpus_per_node: int) -> None:
+    if n_gpus < 1:
+        raise UserError(f"--gpus must be positive, got {n_gpus}")
+    if n_gpus > gpus_per_node and n_gpus % gpus_per_node:
+        raise UserError(f"{n_gpus} GPUs do not fill whole nodes of {gpus_per_node}; use a multiple of "
+                        f"{gpus_per_node} (or set --gpus-per-node)")
+    if n_gpus < gpus_per_node and gpus_per_node % n_gpus:
+        raise UserError(f"{n_gpus} GPUs do not divide a node of {gpus_per_node}; use a divisor of "
+                        f"{gpus_per_node} (or set --gpus-per-node)")
+
+
+def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int, pins: Pins,
+               rejected: Counter) -> Iterator[Config]:
+    t_pool = divisors(n_gpus) if pins.allow_cross_node_tp else divisors(min(gpus_per_node, n_gpus))
+    for t in t_pool:
+        if pins.t not in (None, t):
+            continue
+        for p in divisors(n_gpus // t):
+            d = n_gpus // (t * p)
+            if pins.p not in (None, p) or pins.d not in (None, d):
+                continue
+            if p > n_units:
+                rejected["more stages than units"] += 1
+                continue
+            if global_batch % d:
+                rejected["global batch not divisible by d"] += 1
+                continue
+            yield from _per_replica(t, p, d, n_units, global_batch // d, pins, rejected)
+
+
+def _per_replica(t: int, p: int, d: int, n_units: int, per_replica: int, pins: Pins,
+                 rejected: Counter) -> Iterator[Config]:
+    for b in divisors(per_replica):
+        if pins.b not in (None, b) or (pins.b is None and b > pins.max_microbatch):
+            continue
+        m = per_replica // b
+        for schedule in KINDS:
+            if pins.schedule not in (None, schedule):
+                continue
+            for v in _v_choices(schedule, p, pins):
+                if schedule == "interleaved" and m % p:
+                    rejected["interleaving needs m divisible by p"] += 1
+                    continue
+                if p * v > n_units:
+                    rejected["more stages than units"] += 1
+                    continue
+                for rc in RECOMPUTE:
+                    if pins.recompute in (None, rc):
+                        yield Config(t=t, p=p, d=d, b=b, v=v, m=m, recompute=rc, schedule=schedule)
+
+
+def _v_choices(schedule: str, p: int, pins: Pins) -> list[int]:
+    if schedule != "interleaved":
+        return [1] if pins.v in (None, 1) else []
+    if p == 1:
+        return []
+    return [v for v in range(2, pins.max_v + 1) if pins.v in (None, v)]
+
+
+def _optimistic_iteration(ev: Evaluator, c: Config) -> float:
+    fwd, bwd, _, _ = ev.unit_costs(c.b, c.t, c.recompute)
+    work = [f + b for f, b in zip(fwd, bwd)]
+    stage = max(sum(work) / (c.p * c.v), max(work))
+    if c.schedule == "interleaved":
+        return (c.m * c.v + c.p - 1) * stage
+    return (c.m + c.p - 1) * stage
+
+
+def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: int = 3,
+           progress: Callable[[int, int], None] | None = None) -> SearchResult:
+    cl = ev.target.cluster
+    check_cluster(ev.n_gpus, cl.gpus_per_node)
+    rejected: Counter = Counter()
+    pool = list(candidates(len(ev.units), ev.n_gpus, cl.gpus_per_node, ev.global_batch, pins, rejected))
+    if not pool:
+        raise NoFeasibleConfig(_no_candidates_message(ev, pins, rejected))
+    leanest: tuple[float, Config] | None = None
+    bounded = []
+    for c in pool:
+        need = ev.memory_lower_bound(c)
+        if need > ev.capacity:
+            rejected["memory (lower bound)"] += 1
+            leanest = min(leanest or (need, c), (need, c), key=lambda x: x[0])
+            continue
+        bounded.append((_optimistic_iteration(ev, c), c))
+    bounded.sort(key=lambda x: x[0])
+    found: list[Evaluation] = []
+    for i, (lower, c) in enumerate(bounded):
+        if progress:
+            progress(i, len(bounded))
+        if len(found) >= top and lower >= found[top - 1].iteration_s:
+            rejected["cannot beat the top configurations"] += len(bounded) - i
+            break
+        try:
+            found.append(ev.evaluate(c))
+        except Rejected as r:
+            rejected[r.reason] += 1
+            if r.need_bytes and (leanest is None or r.need_bytes < leanest[0]):
+                leanest = (r.need_bytes, c)
+            continue
+        found.sort(key=lambda e: e.iteration_s)
+    if not found:
+        raise NoFeasibleConfig(_no_fit_message(ev, leanest, rejected))
+    simulated = [ev.simulate_config(e) for e in found[:simulate_top]]
+    simulated.sort(key=lambda x: x[0].iteration_s)
+    best, sim = simulated[0]
+    rest = [s for s, _ in simulated[1:]] + found[simulate_top:top]
+    return SearchResult(best=best, simulation=sim, runners_up=tuple(rest),
+                        evaluated=len(found) + sum(rejected.values()), rejected=dict(rejected))
+
+
+def _no_candidates_message(ev: Evaluator, pins: Pins, rejected: Counter) -> str:
+    why = "; ".join(f"{k}: {v}" for k, v in rejected.items()) or "the pins exclude every configuration"
+    if "global batch not divisible by d" in rejected and len(rejected) == 1:
+        return (f"global batch {ev.global_batch} is not divisible by any data-parallel degree d that "
+                f"{ev.n_gpus} GPUs allow; choose a global batch divisible by d*b (e.g. a multiple of {ev.n_gpus})")
+    return f"no configuration of {ev.n_gpus} GPUs satisfies the constraints ({why})"
+
+
+def _no_fit_message(ev: Evaluator, leanest: tuple[float, Config] | None, rejected: Counter) -> str:
+    cap = ev.capacity / 2**30
+    if leanest is None:
+        why = "; ".join(f"{k}: {v}" for k, v in rejected.items())
+        return f"no configuration of {ev.n_gpus} GPUs works ({why})"
+    need, c = leanest
+    more = int(-(-ev.n_gpus * need // ev.capacity))
+    return (f"the model fits no configuration on {ev.n_gpus} x {ev.target.name}: the leanest ({c}) needs "
+            f"{need / 2**30:.1f} GiB per GPU against {cap:.0f} GiB; use about {more} or more GPUs, a GPU "
+            "with more memory (--target), a smaller microbatch or global batch, or sharded optimizer state")

@@ -1,0 +1,269 @@
+"""Schedule IR, generators, validator and grid (planner/schedule.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from planner.schedule import (
+    KINDS,
+    Action,
+    Op,
+    Schedule,
+    ScheduleError,
+    generate,
+    gpipe,
+    grid,
+    interleaved,
+    one_f_one_b,
+    validate,
+)
+
+FAST = settings(max_examples=120, deadline=None)
+
+
+@st.composite
+def schedules(draw: st.DrawFn, max_p: int = 8) -> Schedule:
+    kind = draw(st.sampled_from(KINDS))
+    p = draw(st.integers(1, max_p))
+    if kind == "interleaved":
+        v = draw(st.integers(1, 4))
+        m = p * draw(st.integers(1, 4))
+    else:
+        v, m = 1, draw(st.integers(1, 16))
+    return generate(kind, p, m, v)
+
+
+def _replace_rank(s: Schedule, r: int, acts: list[Action]) -> Schedule:
+    ranks = list(s.ranks)
+    ranks[r] = tuple(acts)
+    return dataclasses.replace(s, ranks=tuple(ranks))
+
+
+def _strings(acts: tuple[Action, ...], ops: set[Op] = {Op.F, Op.B}) -> list[str]:
+    return [str(a) for a in acts if a.op in ops]
+
+
+# --- Action strings -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("action", "text"),
+    [
+        (Action(stage=1, op=Op.F, mb=0), "1F0"),
+        (Action(stage=0, op=Op.B, mb=3), "0B3"),
+        (Action(stage=2, op=Op.SEND_F, mb=1), "2SEND_F1"),
+        (Action(stage=3, op=Op.RECV_B, mb=0), "3RECV_B0"),
+        (Action(stage=12, op=Op.RECV_F, mb=105), "12RECV_F105"),
+        (Action(stage=4, op=Op.SEND_B, mb=7), "4SEND_B7"),
+        (Action(stage=None, op=Op.ALLREDUCE, mb=None), "ALLREDUCE"),
+        (Action(stage=None, op=Op.OPT, mb=None), "OPT"),
+        (Action(stage=None, op=Op.BUBBLE, mb=4), "BUBBLE4"),
+    ],
+)
+def test_action_string_matches_torch_format(action: Action, text: str) -> None:
+    assert str(action) == text
+    assert Action.parse(text) == action
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "F0", "1F", "1X0", "1f0", " 1F0", "1F0 ", "01F0", "1F00", "-1F0", "1F-1", "ALLREDUCE0",
+     "0ALLREDUCE", "OPT1", "BUBBLE", "BUBBLE-1", "1BUBBLE2", "1SEND0", "1SEND_X0", "1F0\n",
+     "\u0661F0", "1 F 0", "SEND_F"],
+)
+def test_parse_rejects_bad_strings(text: str) -> None:
+    with pytest.raises(ValueError, match="not an action"):
+        Action.parse(text)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        (dict(stage=None, op=Op.F, mb=0), ValueError),
+        (dict(stage=0, op=Op.F, mb=None), ValueError),
+        (dict(stage=-1, op=Op.B, mb=0), ValueError),
+        (dict(stage=0, op=Op.B, mb=True), ValueError),
+        (dict(stage=1, op=Op.ALLREDUCE, mb=None), ValueError),
+        (dict(stage=None, op=Op.OPT, mb=0), ValueError),
+        (dict(stage=None, op=Op.BUBBLE, mb=None), ValueError),
+        (dict(stage=0, op="F", mb=0), TypeError),
+    ],
+)
+def test_action_rejects_malformed_fields(kwargs: dict, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        Action(**kwargs)
+
+
+@FAST
+@given(schedules())
+def test_every_action_round_trips_through_its_string(s: Schedule) -> None:
+    for acts in s.ranks:
+        for a in acts:
+            assert Action.parse(str(a)) == a
+
+
+# --- generators ---------------------------------------------------------------------------------
+
+
+@FAST
+@given(schedules())
+def test_generated_schedules_validate(s: Schedule) -> None:
+    validate(s)
+    for r, acts in enumerate(s.ranks):
+        assert [str(a) for a in acts[-2:]] == ["ALLREDUCE", "OPT"]
+        assert all(a.stage % s.p == r for a in acts if a.stage is not None), "placement k % p"
+        assert len(_strings(acts)) == 2 * s.v * s.m
+
+
+def test_gpipe_golden() -> None:
+    s = gpipe(2, 2)
+    assert [str(a) for a in s.ranks[0]] == [
+        "0F0", "0SEND_F0", "0F1", "0SEND_F1", "0RECV_B0", "0B0", "0RECV_B1", "0B1", "ALLREDUCE", "OPT",
+    ]
+    assert [str(a) for a in s.ranks[1]] == [
+        "1RECV_F0", "1F0", "1RECV_F1", "1F1", "1B0", "1SEND_B0", "1B1", "1SEND_B1", "ALLREDUCE", "OPT",
+    ]
+
+
+@pytest.mark.parametrize(("p", "m"), [(1, 1), (4, 1), (4, 3), (4, 4), (4, 9), (8, 5)])
+def test_1f1b_warmup_and_in_flight_bound(p: int, m: int) -> None:
+    s = one_f_one_b(p, m)
+    for r, acts in enumerate(s.ranks):
+        ops = [a.op for a in acts if a.op in (Op.F, Op.B)]
+        # min(p-r-1, m) warm-up forwards, then the steady state starts with one more forward.
+        assert ops.index(Op.B) == min(p - r, m)
+        in_flight = peak = 0
+        for op in ops:
+            in_flight += 1 if op is Op.F else -1
+            peak = max(peak, in_flight)
+        assert peak == min(p - r, m)
+
+
+def test_interleaved_golden_megatron_order() -> None:
+    s = interleaved(2, 2, 4)
+    assert _strings(s.ranks[0]) == (
+        "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3".split()
+    )
+    assert _strings(s.ranks[1]) == (
+        "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3".split()
+    )
+
+
+def test_interleaved_with_one_chunk_is_1f1b() -> None:
+    assert interleaved(4, 1, 8).ranks == one_f_one_b(4, 8).ranks
+
+
+def test_interleaved_requires_m_multiple_of_p() -> None:
+    with pytest.raises(ValueError, match=r"m=6 is not divisible by p=4"):
+        interleaved(4, 2, 6)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [(("zigzag", 2, 2), "unknown schedule kind"), (("gpipe", 2, 2, 2), "v=2"), (("1f1b", 0, 2), "p must")],
+)
+def test_generate_rejects_bad_arguments(args: tuple, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        generate(*args)
+
+
+# --- validator ----------------------------------------------------------------------------------
+
+
+def test_backward_before_its_forward_names_the_rank() -> None:
+    s = one_f_one_b(2, 2)
+    acts = list(s.ranks[1])  # 1RECV_F0 1F0 1B0 ...: swap the forward and its backward
+    i, j = acts.index(Action.parse("1F0")), acts.index(Action.parse("1B0"))
+    acts[i], acts[j] = acts[j], acts[i]
+    with pytest.raises(ScheduleError, match=r"rank 1, step 1 \(1B0\): needs 1F0 earlier"):
+        validate(_replace_rank(s, 1, acts))
+
+
+def test_dropped_recv_names_the_rank() -> None:
+    s = gpipe(3, 2)
+    acts = [a for a in s.ranks[2] if str(a) != "2RECV_F1"]
+    with pytest.raises(ScheduleError, match=r"rank 2, step \d+ \(2F1\): needs 2RECV_F1 earlier"):
+        validate(_replace_rank(s, 2, acts))
+
+
+def test_dropped_send_is_an_unmatched_recv() -> None:
+    s = gpipe(3, 2)
+    acts = [a for a in s.ranks[0] if str(a) != "0SEND_F1"]
+    with pytest.raises(ScheduleError, match=r"rank 1, step \d+ \(1RECV_F1\): no matching 0SEND_F1 on rank 0"):
+        validate(_replace_rank(s, 0, acts))
+
+
+def test_duplicate_and_missing_compute() -> None:
+    s = gpipe(2, 2)
+    acts = list(s.ranks[0])
+    with pytest.raises(ScheduleError, match=r"rank 0, step 3 \(0F0\): duplicate of step 0"):
+        validate(_replace_rank(s, 0, acts[:3] + [acts[0]] + acts[3:]))
+    without_b = [a for a in acts if str(a) not in ("0B1", "0RECV_B1")]
+    with pytest.raises(ScheduleError, match=r"rank 0: missing 0B1"):
+        validate(_replace_rank(s, 0, without_b))
+
+
+def test_action_on_the_wrong_rank() -> None:
+    s = gpipe(2, 1)
+    acts = list(s.ranks[0])
+    acts.insert(0, Action.parse("1F0"))
+    with pytest.raises(ScheduleError, match=r"rank 0, step 0 \(1F0\): stage 1 lives on rank 1"):
+        validate(_replace_rank(s, 0, acts))
+
+
+def test_allreduce_and_opt_close_each_rank() -> None:
+    s = gpipe(2, 1)
+    acts = list(s.ranks[1])
+    with pytest.raises(ScheduleError, match=r"rank 1: expected one OPT, found 0"):
+        validate(_replace_rank(s, 1, acts[:-1]))
+    with pytest.raises(ScheduleError, match=r"rank 1, step \d+ \(1SEND_B0\): after ALLREDUCE"):
+        validate(_replace_rank(s, 1, acts[:-3] + acts[-2:] + acts[-3:-2]))
+
+
+def _deadlocked() -> Schedule:
+    """Rank 0 waits for microbatch 0's gradient before sending microbatch 1, while rank 1 waits
+    for microbatch 1 first. Every local check passes; only the cross-rank cycle is wrong."""
+    rank0 = "0F0 0SEND_F0 0RECV_B0 0B0 0F1 0SEND_F1 0RECV_B1 0B1 ALLREDUCE OPT"
+    rank1 = "1RECV_F1 1F1 1B1 1SEND_B1 1RECV_F0 1F0 1B0 1SEND_B0 ALLREDUCE OPT"
+    ranks = tuple(tuple(Action.parse(t) for t in row.split()) for row in (rank0, rank1))
+    return Schedule(kind="1f1b", p=2, v=1, m=2, ranks=ranks)
+
+
+def test_deadlock_is_reported_with_the_waiting_ranks() -> None:
+    with pytest.raises(ScheduleError, match=r"deadlock: .*rank 0, step 2 \(0RECV_B0\) waits for 1SEND_B0"):
+        validate(_deadlocked())
+
+
+@settings(max_examples=80, deadline=None)
+@given(schedules(max_p=4), st.data())
+def test_dropping_any_stage_action_is_caught(s: Schedule, data: st.DataObject) -> None:
+    r = data.draw(st.integers(0, s.p - 1))
+    acts = list(s.ranks[r])
+    candidates = [i for i, a in enumerate(acts) if a.stage is not None]
+    del acts[data.draw(st.sampled_from(candidates))]
+    with pytest.raises(ScheduleError, match=r"rank \d+"):
+        validate(_replace_rank(s, r, acts))
+
+
+# --- grid ---------------------------------------------------------------------------------------
+
+
+def test_grid_rows_columns_and_mark() -> None:
+    s = one_f_one_b(3, 3)
+    lines = grid(s).splitlines()
+    assert len(lines) == 3
+    assert lines[0].split("|")[1].split() == _strings(s.ranks[0])
+    assert len({line.index("|") for line in lines}) == 1
+    step = s.ranks[1].index(Action.parse("1B0"))
+    marked = grid(s, mark=(1, step)).splitlines()
+    assert ">1B0" in marked[1] and ">" not in marked[0] + marked[2]
+    assert marked[-1] == f"> rank 1, step {step}: 1B0"
+    # A RECV marks the compute it feeds.
+    recv = s.ranks[1].index(Action.parse("1RECV_F2"))
+    assert ">1F2" in grid(s, mark=(1, recv)).splitlines()[1]
+    with pytest.raises(ValueError, match="outside the schedule"):
+        grid(s, mark=(3, 0))
