@@ -30,6 +30,7 @@ PRESETS: dict[str, tuple[int, int, int]] = {
     "175b": (96, 12288, 96),
     "tiny": (4, 64, 4),
 }
+DEFAULT_PRESET = "18b"
 VOCAB = 51200
 SEQ = 2048
 
@@ -124,8 +125,9 @@ class GPT(nn.Module):
 def _config(preset: str | None, layers, hidden, heads, seq, vocab) -> dict[str, int]:
     if preset is not None and preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; known: {', '.join(PRESETS)}")
-    a, h, l = PRESETS[preset or "tiny"]
-    tiny = (preset or "tiny") == "tiny"
+    preset = preset or DEFAULT_PRESET
+    a, h, l = PRESETS[preset]
+    tiny = preset == "tiny"
     return {
         "layers": int(layers if layers is not None else l),
         "hidden": int(hidden if hidden is not None else h),

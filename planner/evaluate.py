@@ -59,8 +59,9 @@ class Evaluation:
     iteration_s: float
     samples_per_s: float
     model_flops: float  # per iteration, thesis eq. 4.2 convention
-    tflops_per_gpu: float
+    tflops_per_gpu: float  # thesis eq. 4.2: a fixed F (recomputation assumed) over the iteration time
     mfu: float
+    hardware_tflops_per_gpu: float  # FLOPs actually executed (recomputation only where planned)
     bubble_fraction: float
     simulated: bool = False
 
@@ -105,6 +106,11 @@ class Evaluator:
                          for u in self.units)
         return per_sample * self.global_batch
 
+    def executed_flops(self, recompute: str) -> float:
+        extra = {"none": lambda u: 0.0, "full": lambda u: u.fwd_flops(1) if u.kind == "block" else 0.0,
+                 "selective": lambda u: u.sharded.selective_flops(1) + u.replicated.selective_flops(1)}[recompute]
+        return sum(u.fwd_flops(1) + u.bwd_flops(1) + extra(u) for u in self.units) * self.global_batch
+
     def memory_lower_bound(self, c: Config) -> float:
         """No rank can need less than the average rank (the last rank holds the fewest activations)."""
         _, _, _, act = self.unit_costs(c.b, c.t, c.recompute)
@@ -144,6 +150,7 @@ class Evaluator:
                           rank_memory=tuple(mems), p2p_s=p2p, allreduce_s=ar, optimizer_s=opt, tp_comm_s=tpc,
                           iteration_s=it, samples_per_s=self.global_batch / it, model_flops=flops,
                           tflops_per_gpu=per_gpu / 1e12, mfu=per_gpu / self.target.gpu.peak(self.dtype),
+                          hardware_tflops_per_gpu=self.executed_flops(c.recompute) / (self.n_gpus * it) / 1e12,
                           bubble_fraction=frac, simulated=bubble is not None)
 
     def _partition(self, c: Config, fwd, bwd, act):

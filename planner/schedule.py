@@ -44,6 +44,8 @@ class ScheduleError(ValueError):
 
 
 class Op(str, Enum):
+    """What an action does; the value is its text inside an action string."""
+
     F = "F"
     B = "B"
     SEND_F = "SEND_F"
@@ -59,7 +61,6 @@ class Op(str, Enum):
 _F, _B, _SEND_F, _RECV_F, _SEND_B, _RECV_B = Op.F, Op.B, Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
 _ALLREDUCE, _OPT, _BUBBLE = Op.ALLREDUCE, Op.OPT, Op.BUBBLE
 STAGE_OPS = frozenset({_F, _B, _SEND_F, _RECV_F, _SEND_B, _RECV_B})
-COMPUTE_OPS = frozenset({_F, _B})
 _OP_TEXT = {op: op.value for op in Op}
 # Numbers without leading zeros and ASCII digits only, so that parse is the exact inverse of str.
 _NUM = "(0|[1-9][0-9]*)"
@@ -69,7 +70,7 @@ _ACTION_RE = re.compile(
 
 
 def _is_index(x: object) -> bool:
-    return type(x) is int and x >= 0 or isinstance(x, int) and not isinstance(x, bool) and x >= 0
+    return type(x) is int and x >= 0  # bool (an int subclass) is not an index
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -300,15 +301,13 @@ def interleaved(p: int, v: int, m: int) -> Schedule:
 
 def generate(kind: str, p: int, m: int, v: int = 1) -> Schedule:
     """Build a schedule by kind name: 'gpipe', '1f1b' or 'interleaved'."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown schedule kind {kind!r}; expected one of {KINDS}")
     if kind == "interleaved":
         return interleaved(p, v, m)
     if v != 1:
         raise ValueError(f"schedule kind {kind!r} has one chunk per rank; got v={v}")
-    if kind == "gpipe":
-        return gpipe(p, m)
-    if kind == "1f1b":
-        return one_f_one_b(p, m)
-    raise ValueError(f"unknown schedule kind {kind!r}; expected one of {KINDS}")
+    return gpipe(p, m) if kind == "gpipe" else one_f_one_b(p, m)
 
 
 # ---------------------------------------------------------------------------------------------

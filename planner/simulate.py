@@ -49,6 +49,18 @@ class SimCosts:
     capacity_bytes: int
     """Device memory."""
 
+    def __post_init__(self) -> None:
+        for name in ("forward_s", "backward_s", "allreduce_s", "optimizer_s", "static_bytes",
+                     "activation_bytes"):
+            values = tuple(getattr(self, name))
+            bad = [x for x in values if not x >= 0]  # also catches NaN
+            if bad:
+                raise ValueError(f"SimCosts.{name} must be >= 0, got {bad[0]!r}")
+            object.__setattr__(self, name, values)
+        for name in ("p2p_s", "capacity_bytes"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"SimCosts.{name} must be >= 0, got {getattr(self, name)!r}")
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Interval:
@@ -80,7 +92,10 @@ class Bubble:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SimResult:
+    """Timeline and bubbles of one simulated iteration."""
+
     iteration_s: float
+    """When the last rank finishes OPT."""
     timelines: tuple[tuple[Interval, ...], ...]
     """Per rank, in time order, covering [0, iteration_s] (gaps under GAP_EPS_S aside)."""
     bubbles: tuple[Bubble, ...]
@@ -216,8 +231,30 @@ def _interval(start: float, end: float, action: str, kind: str) -> Interval:
     return obj
 
 
-def _bubble_kind(op: Op | None, started: bool, after_last_b: bool) -> str:
-    if not started or after_last_b or op is None:
+_new_bubble = Bubble.__new__
+_BUBBLE_SETTERS = tuple(
+    getattr(Bubble, f).__set__ for f in ("id", "rank", "start_s", "duration_s", "kind", "free_bytes")
+)
+
+
+def _bubble(bid: int, rank: int, start: float, duration: float, kind: str, free: int) -> Bubble:
+    """Same object as ``Bubble(...)``, cheaper for the same reason as _interval (uneven stage
+    costs can leave one bubble per step: ~65k on p=64, v=2, m=512)."""
+    obj = _new_bubble(Bubble)
+    set_id, set_rank, set_start, set_duration, set_kind, set_free = _BUBBLE_SETTERS
+    set_id(obj, bid)
+    set_rank(obj, rank)
+    set_start(obj, start)
+    set_duration(obj, duration)
+    set_kind(obj, kind)
+    set_free(obj, free)
+    return obj
+
+
+def _bubble_kind(op: Op | None, started: bool) -> str:
+    """FreeRide kinds. ALLREDUCE/OPT (and the tail, op None) come after the rank's last
+    backward, so a gap ending there is drain (A), like the gap before the first compute."""
+    if not started or op is None:
         return "A"
     return "B" if op is _B else ("C" if op is _F else "A")
 
@@ -226,36 +263,37 @@ def _rank_timeline(
     r: int, rec: list[_Record], iteration: float, c: SimCosts
 ) -> tuple[list[Interval], list[Bubble], int]:
     """Intervals (busy and bubble) of one rank, its bubbles, and its peak activation bytes."""
-    last_b = next((j for j in range(len(rec) - 1, -1, -1) if rec[j][2].op is _B), -1)
     free_base = c.capacity_bytes - c.static_bytes[r]
     act_bytes = c.activation_bytes
     intervals: list[Interval] = []
     bubbles: list[Bubble] = []
     add = intervals.append
     held = peak = 0
-    prev = 0.0
-    for j, (start, end, a) in enumerate(rec + [(iteration, iteration, None)]):
-        if start - prev > GAP_EPS_S:
-            op = a.op if a is not None else None
-            bid = len(bubbles)
-            bubbles.append(Bubble(
-                id=bid, rank=r, start_s=prev, duration_s=start - prev,
-                kind=_bubble_kind(op, j > 0, j > last_b), free_bytes=max(free_base - held, 0),
-            ))
-            add(_interval(prev, start, f"BUBBLE{bid}", "bubble"))
-        if a is None:
-            break
+    prev, started = 0.0, False  # started: some action already ran on this rank
+
+    def gap(until: float, op: Op | None) -> None:
+        bid = len(bubbles)
+        kind = _bubble_kind(op, started)
+        bubbles.append(_bubble(bid, r, prev, until - prev, kind, max(free_base - held, 0)))
+        add(_interval(prev, until, f"BUBBLE{bid}", "bubble"))
+
+    for start, end, a in rec:
         op = a.op
+        if start - prev > GAP_EPS_S:
+            gap(start, op)
         if op is _F:
             held += act_bytes[a.stage]
-            peak = max(peak, held)
+            if held > peak:
+                peak = held
             add(_interval(start, end, f"{a.stage}F{a.mb}", "compute"))
         elif op is _B:
             held -= act_bytes[a.stage]
             add(_interval(start, end, f"{a.stage}B{a.mb}", "compute"))
         else:
             add(_interval(start, end, str(a), "comm" if op is _ALLREDUCE else "compute"))
-        prev = end
+        prev, started = end, True
+    if iteration - prev > GAP_EPS_S:
+        gap(iteration, None)
     return intervals, bubbles, peak
 
 

@@ -285,3 +285,12 @@ def test_large_schedule_smoke() -> None:
     s = interleaved(16, 2, 64)
     res = simulate(s, uniform(s, 0.5, 1.0))
     assert res.bubble_fraction == pytest.approx(15 / (2 * 64 + 15), rel=0.01)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("forward_s", (1.0, -1.0)), ("backward_s", (math.nan, 1.0)), ("p2p_s", -0.1)]
+)
+def test_costs_must_be_non_negative(field: str, value: object) -> None:
+    s = gpipe(2, 1)
+    with pytest.raises(ValueError, match=f"SimCosts.{field} must be >= 0"):
+        uniform(s, **{field: value})

@@ -1,0 +1,128 @@
+"""Library entry points the CLI calls: profile a model file, make a plan."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any, Callable
+
+from costmodels.compute import Efficiency, unit_time
+from costmodels.memory import MemoryConfig, unit_activation_bytes
+from passes.errors import UserError
+from passes.pipeline import ModelProfile, analyze
+from targets.registry import get_target
+from targets.specs import Target
+
+from . import __version__
+from .evaluate import Evaluation, Evaluator
+from .launch import launch_script, torchrun_commands
+from .plan import (Alternative, Bubble, ConfigModel, Launch, Plan, Predictions, RankMemory, SearchInfo, Source,
+                   Stage)
+from .schedule import generate
+from .search import Pins, SearchResult, search
+from .simulate import with_bubbles
+
+__all__ = ["parse_model_args", "profile_rows", "make_plan"]
+
+
+def parse_model_args(items: list[str]) -> dict[str, Any]:
+    """['layers=4', 'preset=1t', 'dropout=0.0'] -> typed kwargs (int, float, bool or str)."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise UserError(f"--model-arg {item!r} is not key=value (e.g. --model-arg layers=24)")
+        out[key.strip()] = _typed(raw.strip())
+    return out
+
+
+def _typed(raw: str) -> Any:
+    if raw.lower() in ("true", "false"):
+        return raw.lower() == "true"
+    for cast in (int, float):
+        try:
+            return cast(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def profile_rows(profile: ModelProfile, target: Target, b: int, t: int = 1,
+                 eff: Efficiency = Efficiency()) -> list[dict[str, Any]]:
+    rows = []
+    for u in profile.units:
+        ut = unit_time(u, b, t, target, eff=eff)
+        rows.append({"unit": u.name, "kind": u.kind, "params": u.params, "fwd_flops": u.fwd_flops(b),
+                     "bwd_flops": u.bwd_flops(b), "activation_bytes": unit_activation_bytes(u, b, t, "none"),
+                     "fwd_s": ut.fwd_s, "bwd_s": ut.bwd_s})
+    return rows
+
+
+def _tokens_per_sample(profile: ModelProfile) -> int:
+    """Sequence length for token-id inputs (the embedding unit's input is b x s ids), else 1."""
+    first = profile.units[0]
+    ids = first.input_bytes(1) / 8  # int64 token ids
+    return int(ids) if first.kind == "embedding" and ids >= 1 and ids == int(ids) else 1
+
+
+def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per_node: int | None = None,
+              model_args: dict[str, Any] | None = None, pins: Pins = Pins(), leaves: tuple[str, ...] = (),
+              dtype: str = "bf16", plan_path: str = "plan.json", memory: MemoryConfig = MemoryConfig(),
+              progress: Callable[[str], None] | None = None,
+              search_progress: Callable[[int, int], None] | None = None) -> tuple[Plan, SearchResult]:
+    tg = get_target(target, gpus_per_node)
+    profile, _ = analyze(model, model_args, leaves=leaves, dtype=dtype, progress=progress)
+    ev = Evaluator(units=profile.units, target=tg, global_batch=global_batch, n_gpus=gpus, dtype=dtype, mem=memory)
+    start = time.perf_counter()
+    result = search(ev, pins, progress=search_progress)
+    seconds = time.perf_counter() - start
+    plan = _to_plan(profile, tg, ev, result, seconds, pins, plan_path, leaves)
+    return plan, result
+
+
+def _config(e: Evaluation) -> ConfigModel:
+    c = e.config
+    return ConfigModel(tp=c.t, pp=c.p, dp=c.d, microbatch=c.b, microbatches=c.m, vp=c.v,
+                       recompute=c.recompute, schedule=c.schedule)
+
+
+def _to_plan(profile: ModelProfile, tg: Target, ev: Evaluator, r: SearchResult, seconds: float, pins: Pins,
+             plan_path: str, leaves: tuple[str, ...]) -> Plan:
+    best, c = r.best, r.best.config
+    stages = []
+    for j, (a, b) in enumerate(zip(best.bounds, best.bounds[1:])):
+        units = profile.units[a:b]
+        stages.append(Stage(stage=j, rank=j % c.p, units=[u.name for u in units],
+                            nodes=[n for u in units for n in u.nodes], forward_s=best.forward_s[j],
+                            backward_s=best.backward_s[j], activation_bytes=best.activation_bytes[j]))
+    sched = with_bubbles(generate(c.schedule, c.p, c.m, c.v), r.simulation)
+    mem = [RankMemory(rank=i, weights=m.weights, grads=m.grads, optimizer=m.optimizer, activations=m.activations,
+                      reserve=m.reserve, total=m.total, capacity=ev.capacity) for i, m in enumerate(best.rank_memory)]
+    tokens = _tokens_per_sample(profile)
+    nnodes, nproc, cmds = torchrun_commands(plan_path, ev.n_gpus, tg.cluster.gpus_per_node)
+    gpu = asdict(tg.gpu) if hasattr(tg.gpu, "__dataclass_fields__") else {}
+    gpu["peak_flops"] = dict(tg.gpu.peak_flops)
+    return Plan(
+        source=Source(model_file=profile.path, model_sha256=profile.sha256, model_args=profile.kwargs,
+                      leaves=list(leaves), dtype=profile.dtype, target=tg.name, gpu=gpu, cluster=asdict(tg.cluster),
+                      gpus=ev.n_gpus, gpus_per_node=tg.cluster.gpus_per_node, global_batch=ev.global_batch,
+                      tool_version=__version__),
+        config=_config(best),
+        alternatives=[Alternative(config=_config(e), iteration_s=e.iteration_s, tflops_per_gpu=e.tflops_per_gpu,
+                                  mfu=e.mfu, peak_memory=max(m.total for m in e.rank_memory), simulated=e.simulated)
+                      for e in r.runners_up],
+        partition=stages,
+        actions=[[str(a) for a in acts] for acts in sched.ranks],
+        bubbles=[Bubble(id=bb.id, rank=bb.rank, start_s=bb.start_s, duration_s=bb.duration_s, kind=bb.kind,
+                        free_bytes=bb.free_bytes) for bb in r.simulation.bubbles],
+        predictions=Predictions(iteration_s=best.iteration_s, samples_per_s=best.samples_per_s,
+                                tokens_per_s=best.samples_per_s * tokens, tflops_per_gpu=best.tflops_per_gpu,
+                                mfu=best.mfu, hardware_tflops_per_gpu=best.hardware_tflops_per_gpu,
+                                bubble_fraction=best.bubble_fraction, p2p_s=best.p2p_s,
+                                tp_comm_s=best.tp_comm_s, allreduce_s=list(best.allreduce_s),
+                                optimizer_s=list(best.optimizer_s), memory=mem),
+        launch=Launch(nnodes=nnodes, nproc_per_node=nproc, commands=cmds,
+                      script=launch_script(plan_path, ev.n_gpus, tg.cluster.gpus_per_node)),
+        search=SearchInfo(evaluated=r.evaluated, rejected=r.rejected, seconds=seconds,
+                          pinned=[k for k in ("t", "p", "d", "b", "v", "recompute", "schedule")
+                                  if getattr(pins, k) is not None]),
+    )

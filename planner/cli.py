@@ -1,0 +1,163 @@
+"""The `planner` command: thin wiring of library calls; rich output lives only here."""
+from __future__ import annotations
+
+import json
+import sys
+from contextlib import contextmanager
+from typing import Any, Iterator, List, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from passes.errors import UserError
+from targets.builtin import DEFAULT_TARGET
+from targets.specs import TargetError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="Plan pipeline/tensor/data-parallel training and fill its bubbles.")
+out = Console()
+err = Console(stderr=True)
+
+GiB = 2**30
+TARGET_HELP = "built-in target name (see `planner targets`) or a target YAML file"
+
+
+def _fail(message: str, code: int = 2) -> None:
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """The one place that maps known exceptions to a message and an exit code (no traceback)."""
+    try:
+        yield
+    except (UserError, TargetError) as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        _fail("interrupted", 130)
+
+
+@contextmanager
+def status(enabled: bool, text: str) -> Iterator[Any]:
+    if not enabled:
+        yield None
+        return
+    with err.status(text) as st:
+        yield st
+
+
+def _si(x: float, unit: str = "") -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {prefix}{unit}"
+    return f"{x:.3g} {unit}"
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s"
+
+
+@app.command()
+def targets(as_json: bool = typer.Option(False, "--json", help="machine-readable output")) -> None:
+    """List the built-in targets."""
+    from targets.registry import list_targets
+
+    rows = [{"name": t.name, "gpu": t.gpu.name, "bf16_tflops": t.gpu.peak_flops.get("bf16", 0) / 1e12,
+             "hbm_gib": t.gpu.hbm_bytes / GiB, "hbm_tb_s": t.gpu.hbm_bw / 1e12, "gpus_per_node": t.cluster.gpus_per_node,
+             "nvlink_gb_s": t.cluster.nvlink_bw / 1e9, "internode_gb_s": t.cluster.internode_bw / 1e9,
+             "default": t.name == DEFAULT_TARGET} for t in list_targets()]
+    if as_json:
+        out.print_json(json.dumps(rows))
+        return
+    table = Table(title="built-in targets")
+    for col in ("name", "GPU", "bf16 TFLOP/s", "HBM GiB", "HBM TB/s", "GPUs/node", "NVLink GB/s", "inter-node GB/s"):
+        table.add_column(col)
+    for r in rows:
+        table.add_row(r["name"] + (" (default)" if r["default"] else ""), r["gpu"], f"{r['bf16_tflops']:.0f}",
+                      f"{r['hbm_gib']:.0f}", f"{r['hbm_tb_s']:.2f}", str(r["gpus_per_node"]),
+                      f"{r['nvlink_gb_s']:.0f}", f"{r['internode_gb_s']:.1f}")
+    out.print(table)
+
+
+@app.command()
+def profile(
+    model: str = typer.Argument(..., help="model file defining build_model() and example_inputs()"),
+    target: str = typer.Option(DEFAULT_TARGET, help=TARGET_HELP),
+    batch: int = typer.Option(1, "--batch", "-b", help="microbatch size to price"),
+    tp: int = typer.Option(1, "--tp", help="tensor-parallel degree to price"),
+    model_arg: List[str] = typer.Option([], "--model-arg", help="key=value passed to build_model"),
+    leaf: List[str] = typer.Option([], "--leaf", help="module class or name to trace as one node"),
+    measure: bool = typer.Option(False, "--measure", help="also time each unit on this machine"),
+    repeats: int = typer.Option(5, help="timed repetitions per unit with --measure"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Trace MODEL on meta tensors and price every unit on the target."""
+    from passes.pipeline import analyze
+    from targets.registry import get_target
+
+    from .api import parse_model_args, profile_rows
+
+    with user_errors():
+        if batch < 1:
+            raise UserError(f"--batch must be positive, got {batch}")
+        kwargs = parse_model_args(model_arg)
+        tg = get_target(target)
+        with status(not as_json, "tracing") as st:
+            prof, _ = analyze(model, kwargs, leaves=tuple(leaf),
+                              progress=(lambda name: st.update(f"pass: {name}")) if st else None)
+        rows = profile_rows(prof, tg, batch, tp)
+        if measure:
+            from passes.profile import measure_units
+
+            with status(not as_json, "measuring units on this machine"):
+                measured = measure_units(model, kwargs, batch, leaves=tuple(leaf), repeats=repeats)
+            for row, m in zip(rows, measured):
+                row.update(measured_fwd_s=m.fwd_median_s, measured_bwd_s=m.bwd_median_s,
+                           measured_fwd_spread=m.fwd_spread, measured_bwd_spread=m.bwd_spread,
+                           measured_device=m.device, measured_peak_bytes=m.peak_bytes)
+    totals = {"params": prof.total_params, "fwd_flops": sum(r["fwd_flops"] for r in rows),
+              "bwd_flops": sum(r["bwd_flops"] for r in rows), "fwd_s": sum(r["fwd_s"] for r in rows),
+              "bwd_s": sum(r["bwd_s"] for r in rows), "activation_bytes": sum(r["activation_bytes"] for r in rows)}
+    if as_json:
+        out.print_json(json.dumps({"model": prof.path, "target": tg.name, "batch": batch, "tp": tp, "units": rows,
+                                   "totals": totals, "passes": [{"name": n, "seconds": s} for n, s in prof.pass_times]}))
+        return
+    _print_profile(prof, tg.name, batch, tp, rows, totals, measure)
+
+
+def _print_profile(prof, target: str, batch: int, tp: int, rows: list[dict], totals: dict, measured: bool) -> None:
+    table = Table(title=f"{prof.name}: {len(rows)} units, b={batch}, t={tp}, on {target}")
+    cols = ["#", "unit", "kind", "params", "fwd FLOPs", "bwd FLOPs", "activations", "fwd (pred)", "bwd (pred)"]
+    if measured:
+        cols += ["fwd (here)", "bwd (here)"]
+    for col in cols:
+        table.add_column(col, justify="right" if col not in ("unit", "kind") else "left")
+    shown = rows if len(rows) <= 40 else rows[:20] + [None] + rows[-19:]
+    for i, r in enumerate(shown):
+        if r is None:
+            table.add_row("…", f"{len(rows) - 39} more", *[""] * (len(cols) - 2))
+            continue
+        idx = rows.index(r)
+        cells = [str(idx), r["unit"], r["kind"], _si(r["params"]), _si(r["fwd_flops"]), _si(r["bwd_flops"]),
+                 _si(r["activation_bytes"], "B"), _ms(r["fwd_s"]), _ms(r["bwd_s"])]
+        if measured:
+            cells += [f"{_ms(r['measured_fwd_s'])} ±{r['measured_fwd_spread']:.0%}",
+                      f"{_ms(r['measured_bwd_s'])} ±{r['measured_bwd_spread']:.0%}"]
+        table.add_row(*cells)
+    table.add_row("", "total", "", _si(totals["params"]), _si(totals["fwd_flops"]), _si(totals["bwd_flops"]),
+                  _si(totals["activation_bytes"], "B"), _ms(totals["fwd_s"]), _ms(totals["bwd_s"]),
+                  *([""] * (2 if measured else 0)), style="bold")
+    out.print(table)
+    out.print("passes: " + ", ".join(f"{n} {s:.2f}s" for n, s in prof.pass_times), highlight=False)
+
+
+def main() -> None:
+    try:
+        app()
+    except SystemExit:
+        raise
+
+
+from . import cli_plan  # noqa: E402,F401  (registers plan/show/chart)

@@ -1,0 +1,143 @@
+"""`planner plan`, `planner show`, `planner chart`."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn
+from rich.table import Table
+
+from passes.errors import UserError
+from targets.builtin import DEFAULT_TARGET
+
+from .cli import GiB, TARGET_HELP, _ms, app, err, out, user_errors
+from .plan import Plan, load_plan, save_plan
+
+
+@app.command()
+def plan(
+    model: str = typer.Argument(..., help="model file defining build_model() and example_inputs()"),
+    gpus: int = typer.Option(..., "--gpus", help="number of GPUs"),
+    target: str = typer.Option(DEFAULT_TARGET, help=TARGET_HELP),
+    gpus_per_node: Optional[int] = typer.Option(None, "--gpus-per-node", help="override the target's"),
+    global_batch: int = typer.Option(512, "--global-batch", "-B", help="samples per iteration"),
+    model_arg: List[str] = typer.Option([], "--model-arg", help="key=value passed to build_model"),
+    leaf: List[str] = typer.Option([], "--leaf", help="module class or name to trace as one node"),
+    tp: Optional[int] = typer.Option(None, "--tp", help="pin the tensor-parallel degree"),
+    pp: Optional[int] = typer.Option(None, "--pp", help="pin the pipeline-parallel degree"),
+    dp: Optional[int] = typer.Option(None, "--dp", help="pin the data-parallel degree"),
+    microbatch: Optional[int] = typer.Option(None, "--microbatch", help="pin the microbatch size"),
+    vp: Optional[int] = typer.Option(None, "--vp", help="pin model chunks per rank (interleaving)"),
+    recompute: Optional[str] = typer.Option(None, "--recompute", help="pin: none, selective or full"),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help="pin: gpipe, 1f1b or interleaved"),
+    allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let t span nodes"),
+    shard_optimizer: bool = typer.Option(False, "--shard-optimizer", help="shard optimizer state over d"),
+    output: str = typer.Option("plan.json", "-o", "--output", help="where to write the plan"),
+    as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of the summary"),
+) -> None:
+    """Choose the whole PTD-P configuration for MODEL on N GPUs and write plan.json."""
+    from costmodels.memory import MemoryConfig
+
+    from .api import make_plan, parse_model_args
+    from .search import Pins
+
+    with user_errors():
+        pins = Pins(t=tp, p=pp, d=dp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
+                    allow_cross_node_tp=allow_cross_node_tp)
+        if global_batch < 1:
+            raise UserError(f"--global-batch must be positive, got {global_batch}")
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      console=err, transient=True, disable=as_json) as bar:
+            task = bar.add_task("tracing", total=None)
+            plan_, _ = make_plan(model, gpus=gpus, global_batch=global_batch, target=target,
+                                 gpus_per_node=gpus_per_node, model_args=parse_model_args(model_arg), pins=pins,
+                                 leaves=tuple(leaf), plan_path=output,
+                                 memory=MemoryConfig(shard_optimizer=shard_optimizer),
+                                 progress=lambda name: bar.update(task, description=f"pass: {name}"),
+                                 search_progress=lambda i, n: bar.update(task, description="searching",
+                                                                         completed=i, total=n))
+        save_plan(plan_, output)
+    if as_json:
+        out.print_json(plan_.model_dump_json(by_alias=True))
+        return
+    print_summary(plan_)
+    out.print(f"plan written to [bold]{output}[/]; launch on each node with:", highlight=False)
+    for cmd in plan_.launch.commands[:2]:
+        out.print(f"  {cmd}", highlight=False, soft_wrap=True)
+    if len(plan_.launch.commands) > 2:
+        out.print(f"  ... ({len(plan_.launch.commands)} nodes; --node-rank 0..{len(plan_.launch.commands) - 1})")
+
+
+def _cfg_text(c) -> str:
+    return (f"t={c.tp} p={c.pp} d={c.dp} b={c.microbatch} m={c.microbatches} v={c.vp} "
+            f"{c.schedule} recompute={c.recompute}")
+
+
+def print_summary(p: Plan) -> None:
+    pr, s = p.predictions, p.source
+    out.print(f"[bold]{Path(s.model_file).name}[/] on {s.gpus} x {s.target}, global batch {s.global_batch}",
+              highlight=False)
+    out.print(f"chosen: [bold green]{_cfg_text(p.config)}[/]", highlight=False)
+    out.print(f"predicted: {pr.tflops_per_gpu:.1f} TFLOP/s/GPU (eq. 4.2), MFU {pr.mfu:.1%}, iteration "
+              f"{_ms(pr.iteration_s)}, {pr.tokens_per_s:,.0f} tokens/s, bubble fraction {pr.bubble_fraction:.1%} "
+              f"(executed: {pr.hardware_tflops_per_gpu:.1f} TFLOP/s/GPU)", highlight=False)
+    mem = Table(title="memory per pipeline rank (GiB)")
+    for col in ("rank", "weights", "grads", "optimizer", "activations", "reserve", "total", "capacity"):
+        mem.add_column(col, justify="right")
+    rows = p.predictions.memory
+    for m in rows if len(rows) <= 16 else rows[:8] + rows[-8:]:
+        mem.add_row(str(m.rank), *(f"{x / GiB:.1f}" for x in (m.weights, m.grads, m.optimizer, m.activations,
+                                                              m.reserve, m.total, m.capacity)))
+    out.print(mem)
+    if p.alternatives:
+        alt = Table(title="runners-up")
+        for col in ("configuration", "TFLOP/s/GPU", "MFU", "iteration", "peak GiB", "simulated"):
+            alt.add_column(col)
+        for a in p.alternatives[:5]:
+            alt.add_row(_cfg_text(a.config), f"{a.tflops_per_gpu:.1f}", f"{a.mfu:.1%}", _ms(a.iteration_s),
+                        f"{a.peak_memory / GiB:.1f}", "yes" if a.simulated else "analytic")
+        out.print(alt)
+    rej = ", ".join(f"{k}: {v}" for k, v in p.search.rejected.items())
+    out.print(f"search: {p.search.evaluated} configurations in {p.search.seconds:.2f}s; rejected: {rej or 'none'}",
+              highlight=False)
+
+
+@app.command()
+def show(plan_file: str = typer.Argument("plan.json"),
+         as_json: bool = typer.Option(False, "--json", help="print the validated plan as JSON")) -> None:
+    """Print a plan's summary, its schedule grid and its bubble table."""
+    from .schedule import Action, Schedule, grid
+
+    with user_errors():
+        p = load_plan(plan_file)
+        if as_json:
+            out.print_json(p.model_dump_json(by_alias=True))
+            return
+        print_summary(p)
+        c = p.config
+        sched = Schedule(kind=c.schedule, p=c.pp, v=c.vp, m=c.microbatches,
+                         ranks=tuple(tuple(Action.parse(a) for a in acts) for acts in p.actions))
+    text = grid(sched)
+    lines = text.splitlines()
+    out.print("schedule (rank x step):", highlight=False)
+    for line in lines[:16]:
+        out.print(line[:400], highlight=False, soft_wrap=True)
+    bub = Table(title=f"bubbles ({len(p.bubbles)})")
+    for col in ("rank", "id", "start", "duration", "kind", "free GiB"):
+        bub.add_column(col, justify="right")
+    for b in p.bubbles[:60]:
+        bub.add_row(str(b.rank), str(b.id), _ms(b.start_s), _ms(b.duration_s), b.kind, f"{b.free_bytes / GiB:.1f}")
+    out.print(bub)
+
+
+@app.command()
+def chart(plan_file: str = typer.Argument("plan.json"),
+          output: str = typer.Option("schedule.png", "-o", "--output", help="image file to write")) -> None:
+    """Draw the Gantt chart of one iteration per pipeline rank, bubbles labelled."""
+    from .chart import draw_plan
+
+    with user_errors():
+        draw_plan(load_plan(plan_file), output)
+    out.print(f"chart written to {output}")

@@ -1,0 +1,162 @@
+"""The plan file: one versioned JSON document, validated on load, never executing code.
+
+Pydantic models (extra="forbid") at this boundary; the exported JSON Schema lives in
+schemas/plan.schema.json and a test fails when it drifts.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from passes.errors import UserError
+
+__all__ = ["SCHEMA", "Plan", "load_plan", "save_plan", "json_schema"]
+
+SCHEMA = "fxplanner.plan/v1"
+ArgValue = Union[bool, int, float, str]
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+class Source(_Model):
+    """What the plan was made from."""
+
+    model_file: str = Field(description="path of the model file, as given")
+    model_sha256: str = Field(description="sha256 of the model file; the runtime refuses a different file")
+    model_args: dict[str, ArgValue] = Field(description="keyword arguments of build_model / example_inputs")
+    leaves: list[str] = Field(default_factory=list, description="modules traced as leaves")
+    dtype: str = Field(description="training precision of weights and activations")
+    target: str = Field(description="target name")
+    gpu: dict[str, float | str | dict[str, float]] = Field(description="GPU figures used")
+    cluster: dict[str, float | int] = Field(description="cluster figures used")
+    gpus: int
+    gpus_per_node: int
+    global_batch: int
+    tool_version: str
+
+
+class ConfigModel(_Model):
+    tp: int = Field(description="tensor-parallel degree t")
+    pp: int = Field(description="pipeline-parallel degree p")
+    dp: int = Field(description="data-parallel degree d")
+    microbatch: int = Field(description="microbatch size b")
+    microbatches: int = Field(description="microbatches per iteration m = B / (d b)")
+    vp: int = Field(description="model chunks per pipeline rank v (interleaving)")
+    recompute: Literal["none", "selective", "full"]
+    schedule: Literal["gpipe", "1f1b", "interleaved"]
+
+
+class Stage(_Model):
+    stage: int = Field(description="virtual stage index (chunk c of rank r is stage c*p + r)")
+    rank: int = Field(description="pipeline rank that runs it")
+    units: list[str]
+    nodes: list[str] = Field(description="fx node names, in order")
+    forward_s: float
+    backward_s: float
+    activation_bytes: float = Field(description="per microbatch in flight")
+
+
+class Bubble(_Model):
+    id: int
+    rank: int
+    start_s: float
+    duration_s: float
+    kind: Literal["A", "B", "C"]
+    free_bytes: int
+
+
+class RankMemory(_Model):
+    rank: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    reserve: float
+    total: float
+    capacity: float
+
+
+class Predictions(_Model):
+    iteration_s: float
+    samples_per_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float = Field(description="thesis eq. 4.2 convention (recomputation counted)")
+    mfu: float = Field(description="tflops_per_gpu over the dtype's dense peak")
+    hardware_tflops_per_gpu: float = Field(description="FLOPs actually executed (recomputation only as planned)")
+    bubble_fraction: float
+    p2p_s: float
+    tp_comm_s: float = Field(description="per microbatch, forward + backward, all units")
+    allreduce_s: list[float]
+    optimizer_s: list[float]
+    memory: list[RankMemory]
+
+
+class Alternative(_Model):
+    config: ConfigModel
+    iteration_s: float
+    tflops_per_gpu: float
+    mfu: float
+    peak_memory: float
+    simulated: bool
+
+
+class Launch(_Model):
+    nnodes: int
+    nproc_per_node: int
+    commands: list[str] = Field(description="one torchrun command per node")
+    script: str = Field(description="a bash launch script taking the node rank")
+
+
+class SearchInfo(_Model):
+    evaluated: int
+    rejected: dict[str, int]
+    seconds: float
+    pinned: list[str]
+
+
+class Plan(_Model):
+    schema_version: Literal["fxplanner.plan/v1"] = Field(default=SCHEMA, alias="schema")
+    source: Source
+    config: ConfigModel
+    alternatives: list[Alternative]
+    partition: list[Stage]
+    actions: list[list[str]] = Field(description="per pipeline rank, the action strings (1F0, 0B3, BUBBLE2, ...)")
+    bubbles: list[Bubble]
+    predictions: Predictions
+    launch: Launch
+    search: SearchInfo
+
+
+def json_schema() -> dict:
+    return Plan.model_json_schema(by_alias=True)
+
+
+def save_plan(plan: Plan, path: str | Path) -> None:
+    Path(path).write_text(plan.model_dump_json(by_alias=True, indent=1) + "\n")
+
+
+def load_plan(path: str | Path) -> Plan:
+    """Read and validate a plan. JSON only: nothing in it is ever executed or unpickled."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"plan file {path} does not exist; create one with `planner plan MODEL.py -o {path}`") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"plan file {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    if not isinstance(data, dict):
+        raise UserError(f"plan file {path} must hold a JSON object")
+    if data.get("schema") != SCHEMA:
+        raise UserError(f"plan file {path} has schema {data.get('schema')!r}, this planner reads {SCHEMA!r}; "
+                        "re-run `planner plan` to regenerate it")
+    try:
+        return Plan.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise UserError(f"plan file {path}: field {where}: {err['msg']} ({len(exc.errors())} problem(s) in all)") from None
