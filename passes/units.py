@@ -20,9 +20,7 @@ from .poly import Poly
 from .shapes import B, TensorInfo
 from .tp import annotate_tp_roles
 
-__all__ = ["Part", "Unit", "group_nodes", "lower_units", "SELECTIVE_RATIO"]
-
-SELECTIVE_RATIO = 4  # selective recompute drops tensors larger than this many times the unit input
+__all__ = ["Part", "Unit", "group_nodes", "lower_units"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,14 +163,15 @@ def _boundary_bytes(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr]:
     return sum(ins.values(), z), sum(outs.values(), z)
 
 
-def _selective_set(nodes: list[fx.Node], input_numel: float) -> set[str]:
-    big = set()
-    for n in nodes:
-        info, cost = n.meta.get(TENSOR), n.meta[COST]
-        if isinstance(info, TensorInfo) and cost.kind in ("matmul", "elementwise") and input_numel > 0:
-            if float(info.numel.subs(B, 1)) > SELECTIVE_RATIO * input_numel:
-                big.add(n.name)
-    return big
+def _selective_set(nodes: list[fx.Node]) -> set[str]:
+    """The attention core, which selective recomputation redoes (Korthikanti et al. 2022): from each
+    product of two activations (Q K^T) up to, not including, the next one (scores x V)."""
+    core = [i for i, n in enumerate(nodes) if n.meta[COST].kind == "matmul"
+            and all(a.op != "get_attr" for a in n.all_input_nodes)]
+    chosen: set[str] = set()
+    for first, second in zip(core[::2], core[1::2]):
+        chosen.update(n.name for n in nodes[first:second] if n.meta[COST].kind != "none")
+    return chosen
 
 
 def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
@@ -185,7 +184,7 @@ def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
             n.meta[UNIT] = index
         in_b, out_b = _boundary_bytes(nodes)
         elem = next((p.element_size() for p in gm.parameters()), 4)
-        selective = _selective_set(nodes, float(in_b.subs(B, 1)) / elem)
+        selective = _selective_set(nodes)
         sharded = [n for n in nodes if n.meta[TP] != "replicated"]
         replicated = [n for n in nodes if n.meta[TP] == "replicated"]
         fwd_ar, bwd_ar, count = _tp_allreduces(nodes)

@@ -16,7 +16,7 @@ from targets.specs import TargetError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Plan pipeline/tensor/data-parallel training and fill its bubbles.")
-out = Console()
+out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
 
 GiB = 2**30
@@ -154,10 +154,7 @@ def _print_profile(prof, target: str, batch: int, tp: int, rows: list[dict], tot
 
 
 def main() -> None:
-    try:
-        app()
-    except SystemExit:
-        raise
+    app()
 
 
 from . import cli_plan  # noqa: E402,F401  (registers plan/show/chart)

@@ -527,12 +527,12 @@ _GRID_OPS = frozenset({_F, _B, _BUBBLE})
 def _mark_column(acts: tuple[Action, ...], step: int) -> int:
     """Grid column of a step: itself if F/B/BUBBLE, the next compute for a RECV, the previous
     compute for a SEND, the end of the row for ALLREDUCE/OPT."""
-    cols = [sum(1 for a in acts[:i] if a.op in _GRID_OPS) for i in (step, step + 1)]
+    col = sum(1 for a in acts[:step] if a.op in _GRID_OPS)
     op = acts[step].op
-    if op in _GRID_OPS or op in (_RECV_F, _RECV_B):
-        return cols[0]
-    if op in (_SEND_F, _SEND_B):
-        return max(cols[0] - 1, 0)
+    if op in _GRID_OPS or op is _RECV_F or op is _RECV_B:
+        return col
+    if op is _SEND_F or op is _SEND_B:
+        return max(col - 1, 0)
     return sum(1 for a in acts if a.op in _GRID_OPS)
 
 

@@ -178,8 +178,9 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
 def _no_candidates_message(ev: Evaluator, pins: Pins, rejected: Counter) -> str:
     why = "; ".join(f"{k}: {v}" for k, v in rejected.items()) or "the pins exclude every configuration"
     if "global batch not divisible by d" in rejected and len(rejected) == 1:
-        return (f"global batch {ev.global_batch} is not divisible by any data-parallel degree d that "
-                f"{ev.n_gpus} GPUs allow; choose a global batch divisible by d*b (e.g. a multiple of {ev.n_gpus})")
+        return (f"global batch {ev.global_batch} is not divisible by d*b for any data-parallel degree d "
+                f"allowed here{' (d pinned to ' + str(pins.d) + ')' if pins.d else ''}; choose a global batch "
+                f"that is a multiple of {pins.d or ev.n_gpus}")
     return f"no configuration of {ev.n_gpus} GPUs satisfies the constraints ({why})"
 
 

@@ -1,0 +1,86 @@
+"""Node costs and units on small real models (meta tensors)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from passes.costs import NodeCost
+from passes.meta_keys import COST, TP
+from passes.pipeline import analyze
+from tests.conftest import EXAMPLES
+
+GPT_SMALL = {"preset": "tiny", "layers": 3, "hidden": 96, "heads": 4, "seq": 64, "vocab": 1024, "dropout": 0.1}
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    return analyze(EXAMPLES / "gpt.py", GPT_SMALL)
+
+
+def test_activation_bytes_match_korthikanti(gpt):
+    """Bytes saved for backward per layer = sbh(34 + 5as/h) in 16-bit (Korthikanti et al. 2022)."""
+    prof, _ = gpt
+    s, h, a = 64, 96, 4
+    block = next(u for u in prof.units if u.kind == "block")
+    for b in (1, 3):
+        saved = block.sharded.saved_bytes(b) + block.replicated.saved_bytes(b)
+        assert saved == pytest.approx(s * b * h * (34 + 5 * a * s / h))
+        # selective recomputation drops exactly the 5as^2b attention-score bytes
+        assert block.sharded.selective_bytes(b) == pytest.approx(5 * a * s * s * b)
+
+
+def test_costs_are_polynomials_in_b_that_match_a_new_trace(gpt):
+    prof, _ = gpt
+    again, _ = analyze(EXAMPLES / "gpt.py", GPT_SMALL)
+    for u, w in zip(prof.units, again.units):
+        for b in (5, 7):
+            assert u.fwd_flops(b) == pytest.approx(w.fwd_flops(b))
+    block = next(u for u in prof.units if u.kind == "block")
+    assert block.fwd_flops(6) == pytest.approx(6 * block.fwd_flops(1))  # linear in b
+
+
+def test_matmul_backward_is_twice_forward_and_elementwise_is_counted_as_is(gpt):
+    _, ctx = gpt
+    costs: dict[str, NodeCost] = {n.name: n.meta[COST] for n in ctx.gm.graph.nodes}
+    lin = costs["layers_0_mlp_fc1"]
+    assert lin.kind == "linear"
+    assert lin.bwd_flops - lin.out_bytes / 2 == 2 * (lin.fwd_flops - lin.out_bytes / 2)  # bias aside
+    gelu = costs["gelu"]
+    assert gelu.kind == "elementwise" and gelu.mm_flops == 0
+    assert gelu.bwd_flops != 2 * gelu.fwd_flops
+    add = costs["add_1"]
+    assert add.bwd_flops == 0  # a residual add passes its gradient through
+
+
+def test_megatron_tensor_parallel_roles(gpt):
+    prof, ctx = gpt
+    roles = {n.name: n.meta[TP] for n in ctx.gm.graph.nodes if TP in n.meta}
+    assert roles["layers_0_attn_qkv"] == "col" and roles["layers_0_attn_proj"] == "row"
+    assert roles["layers_0_mlp_fc1"] == "col" and roles["layers_0_mlp_fc2"] == "row"
+    assert roles["softmax"] == "sharded" and roles["layers_0_ln1"] == "replicated"
+    block = next(u for u in prof.units if u.kind == "block")
+    assert block.tp_allreduces == 2
+    s, h = 64, 96
+    # 2 all-reduces of b*s*h 16-bit values forward and 2 backward: thesis 4.3.2
+    assert block.tp_fwd_allreduce_bytes(2) == pytest.approx(2 * 2 * s * h * 2)
+    assert block.tp_bwd_allreduce_bytes(2) == pytest.approx(2 * 2 * s * h * 2)
+
+
+@pytest.mark.parametrize("path,args,blocks,kinds", [
+    ("mlp.py", {}, 4, ("embedding", "head")),
+    ("resnet.py", {}, 8, ("embedding", "head")),
+    ("bert.py", {"preset": "tiny"}, 2, ("embedding", "head")),
+])
+def test_units_follow_the_module_hierarchy(path, args, blocks, kinds):
+    prof, ctx = analyze(EXAMPLES / path, args)
+    assert sum(u.kind == "block" for u in prof.units) == blocks
+    assert (prof.units[0].kind, prof.units[-1].kind) == kinds
+    covered = [n for u in prof.units for n in u.nodes]
+    assert sorted(covered) == sorted(n.name for n in ctx.gm.graph.nodes)  # every node in one unit
+    assert prof.total_params == sum(p.numel() for p in ctx.model.parameters())
+
+
+def test_planning_never_materializes_weights(gpt):
+    _, ctx = gpt
+    assert all(p.device.type == "meta" for p in ctx.model.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in ctx.model.parameters())
