@@ -46,3 +46,6 @@ def annotate_tp_roles(gm: fx.GraphModule, units: Iterable[list[fx.Node]]) -> Non
         for n, k in zip(nodes, kinds):
             if k == "embedding" and gm.get_submodule(str(n.target)).num_embeddings >= VOCAB_MIN:
                 n.meta[TP] = "vocab-emb"
+        for n in nodes:  # a weight read through get_attr is split like the op that uses it
+            if n.op == "get_attr" and n.users and all(u.meta.get(TP, "replicated") != "replicated" for u in n.users):
+                n.meta[TP] = "sharded"

@@ -20,6 +20,7 @@ from typing import Iterator, Sequence
 
 __all__ = [
     "Grouping",
+    "dp_grouping",
     "Layer",
     "TransferOverhead",
     "exhaustive_grouping",
@@ -66,6 +67,8 @@ class Grouping:
     latency_s: float
     nodes_explored: int
     """Search nodes (calls of FindOptGrouping, or strategies enumerated); 0 for fixed baselines."""
+    optimal: bool = True
+    """False for baselines and for a search stopped by its node budget."""
 
     def __iter__(self) -> Iterator[object]:
         return iter((self.groups, self.latency_s, self.nodes_explored))
@@ -132,7 +135,8 @@ def group_latency(layers: Sequence[Layer], groups: Sequence[Group], pcie_bw: flo
 
 def _fixed(costs: _Costs, size: int) -> Grouping:
     groups = tuple((s, min(s + size, costs.n)) for s in range(0, costs.n, size))
-    return Grouping(groups=groups, latency_s=_latency(costs, groups), nodes_explored=0)
+    return Grouping(groups=groups, latency_s=_latency(costs, groups), nodes_explored=0,
+                    optimal=False)
 
 
 def per_layer_grouping(layers: Sequence[Layer], pcie_bw: float, overhead: TransferOverhead) -> Grouping:
@@ -164,55 +168,135 @@ def exhaustive_grouping(layers: Sequence[Layer], pcie_bw: float, overhead: Trans
     return Grouping(groups=best[0], latency_s=best[1], nodes_explored=count)
 
 
-def optimal_grouping(layers: Sequence[Layer], pcie_bw: float, overhead: TransferOverhead,
-                     *, bootstrap_group_size: int = 10) -> Grouping:
+def dp_grouping(layers: Sequence[Layer], pcie_bw: float, overhead: TransferOverhead) -> Grouping:
+    """Exact optimum in O(n^3) time (our addition, used to check Algorithm 1 on long models).
+
+    Transmissions run back to back from time 0, so once k groups cover layers [0, x) the PCIe
+    is done at bytes(0, x) / bw + k * pcie_call_s whatever the split. The rest of the timeline
+    depends on the split only through when execution ends, and it is nondecreasing in that, so the
+    earliest execution end per (x, k) is all that needs keeping.
+    """
+    costs, n = _costs(layers, pcie_bw, overhead), len(layers)
+    if n == 0:
+        return Grouping(groups=(), latency_s=0.0, nodes_explored=0)
+    inf = math.inf
+    exec_end = [[inf] * (n + 1) for _ in range(n + 1)]  # [x][k]
+    parent = [[-1] * (n + 1) for _ in range(n + 1)]
+    exec_end[0][0], steps = 0.0, 0
+    for x in range(n):
+        for k in range(x + 1):
+            if exec_end[x][k] == inf:
+                continue
+            sent = costs.bytes_prefix[x] / pcie_bw + k * overhead.pcie_call_s
+            for y in range(x + 1, n + 1):
+                steps += 1
+                end = max(sent + costs.trans(x, y), exec_end[x][k]) + costs.exe(x, y)
+                if end < exec_end[y][k + 1]:
+                    exec_end[y][k + 1], parent[y][k + 1] = end, x
+    k = min(range(n + 1), key=lambda kk: exec_end[n][kk])
+    groups, y = [], n
+    while y > 0:
+        x = parent[y][k]
+        groups.append((x, y))
+        y, k = x, k - 1
+    groups.reverse()
+    return Grouping(groups=tuple(groups), latency_s=_latency(costs, groups), nodes_explored=steps)
+
+
+def optimal_grouping(layers: Sequence[Layer], pcie_bw: float, overhead: TransferOverhead, *,
+                     bootstrap_group_size: int = 10, strengthened: bool = False,
+                     max_nodes: int | None = 2_000_000) -> Grouping:
     """PipeSwitch Algorithm 1 (FindOptGrouping) with both prunings.
 
     As the paper does in practice, the search is bootstrapped with a fixed grouping of
-    ``bootstrap_group_size`` layers per group. Recursion depth is one level per group.
+    ``bootstrap_group_size`` layers per group. The search is exponential in the worst case (the
+    paper says so too): fast when execution hides transmission, slow on long models whose layers
+    are alike or transmission-bound, because each recursive call prunes only against its *own*
+    best (line 12) and Eq. 2 takes the *min* of two lower bounds.
+
+    ``strengthened=True`` (our addition, not the paper's) takes the max of Eq. 2's two bounds
+    (each is a valid bound, so the max is too), adds the last layer's execution to the
+    transmission bound, and passes the caller's best time down as a budget (plain branch and
+    bound). The result is still optimal and it never explores more nodes.
+    After ``max_nodes`` search nodes the best grouping found so far is returned with
+    ``optimal=False``.
     """
     costs = _costs(layers, pcie_bw, overhead)
     if costs.n == 0:
         return Grouping(groups=(), latency_s=0.0, nodes_explored=0)
     boot = _fixed(costs, bootstrap_group_size)
-    nodes = [0]
-    groups, _ = _find_opt(costs, 0, 0.0, (boot.groups, boot.latency_s), nodes)
+    search = _Search(costs=costs, strengthened=strengthened, max_nodes=max_nodes)
+    groups, optimal = boot.groups, True
+    try:
+        groups = search.find(0, 0.0, (boot.groups, boot.latency_s), math.inf)[0]
+    except _NodeBudgetExceeded:
+        groups, optimal = search.best_top or boot.groups, False
     # Recompute forward in absolute time so the result equals group_latency() bit for bit.
-    return Grouping(groups=groups, latency_s=_latency(costs, groups), nodes_explored=nodes[0])
+    return Grouping(groups=groups, latency_s=_latency(costs, groups),
+                    nodes_explored=search.nodes, optimal=optimal)
 
 
-def _first_group_min_end(costs: _Costs, x: int, delay: float) -> int:
-    """Algorithm 1 lines 3-9 (second pruning, Eq. 3): the largest j* such that layers x..j* can be
-    sent while earlier groups still compute (T(x, j*) <= B.delay). A first group ending before j*
-    only adds overhead without starting computation any earlier, so the cases i < j* are skipped."""
-    j_star = x
-    for i in range(x, costs.n):
-        if costs.trans(x, i + 1) <= delay:
+class _NodeBudgetExceeded(Exception):
+    pass
+
+
+@dataclass(kw_only=True, slots=True)
+class _Search:
+    costs: _Costs
+    strengthened: bool
+    max_nodes: int | None
+    nodes: int = 0
+    best_top: tuple[Group, ...] | None = None
+
+    def first_group_min_end(self, x: int, delay: float) -> int:
+        """Algorithm 1 lines 3-9 (second pruning, Eq. 3): the largest j* with T(x, j*) <=
+        B.delay, i.e. layers x..j* can be sent while earlier groups still compute. A first group
+        ending before j* only adds overhead without starting computation any earlier, so line 11
+        skips the cases i < j*."""
+        j_star = x
+        for i in range(x, self.costs.n):
+            if self.costs.trans(x, i + 1) > delay:
+                break
             j_star = i
-        else:
-            break
-    return j_star
+        return j_star
 
+    def lower_bound(self, x: int, i: int, delay: float) -> float:
+        """Algorithm 1 lines 13-17 (first pruning, Eq. 2) for the case "first group is x..i":
+        the rest sent as one group either back to back (transmission bound) or executed right
+        after the first group (execution bound)."""
+        c, n = self.costs, self.costs.n
+        first = c.trans(x, i + 1)
+        trans_time = first + c.trans(i + 1, n)
+        exec_time = max(first, delay) + c.exe(x, i + 1) + c.exe(i + 1, n)
+        if not self.strengthened:
+            return min(trans_time, exec_time)
+        # The last group still has to run after the last byte arrives: at least the last layer.
+        return max(trans_time + (c.exe(n - 1, n) if i + 1 < n else 0.0), exec_time)
 
-def _find_opt(costs: _Costs, x: int, delay: float, incumbent: tuple[tuple[Group, ...], float] | None,
-              nodes: list[int]) -> tuple[tuple[Group, ...], float]:
-    """FindOptGrouping(B, x). Times are relative to the moment layer x starts transmitting (all
-    earlier groups are on the device); ``delay`` is B.delay, how long earlier groups still compute
-    after that moment. Returns the best groups for layers x..n-1 and their time to finish."""
-    nodes[0] += 1
-    n = costs.n
-    if x == n:
-        return (), delay
-    opt_groups, opt_time = incumbent if incumbent is not None else (None, math.inf)  # line 2
-    for i in range(_first_group_min_end(costs, x, delay), n):  # line 11
-        first = costs.trans(x, i + 1)
-        if opt_groups is not None:  # lines 12-19: first pruning (Eq. 2), lower bound of case i
-            trans_time = first + costs.trans(i + 1, n)
-            exec_time = max(first, delay) + costs.exe(x, i + 1) + costs.exe(i + 1, n)
-            if min(trans_time, exec_time) > opt_time:
+    def find(self, x: int, delay: float, incumbent: tuple[tuple[Group, ...], float] | None,
+             budget: float) -> tuple[tuple[Group, ...] | None, float]:
+        """FindOptGrouping(B, x). Times are relative to the moment layer x starts transmitting
+        (all earlier groups are sent); ``delay`` is B.delay, how long earlier groups still compute
+        after that moment. Returns the best groups for layers x..n-1 and their time to finish, or
+        None when every case is pruned against ``budget`` (always inf in the paper's mode)."""
+        self.nodes += 1
+        if self.max_nodes is not None and self.nodes > self.max_nodes:
+            raise _NodeBudgetExceeded
+        c, n = self.costs, self.costs.n
+        if x == n:
+            return (), delay
+        opt_groups, opt_time = incumbent if incumbent is not None else (None, math.inf)  # line 2
+        for i in range(self.first_group_min_end(x, delay), n):  # line 11
+            limit = min(opt_time, budget)
+            if (opt_groups is not None or budget < math.inf) and \
+                    self.lower_bound(x, i, delay) > limit:  # lines 12-19
                 continue
-        rest_delay = max(first, delay) + costs.exe(x, i + 1) - first  # lines 21-23
-        rest, rest_time = _find_opt(costs, i + 1, rest_delay, None, nodes)
-        if first + rest_time < opt_time:  # lines 24-26
-            opt_groups, opt_time = ((x, i + 1), *rest), first + rest_time
-    return opt_groups, opt_time
+            first = c.trans(x, i + 1)
+            rest_delay = max(first, delay) + c.exe(x, i + 1) - first
+            sub_budget = limit - first if self.strengthened else math.inf
+            rest, rest_time = self.find(i + 1, rest_delay, None, sub_budget)  # lines 21-23
+            if rest is not None and first + rest_time < opt_time:  # lines 24-26
+                opt_groups, opt_time = ((x, i + 1), *rest), first + rest_time
+                if x == 0:
+                    self.best_top = opt_groups
+        return opt_groups, opt_time  # line 27
