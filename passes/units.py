@@ -56,6 +56,7 @@ class Unit:
     tp_bwd_allreduce_bytes: Poly
     tp_allreduces: int  # number of all-reduces forward (the same number backward)
     matmuls: int
+    tp_layout: tuple[tuple[str, str], ...] = ()  # (linear module path, "colwise" | "rowwise")
 
     @property
     def params(self) -> int:
@@ -194,9 +195,16 @@ def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
                           replicated=_part(replicated, selective), param_bytes_per_param=elem,
                           input_bytes=Poly.of(in_b, B), output_bytes=Poly.of(out_b, B),
                           tp_fwd_allreduce_bytes=Poly.of(fwd_ar, B), tp_bwd_allreduce_bytes=Poly.of(bwd_ar, B),
-                          tp_allreduces=count,
+                          tp_allreduces=count, tp_layout=_tp_layout(nodes),
                           matmuls=sum(1 for n in nodes if n.meta[COST].mm_flops != 0)))
     return units
+
+
+def _tp_layout(nodes: list[fx.Node]) -> tuple[tuple[str, str], ...]:
+    """Megatron pairs as torch.distributed.tensor.parallel styles, for the runtime."""
+    styles = {"col": "colwise", "row": "rowwise"}
+    return tuple((str(n.target), styles[n.meta[TP]]) for n in nodes
+                 if n.op == "call_module" and n.meta[TP] in styles)
 
 
 def _tp_allreduces(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr, int]:

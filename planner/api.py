@@ -93,7 +93,8 @@ def _to_plan(profile: ModelProfile, tg: Target, ev: Evaluator, r: SearchResult, 
         units = profile.units[a:b]
         stages.append(Stage(stage=j, rank=j % c.p, units=[u.name for u in units],
                             nodes=[n for u in units for n in u.nodes], forward_s=best.forward_s[j],
-                            backward_s=best.backward_s[j], activation_bytes=best.activation_bytes[j]))
+                            backward_s=best.backward_s[j], activation_bytes=best.activation_bytes[j],
+                            tensor_parallel=dict(pair for u in units for pair in u.tp_layout) if c.t > 1 else {}))
     sched = with_bubbles(generate(c.schedule, c.p, c.m, c.v), r.simulation)
     mem = [RankMemory(rank=i, weights=m.weights, grads=m.grads, optimizer=m.optimizer, activations=m.activations,
                       reserve=m.reserve, total=m.total, capacity=ev.capacity) for i, m in enumerate(best.rank_memory)]

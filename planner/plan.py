@@ -59,6 +59,8 @@ class Stage(_Model):
     forward_s: float
     backward_s: float
     activation_bytes: float = Field(description="per microbatch in flight")
+    tensor_parallel: dict[str, Literal["colwise", "rowwise"]] = Field(
+        default_factory=dict, description="linear module path -> torch.distributed.tensor.parallel style")
 
 
 class Bubble(_Model):
@@ -119,6 +121,44 @@ class SearchInfo(_Model):
     pinned: list[str]
 
 
+class FillJob(_Model):
+    name: str
+    model_file: str
+    model_sha256: str
+    model_args: dict[str, ArgValue]
+    kind: Literal["train", "infer"]
+    batch_size: int
+    config: Literal["plain", "checkpoint", "offload"] = Field(description="fill-job configuration (PipeFill 4.3)")
+    units: list[str] = Field(description="the job's linearized units: forward units, then backward, then optimizer")
+    unit_time_s: list[float] = Field(description="predicted time of each linearized unit on the target")
+    resident: bool = Field(description="kept on the device between bubbles, else loaded per bubble")
+
+
+class FillChunk(_Model):
+    job: str
+    rank: int = Field(description="pipeline rank whose bubble runs it (every d x t replica of that rank does)")
+    bubble_id: int
+    first_unit: int = Field(description="index into the job's linearized units, counted over repeated iterations")
+    units: int
+    expected_s: float
+    memory_bytes: int
+
+
+class FillPredictions(_Model):
+    fill_tflops_per_gpu: float
+    bubble_time_used: float = Field(description="fraction of all bubble time that fill chunks occupy")
+    total_useful_tflops_per_gpu: float
+    offload_optimizer: bool
+    unplaceable: dict[str, str] = Field(default_factory=dict, description="job -> why it fits no bubble")
+
+
+class Fill(_Model):
+    safety_margin: float
+    jobs: list[FillJob]
+    chunks: list[FillChunk]
+    predictions: FillPredictions
+
+
 class Plan(_Model):
     schema_version: Literal["fxplanner.plan/v1"] = Field(default=SCHEMA, alias="schema")
     source: Source
@@ -130,6 +170,7 @@ class Plan(_Model):
     predictions: Predictions
     launch: Launch
     search: SearchInfo
+    fill: Fill | None = None
 
 
 def json_schema() -> dict:

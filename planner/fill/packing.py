@@ -274,16 +274,29 @@ def _chunk_end(prob: _Problem, slot: int, a: int) -> int:
     return b
 
 
-def _greedy_ends(prob: _Problem, cycles: int) -> list[int]:
+def _farthest_end(prob: _Problem, slot: int, a: int) -> int:
+    """The farthest end whose chunk fits, scanning every end the time budget allows. Same as
+    ``_chunk_end`` without state swapping (feasibility is then monotone in the end)."""
+    best = b = a
+    usable = prob.usable_ns[slot]
+    while prob.mem_fits(slot, b) and prob.launch_ns + prob.elapsed(b + 1) - prob.elapsed(a) <= usable:
+        b += 1
+        if prob.busy_ns(a, b) <= usable:
+            best = b
+    return best
+
+
+def _greedy_ends(prob: _Problem, cycles: int, *, farthest_fit: bool = False) -> list[int]:
     """Algorithm 1 lines 8-18 over ``cycles`` visits of the bubble cycle.
 
     Lines 1-7 replicate the graph so one plan spans about one bubble cycle, and the Executor
     reruns the plan. Packing the unbounded replicated stream over a fixed horizon is the same
     schedule, except that a rerun plan would force a chunk break at every plan boundary.
     """
+    end_of = _farthest_end if farthest_fit else _chunk_end
     ends, pos = [], 0
     for k in range(cycles * len(prob.usable_ns)):
-        pos = _chunk_end(prob, k % len(prob.usable_ns), pos)
+        pos = end_of(prob, k % len(prob.usable_ns), pos)
         ends.append(pos)
     return ends
 
@@ -336,16 +349,21 @@ def _make_packing(
 def greedy_pack(
     units: Sequence[FillUnit], cycle: Sequence[BubbleSlot], *, safety_margin: float = 0.1,
     launch_overhead_s: float = DEFAULT_LAUNCH_OVERHEAD_S, resident_bytes: int = 0, cycles: int = 1,
-    state_swap_bw: float | None = None,
+    state_swap_bw: float | None = None, farthest_fit: bool = False,
 ) -> Packing:
-    """PipeFill Algorithm 1: fill each bubble in turn with as many next units as fit."""
+    """PipeFill Algorithm 1: fill each bubble in turn with as many next units as fit.
+
+    ``farthest_fit=False`` follows the paper: stop at the first unit that does not fit.
+    ``farthest_fit=True`` (our variant) takes the farthest end whose chunk fits; the two differ
+    only with ``state_swap_bw``, where a longer chunk can end at a cheaper boundary.
+    """
     params = PackingParams(safety_margin=safety_margin, launch_overhead_s=launch_overhead_s,
                            resident_bytes=resident_bytes, cycles=cycles, state_swap_bw=state_swap_bw)
     prob = _build(units, cycle, params)
     start = time.perf_counter()
-    ends = _greedy_ends(prob, cycles)
-    return _make_packing(prob, params, ends, solver="greedy", status="HEURISTIC",
-                         solve_time_s=time.perf_counter() - start)
+    ends = _greedy_ends(prob, cycles, farthest_fit=farthest_fit)
+    return _make_packing(prob, params, ends, solver="farthest-fit" if farthest_fit else "greedy",
+                         status="HEURISTIC", solve_time_s=time.perf_counter() - start)
 
 
 def validate_packing(
@@ -396,22 +414,24 @@ def cpsat_pack(
     """Maximize units completed over the horizon with CP-SAT; never worse than greedy.
 
     FLOPs need no tie-break term: in-order work makes FLOPs done a function of units done.
-    The hint defaults to the greedy packing. If CP-SAT finds nothing, or less than greedy, within
-    the time limit, greedy's packing is returned with ``solver="greedy-fallback"``.
+    The default hint is the better of greedy and its farthest-fit variant. If CP-SAT finds
+    nothing, or less than that, within the time limit, that heuristic's packing is returned with
+    ``solver="greedy-fallback"``.
     """
-    greedy = greedy_pack(units, cycle, safety_margin=safety_margin,
-                         launch_overhead_s=launch_overhead_s, resident_bytes=resident_bytes,
-                         cycles=cycles, state_swap_bw=state_swap_bw)
-    prob = _build(units, cycle, greedy.params)
+    kwargs = dict(safety_margin=safety_margin, launch_overhead_s=launch_overhead_s,
+                  resident_bytes=resident_bytes, cycles=cycles, state_swap_bw=state_swap_bw)
+    floor = max((greedy_pack(units, cycle, **kwargs, farthest_fit=ff) for ff in (False, True)),
+                key=lambda p: p.units_completed)
+    prob = _build(units, cycle, floor.params)
     horizon = cycles * len(cycle)
     start = time.perf_counter()
-    ends, status = _solve_cpsat(prob, horizon, _ends_of(hint or greedy, horizon),
+    ends, status = _solve_cpsat(prob, horizon, _ends_of(hint or floor, horizon),
                                 time_limit_s=time_limit_s, num_workers=num_workers, seed=seed)
     elapsed = time.perf_counter() - start
-    if ends is None or ends[-1] < greedy.units_completed:
-        return dataclasses.replace(greedy, solver="greedy-fallback", status=status,
+    if ends is None or ends[-1] < floor.units_completed:
+        return dataclasses.replace(floor, solver="greedy-fallback", status=status,
                                    solve_time_s=elapsed)
-    packing = _make_packing(prob, greedy.params, ends, solver="cp-sat", status=status,
+    packing = _make_packing(prob, floor.params, ends, solver="cp-sat", status=status,
                             solve_time_s=elapsed)
     validate_packing(packing, units, cycle)
     return packing
