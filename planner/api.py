@@ -18,8 +18,12 @@ from .launch import launch_script, torchrun_commands
 from .plan import (Alternative, Bubble, ConfigModel, Launch, Plan, Predictions, RankMemory, SearchInfo, Source,
                    Stage)
 from .schedule import generate
+from .fill.joint import choose_joint
+from .fill.profiles import profile_job
+from .fill.section import fill_section
+from .fill.spec import FillSpec
 from .search import Pins, SearchResult, search
-from .simulate import with_bubbles
+from .simulate import SimResult, with_bubbles
 
 __all__ = ["parse_model_args", "profile_rows", "make_plan"]
 
@@ -67,15 +71,30 @@ def _tokens_per_sample(profile: ModelProfile) -> int:
 def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per_node: int | None = None,
               model_args: dict[str, Any] | None = None, pins: Pins = Pins(), leaves: tuple[str, ...] = (),
               dtype: str = "bf16", plan_path: str = "plan.json", memory: MemoryConfig = MemoryConfig(),
-              progress: Callable[[str], None] | None = None,
+              fill: FillSpec | None = None, main_slack: float = 0.0, offload: str = "auto",
+              fill_solver: str = "greedy", progress: Callable[[str], None] | None = None,
               search_progress: Callable[[int, int], None] | None = None) -> tuple[Plan, SearchResult]:
     tg = get_target(target, gpus_per_node)
     profile, _ = analyze(model, model_args, leaves=leaves, dtype=dtype, progress=progress)
     ev = Evaluator(units=profile.units, target=tg, global_batch=global_batch, n_gpus=gpus, dtype=dtype, mem=memory)
     start = time.perf_counter()
-    result = search(ev, pins, progress=search_progress)
+    if main_slack < 0:
+        raise UserError(f"--main-slack must be >= 0, got {main_slack}")
+    wide = fill is not None and main_slack > 0
+    result = search(ev, pins, top=8 if wide else 6, simulate_top=8 if wide else 3, progress=search_progress)
+    best, sim, joint = result.best, result.simulation, None
+    if fill is not None:
+        if progress:
+            progress("fill")
+        jobs = {j.name: profile_job(j, tg, dtype=dtype) for j in fill.jobs}
+        joint = choose_joint(ev, [result.best, *result.runners_up], jobs, main_slack=main_slack, offload=offload,
+                             safety_margin=fill.safety_margin, solver=fill_solver)
+        best, sim = joint.evaluation, joint.simulation
     seconds = time.perf_counter() - start
-    plan = _to_plan(profile, tg, ev, result, seconds, pins, plan_path, leaves)
+    runners = [e for e in (result.best, *result.runners_up) if e.config != best.config]
+    plan = _to_plan(profile, tg, ev, best, sim, runners, result, seconds, pins, plan_path, leaves)
+    if joint is not None:
+        plan = plan.model_copy(update={"fill": fill_section(joint, fill)})
     return plan, result
 
 
@@ -85,9 +104,10 @@ def _config(e: Evaluation) -> ConfigModel:
                        recompute=c.recompute, schedule=c.schedule)
 
 
-def _to_plan(profile: ModelProfile, tg: Target, ev: Evaluator, r: SearchResult, seconds: float, pins: Pins,
-             plan_path: str, leaves: tuple[str, ...]) -> Plan:
-    best, c = r.best, r.best.config
+def _to_plan(profile: ModelProfile, tg: Target, ev: Evaluator, best: Evaluation, sim: SimResult,
+             runners: list[Evaluation], r: SearchResult, seconds: float, pins: Pins, plan_path: str,
+             leaves: tuple[str, ...]) -> Plan:
+    c = best.config
     stages = []
     for j, (a, b) in enumerate(zip(best.bounds, best.bounds[1:])):
         units = profile.units[a:b]
@@ -95,7 +115,7 @@ def _to_plan(profile: ModelProfile, tg: Target, ev: Evaluator, r: SearchResult, 
                             nodes=[n for u in units for n in u.nodes], forward_s=best.forward_s[j],
                             backward_s=best.backward_s[j], activation_bytes=best.activation_bytes[j],
                             tensor_parallel=dict(pair for u in units for pair in u.tp_layout) if c.t > 1 else {}))
-    sched = with_bubbles(generate(c.schedule, c.p, c.m, c.v), r.simulation)
+    sched = with_bubbles(generate(c.schedule, c.p, c.m, c.v), sim)
     mem = [RankMemory(rank=i, weights=m.weights, grads=m.grads, optimizer=m.optimizer, activations=m.activations,
                       reserve=m.reserve, total=m.total, capacity=ev.capacity) for i, m in enumerate(best.rank_memory)]
     tokens = _tokens_per_sample(profile)
@@ -110,11 +130,11 @@ def _to_plan(profile: ModelProfile, tg: Target, ev: Evaluator, r: SearchResult, 
         config=_config(best),
         alternatives=[Alternative(config=_config(e), iteration_s=e.iteration_s, tflops_per_gpu=e.tflops_per_gpu,
                                   mfu=e.mfu, peak_memory=max(m.total for m in e.rank_memory), simulated=e.simulated)
-                      for e in r.runners_up],
+                      for e in runners],
         partition=stages,
         actions=[[str(a) for a in acts] for acts in sched.ranks],
         bubbles=[Bubble(id=bb.id, rank=bb.rank, start_s=bb.start_s, duration_s=bb.duration_s, kind=bb.kind,
-                        free_bytes=bb.free_bytes) for bb in r.simulation.bubbles],
+                        free_bytes=bb.free_bytes) for bb in sim.bubbles],
         predictions=Predictions(iteration_s=best.iteration_s, samples_per_s=best.samples_per_s,
                                 tokens_per_s=best.samples_per_s * tokens, tflops_per_gpu=best.tflops_per_gpu,
                                 mfu=best.mfu, hardware_tflops_per_gpu=best.hardware_tflops_per_gpu,

@@ -86,6 +86,7 @@ def test_cpsat_is_valid_optimal_and_never_worse_than_greedy(units, cycle, kwargs
     best = cpsat_pack(units, cycle, **kwargs, time_limit_s=1.0)
     validate_packing(best, units, cycle)
     assert best.units_completed >= greedy.units_completed
+    assert best.units_completed >= greedy_pack(units, cycle, **kwargs, farthest_fit=True).units_completed
     assert best.flops_per_cycle >= greedy.flops_per_cycle - 1e-6
     if best.status == "OPTIMAL":
         assert best.units_completed == brute_force_units(units, cycle, **kwargs)
@@ -111,9 +112,35 @@ def test_cpsat_beats_greedy_when_a_boundary_costs_state_swapping():
     best = cpsat_pack(units, cycle, **kwargs, time_limit_s=2.0)
     validate_packing(best, units, cycle)
     assert greedy.units_per_cycle == 3 and best.units_per_cycle == 4
+    assert greedy_pack(units, cycle, **kwargs, farthest_fit=True).units_per_cycle == 3
     assert best.solver == "cp-sat" and best.status == "OPTIMAL"
     assert (greedy.empty_bubbles[0].slot, greedy.empty_bubbles[0].reason) == (1, "too_short")
     assert [(c.slot, c.num_units) for c in best.chunks[:2]] == [(0, 2), (1, 2)]
+
+
+def test_cpsat_leaves_a_bubble_empty_so_state_is_not_stranded():
+    # One iteration is fwd (2 ms, leaves 20 ms worth of state) then bwd (30 ms). In bubble A
+    # (25 ms) fwd alone fits with its offload (22 ms) but fwd,bwd (32 ms) does not, so greedy and
+    # farthest-fit run fwd there, and from then on every bubble would need 20 ms reload + 30 ms
+    # bwd: the job is stuck for good. CP-SAT leaves A empty and runs whole iterations in B (40 ms).
+    units = [unit("fwd", 2, state=20), unit("bwd", 30)]
+    cycle = [bubble(0, 25), bubble(1, 40)]
+    kwargs = dict(EXACT, state_swap_bw=1.0 / MS, cycles=3)
+    for farthest_fit in (False, True):
+        stuck = greedy_pack(units, cycle, **kwargs, farthest_fit=farthest_fit)
+        assert stuck.units_completed == 1
+    best = cpsat_pack(units, cycle, **kwargs, time_limit_s=2.0)
+    assert best.units_completed == 6 and best.status == "OPTIMAL"
+    assert {(e.slot, e.reason) for e in best.empty_bubbles} == {(0, "skipped")}
+
+
+@settings(max_examples=100, deadline=None)
+@given(units=units_st, cycle=cycle_st, kwargs=kwargs_st)
+def test_farthest_fit_is_valid_and_matches_greedy_without_state_swapping(units, cycle, kwargs):
+    farthest = greedy_pack(units, cycle, **kwargs, farthest_fit=True)
+    validate_packing(farthest, units, cycle)
+    if kwargs["state_swap_bw"] is None:
+        assert farthest.chunks == greedy_pack(units, cycle, **kwargs).chunks
 
 
 def test_greedy_follows_algorithm_1_across_iterations_and_cycles():

@@ -1,0 +1,104 @@
+"""Pack fill jobs into a main plan's bubbles: per pipeline rank, the job configuration and
+residency that recover the most useful FLOPs per iteration.
+
+The default solver is PipeFill's greedy: with costs that do not depend on where a chunk ends (our
+model: activations stay on the device between bubbles, inside the chunk's memory), greedy is never
+behind any valid packing after any bubble, hence optimal (see planner/fill/packing.py). "cpsat"
+re-solves the chosen packing with CP-SAT (never worse; it only wins when chunk boundaries cost).
+
+A job stays resident when its resident memory fits every bubble it uses; otherwise (inference
+jobs) its weights are loaded per bubble with PipeSwitch's pipelined transmission, whose
+non-overlapped part is charged to every chunk as launch overhead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from targets.specs import Target
+
+from .packing import DEFAULT_LAUNCH_OVERHEAD_S, BubbleSlot, Packing, cpsat_pack, greedy_pack
+from .pipeswitch import TransferOverhead, dp_grouping
+from .profiles import FillProfile
+
+__all__ = ["RankFill", "FillAssignment", "assign_fill", "load_overhead_s"]
+
+PCIE_CALL_S = 10e-6  # per transfer (PipeSwitch 4.2's fixed cost; assumption for the target)
+SYNC_S = 20e-6
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RankFill:
+    rank: int
+    profile: FillProfile
+    resident: bool
+    packing: Packing
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class FillAssignment:
+    per_rank: tuple[RankFill | None, ...]
+    iteration_s: float
+    fill_flops_per_gpu_s: float  # averaged over pipeline ranks
+    bubble_time_used: float  # fraction of all bubble time
+    unplaceable: dict[str, str] = field(default_factory=dict)
+
+
+def load_overhead_s(profile: FillProfile, target: Target) -> float:
+    """Transmission time PipeSwitch's optimal grouping cannot hide behind execution."""
+    g = dp_grouping(list(profile.layers), target.gpu.pcie_bw, TransferOverhead(pcie_call_s=PCIE_CALL_S, sync_s=SYNC_S))
+    return max(g.latency_s - sum(layer.exec_time_s for layer in profile.layers), 0.0)
+
+
+def _options(profiles: list[FillProfile], cycle: list[BubbleSlot], target: Target):
+    """(profile, resident, launch overhead, resident bytes) choices for one rank."""
+    min_free = min((s.free_bytes for s in cycle), default=0)
+    for prof in profiles:
+        if prof.resident_bytes <= min_free:
+            yield prof, True, DEFAULT_LAUNCH_OVERHEAD_S, prof.resident_bytes
+        elif prof.kind == "infer":  # weights streamed in per bubble; memory needed only while it runs
+            units = tuple(replace(u, mem_bytes=u.mem_bytes + prof.resident_bytes) for u in prof.units)
+            yield replace(prof, units=units), False, DEFAULT_LAUNCH_OVERHEAD_S + load_overhead_s(prof, target), 0
+
+
+def _why_not(profiles: list[FillProfile], cycles: list[list[BubbleSlot]], margin: float) -> str:
+    longest = max((s.duration_s for c in cycles for s in c), default=0.0) * (1 - margin)
+    most = max((s.free_bytes for c in cycles for s in c), default=0)
+    shortest = min(min(u.time_s for u in p.units) for p in profiles)
+    leanest = min(min(u.mem_bytes for u in p.units) for p in profiles)
+    if shortest > longest:
+        return f"its smallest unit takes {shortest * 1e3:.2f} ms, longer than every usable bubble ({longest * 1e3:.2f} ms)"
+    if leanest > most:
+        return f"its smallest unit needs {leanest / 2**30:.2f} GiB, more than any bubble has free ({most / 2**30:.2f} GiB)"
+    return "no configuration fits both the time and the memory of any bubble"
+
+
+def assign_fill(cycles: list[list[BubbleSlot]], iteration_s: float, jobs: dict[str, list[FillProfile]],
+                target: Target, *, safety_margin: float = 0.1, solver: str = "greedy",
+                time_limit_s: float = 1.0) -> FillAssignment:
+    """cycles[r] is pipeline rank r's bubbles in one iteration (with the free memory of each)."""
+    per_rank: list[RankFill | None] = []
+    feasible: set[str] = set()  # jobs that fit some bubble somewhere, chosen or not
+    for r, cycle in enumerate(cycles):
+        best: RankFill | None = None
+        for profiles in jobs.values():
+            for prof, resident, overhead, res_bytes in _options(profiles, cycle, target):
+                pk = greedy_pack(prof.units, cycle, safety_margin=safety_margin, launch_overhead_s=overhead,
+                                 resident_bytes=res_bytes, cycles=2)
+                if pk.units_completed:
+                    feasible.add(prof.job)
+                if pk.units_completed and (best is None or pk.flops_per_cycle > best.packing.flops_per_cycle):
+                    best = RankFill(rank=r, profile=prof, resident=resident, packing=pk)
+        if best is not None and solver == "cpsat":
+            p = best.packing.params
+            best = replace(best, packing=cpsat_pack(best.profile.units, cycle, safety_margin=safety_margin,
+                                                    launch_overhead_s=p.launch_overhead_s,
+                                                    resident_bytes=p.resident_bytes, cycles=2,
+                                                    time_limit_s=time_limit_s, hint=best.packing))
+        per_rank.append(best)
+    total_bubble = sum(s.duration_s for c in cycles for s in c)
+    used = sum(sum(ch.time_s for ch in rf.packing.chunks) / rf.packing.params.cycles for rf in per_rank if rf)
+    flops = sum(rf.packing.flops_per_cycle for rf in per_rank if rf)
+    unplaceable = {name: _why_not(profs, cycles, safety_margin) for name, profs in jobs.items() if name not in feasible}
+    return FillAssignment(per_rank=tuple(per_rank), iteration_s=iteration_s,
+                          fill_flops_per_gpu_s=flops / (len(cycles) * iteration_s) if cycles else 0.0,
+                          bubble_time_used=used / total_bubble if total_bubble else 0.0, unplaceable=unplaceable)

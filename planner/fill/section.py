@@ -1,0 +1,37 @@
+"""The plan file's fill section, from a joint choice."""
+from __future__ import annotations
+
+from planner.plan import Fill, FillChunk, FillJob, FillPredictions
+
+from .joint import JointChoice
+from .spec import FillSpec
+
+__all__ = ["fill_section"]
+
+
+def fill_section(joint: JointChoice, spec: FillSpec) -> Fill:
+    specs = {j.name: j for j in spec.jobs}
+    jobs: dict[str, FillJob] = {}
+    chunks: list[FillChunk] = []
+    for rf in joint.fill.per_rank:
+        if rf is None:
+            continue
+        prof = rf.profile
+        key = f"{prof.job}@b{prof.batch_size}-{prof.config}"
+        if key not in jobs:
+            js = specs[prof.job]
+            jobs[key] = FillJob(name=key, model_file=js.model, model_sha256=prof.sha256, model_args=js.model_args,
+                                kind=prof.kind, batch_size=prof.batch_size, config=prof.config,
+                                units=[u.name for u in prof.units], unit_time_s=[u.time_s for u in prof.units],
+                                resident=rf.resident)
+        first_cycle = [ch for ch in rf.packing.chunks if ch.cycle == 0]
+        chunks.extend(FillChunk(job=key, rank=rf.rank, bubble_id=ch.bubble_id, first_unit=ch.first_unit,
+                                units=ch.num_units, expected_s=ch.time_s, memory_bytes=ch.mem_bytes)
+                      for ch in first_cycle)
+    fa = joint.fill
+    return Fill(safety_margin=spec.safety_margin, jobs=list(jobs.values()), chunks=chunks,
+                predictions=FillPredictions(fill_tflops_per_gpu=fa.fill_flops_per_gpu_s / 1e12,
+                                            bubble_time_used=fa.bubble_time_used,
+                                            total_useful_tflops_per_gpu=(joint.main_useful_per_gpu +
+                                                                         fa.fill_flops_per_gpu_s) / 1e12,
+                                            offload_optimizer=joint.offload, unplaceable=fa.unplaceable))

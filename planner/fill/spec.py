@@ -1,0 +1,103 @@
+"""Fill-job specification: a YAML file of independent jobs to run inside the bubbles.
+
+    jobs:
+      - name: bert-infer
+        model: ../examples/bert.py      # relative to this file
+        model_args: {preset: base}
+        kind: infer                     # train | infer
+        batch_sizes: [8, 16, 32]
+        work: {samples: 200000}         # or {iterations: N}
+        arrival_s: 0
+        deadline_s: 7200                # optional
+        priority: 1                     # optional, higher first
+    safety_margin: 0.1                  # optional: share of every bubble left unused
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from passes.errors import UserError
+
+__all__ = ["FillJobSpec", "FillSpec", "load_fill_spec"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Work(_Strict):
+    samples: Optional[int] = Field(None, gt=0, description="samples to process")
+    iterations: Optional[int] = Field(None, gt=0, description="training or inference steps")
+
+    @model_validator(mode="after")
+    def _one(self) -> "Work":
+        if (self.samples is None) == (self.iterations is None):
+            raise ValueError("give exactly one of samples or iterations")
+        return self
+
+
+class FillJobSpec(_Strict):
+    name: str = Field(min_length=1)
+    model: str = Field(description="model file (build_model, example_inputs), relative to the YAML file")
+    model_args: dict[str, Union[bool, int, float, str]] = Field(default_factory=dict)
+    kind: Literal["train", "infer"]
+    batch_sizes: list[int] = Field(min_length=1)
+    work: Work
+    arrival_s: float = Field(0.0, ge=0)
+    deadline_s: Optional[float] = Field(None, gt=0)
+    priority: int = 0
+    leaves: list[str] = Field(default_factory=list)
+
+    @field_validator("batch_sizes")
+    @classmethod
+    def _positive(cls, v: list[int]) -> list[int]:
+        if any(b < 1 for b in v):
+            raise ValueError(f"every batch size must be positive, got {v}")
+        return sorted(set(v))
+
+    def iterations(self, batch_size: int) -> int:
+        if self.work.iterations is not None:
+            return self.work.iterations
+        return -(-self.work.samples // batch_size)
+
+
+class FillSpec(_Strict):
+    jobs: list[FillJobSpec] = Field(min_length=1)
+    safety_margin: float = Field(0.1, ge=0, lt=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> "FillSpec":
+        names = [j.name for j in self.jobs]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ValueError(f"job names must be unique, repeated: {', '.join(sorted(dup))}")
+        return self
+
+
+def load_fill_spec(path: str | Path) -> FillSpec:
+    """Parse and validate; model paths become absolute (relative to the YAML file)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"fill file {path} does not exist") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"fill file {path} is not valid YAML{line}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"fill file {path} must be a mapping with a 'jobs' list")
+    try:
+        spec = FillSpec.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(x) for x in err["loc"])
+        raise UserError(f"fill file {path}: {where}: {err['msg']}") from None
+    for job in spec.jobs:
+        model = Path(job.model)
+        job.model = str(model if model.is_absolute() else (path.parent / model).resolve())
+    return spec
