@@ -9,7 +9,8 @@ from .simulate import SimCosts, SimResult, simulate
 
 __all__ = ["plan_simulation", "draw_plan"]
 
-COLORS = {"F": "#4c78a8", "B": "#f58518", "comm": "#54a24b", "OPT": "#b279a2", "bubble": "#e45756"}
+COLORS = {"F": "#4c78a8", "B": "#f58518", "comm": "#54a24b", "OPT": "#b279a2", "bubble": "#e45756",
+          "fill": "#72b7b2"}
 
 
 def plan_simulation(plan: Plan) -> SimResult:
@@ -34,6 +35,18 @@ def _color(action: str, kind: str) -> str:
     return COLORS["B"] if "B" in action.lstrip("0123456789")[:1] else COLORS["F"]
 
 
+def _draw_fill(ax, plan: Plan, sim: SimResult, scale: float) -> None:
+    """Fill chunks drawn inside their bubbles (one iteration of the repeating cycle)."""
+    if plan.fill is None:
+        return
+    where = {(b.rank, b.id): b for b in sim.bubbles}
+    for ch in plan.fill.chunks:
+        bub = where.get((ch.rank, ch.bubble_id))
+        if bub is not None:
+            ax.barh(ch.rank, min(ch.expected_s, bub.duration_s) * scale, left=bub.start_s * scale,
+                    color=COLORS["fill"], height=0.45, hatch="//", edgecolor="black", linewidth=0.2)
+
+
 def draw_plan(plan: Plan, path: str, max_labels: int = 200) -> None:
     try:
         import matplotlib
@@ -53,6 +66,7 @@ def draw_plan(plan: Plan, path: str, max_labels: int = 200) -> None:
             width = (iv.end - iv.start) * scale
             ax.barh(r, width, left=iv.start * scale, color=_color(iv.action, iv.kind), edgecolor="white",
                     linewidth=0.3, height=0.8)
+    _draw_fill(ax, plan, sim, scale)
     for bub in sim.bubbles:
         if labels < max_labels and bub.duration_s > 0.02 * sim.iteration_s:
             ax.text((bub.start_s + bub.duration_s / 2) * scale, bub.rank,

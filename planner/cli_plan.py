@@ -34,16 +34,25 @@ def plan(
     schedule: Optional[str] = typer.Option(None, "--schedule", help="pin: gpipe, 1f1b or interleaved"),
     allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let t span nodes"),
     shard_optimizer: bool = typer.Option(False, "--shard-optimizer", help="shard optimizer state over d"),
+    fill: Optional[str] = typer.Option(None, "--fill", help="fill-job YAML: pack these jobs into the bubbles"),
+    main_slack: float = typer.Option(0.0, "--main-slack", help="main throughput the fill may cost (0.05 = 5%)"),
+    offload: str = typer.Option("auto", "--offload", help="main-job optimizer offload to host: auto, on, off"),
+    fill_solver: str = typer.Option("greedy", "--fill-solver", help="greedy (PipeFill Alg. 1) or cpsat"),
     output: str = typer.Option("plan.json", "-o", "--output", help="where to write the plan"),
     as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of the summary"),
 ) -> None:
-    """Choose the whole PTD-P configuration for MODEL on N GPUs and write plan.json."""
+    """Choose the whole PTD-P configuration for MODEL on N GPUs (and the fill of its bubbles)."""
     from costmodels.memory import MemoryConfig
 
     from .api import make_plan, parse_model_args
     from .search import Pins
 
+    from .fill.spec import load_fill_spec
+
     with user_errors():
+        if offload not in ("auto", "on", "off") or fill_solver not in ("greedy", "cpsat"):
+            raise UserError("--offload takes auto, on or off and --fill-solver greedy or cpsat")
+        spec = load_fill_spec(fill) if fill else None
         pins = Pins(t=tp, p=pp, d=dp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
                     allow_cross_node_tp=allow_cross_node_tp)
         if global_batch < 1:
@@ -54,7 +63,8 @@ def plan(
             plan_, _ = make_plan(model, gpus=gpus, global_batch=global_batch, target=target,
                                  gpus_per_node=gpus_per_node, model_args=parse_model_args(model_arg), pins=pins,
                                  leaves=tuple(leaf), plan_path=output,
-                                 memory=MemoryConfig(shard_optimizer=shard_optimizer),
+                                 memory=MemoryConfig(shard_optimizer=shard_optimizer), fill=spec,
+                                 main_slack=main_slack, offload=offload, fill_solver=fill_solver,
                                  progress=lambda name: bar.update(task, description=f"pass: {name}"),
                                  search_progress=lambda i, n: bar.update(task, description="searching",
                                                                          completed=i, total=n))
@@ -99,9 +109,34 @@ def print_summary(p: Plan) -> None:
             alt.add_row(_cfg_text(a.config), f"{a.tflops_per_gpu:.1f}", f"{a.mfu:.1%}", _ms(a.iteration_s),
                         f"{a.peak_memory / GiB:.1f}", "yes" if a.simulated else "analytic")
         out.print(alt)
+    if p.fill is not None:
+        _print_fill(p)
     rej = ", ".join(f"{k}: {v}" for k, v in p.search.rejected.items())
     out.print(f"search: {p.search.evaluated} configurations in {p.search.seconds:.2f}s; rejected: {rej or 'none'}",
               highlight=False)
+
+
+def _print_fill(p: Plan) -> None:
+    f = p.fill
+    fp = f.predictions
+    out.print(f"fill: {fp.fill_tflops_per_gpu:.2f} TFLOP/s/GPU recovered, {fp.bubble_time_used:.0%} of bubble time "
+              f"used, total useful {fp.total_useful_tflops_per_gpu:.1f} TFLOP/s/GPU; main optimizer offload: "
+              f"{'yes' if fp.offload_optimizer else 'no'}", highlight=False)
+    table = Table(title="fill per pipeline rank")
+    for col in ("rank", "job", "resident", "chunks", "units/iteration", "busy in bubbles"):
+        table.add_column(col)
+    jobs = {j.name: j for j in f.jobs}
+    for rank in range(p.config.pp):
+        chunks = [c for c in f.chunks if c.rank == rank]
+        if not chunks:
+            table.add_row(str(rank), "-", "", "0", "0", "0")
+            continue
+        job = jobs[chunks[0].job]
+        table.add_row(str(rank), job.name, "yes" if job.resident else "loaded per bubble", str(len(chunks)),
+                      str(sum(c.units for c in chunks)), _ms(sum(c.expected_s for c in chunks)))
+    out.print(table)
+    for name, why in fp.unplaceable.items():
+        out.print(f"[yellow]unplaceable[/] {name}: {why}", highlight=False)
 
 
 @app.command()

@@ -18,10 +18,10 @@ Metrics (sources in the seeds folder, file 001 = PipeFill, 000 = FreeRide):
 - recovered fill TFLOP/s per GPU: fill FLOPs executed / (GPUs x horizon), PipeFill 6.1 (001 l.219:
   "total FLOPs executed ... divide this by the simulated fill-job completion times (wall-clock
   time); we average this value across all GPUs across the duration of the main job").
-- relative performance P and GPUs saved, PipeFill 6.2 (001 l.241, 251, 253): P compares a job's
+- relative performance P and GPUs saved, PipeFill 6.2 (001 l.241, 245, 253): P compares a job's
   speed while executing in bubbles, measured over "the total duration that they are executed (sum
   of all bubble durations used to complete the fill-job)" (l.241), with "their performance if they
-  were run on separate, exclusive GPUs" (l.251). So P = dedicated seconds of the work done / sum of
+  were run on separate, exclusive GPUs" (l.245). So P = dedicated seconds of the work done / sum of
   the durations of the bubbles the jobs ran in, and "for a main job using C GPUs with a bubble
   ratio of B and fill-job relative performance of P, we can approximate the GPUs saved by filling
   as C * B * P" (l.253). We also report ``gpus_worth``: dedicated seconds done / horizon, which is
