@@ -60,15 +60,29 @@ def _options(profiles: list[FillProfile], cycle: list[BubbleSlot], target: Targe
             yield replace(prof, units=units), False, DEFAULT_LAUNCH_OVERHEAD_S + load_overhead_s(prof, target), 0
 
 
+def _stuck_unit(units, cycle: list[BubbleSlot], margin: float, overhead: float, resident: int):
+    """The first unit that fits no bubble of the cycle (the job would stall there forever), or None."""
+    for u in units:
+        if not any(overhead + u.time_s <= s.duration_s * (1 - margin) and u.mem_bytes + resident <= s.free_bytes
+                   for s in cycle):
+            return u
+    return None
+
+
 def _why_not(profiles: list[FillProfile], cycles: list[list[BubbleSlot]], margin: float) -> str:
-    longest = max((s.duration_s for c in cycles for s in c), default=0.0) * (1 - margin)
-    most = max((s.free_bytes for c in cycles for s in c), default=0)
-    shortest = min(min(u.time_s for u in p.units) for p in profiles)
-    leanest = min(min(u.mem_bytes for u in p.units) for p in profiles)
-    if shortest > longest:
-        return f"its smallest unit takes {shortest * 1e3:.2f} ms, longer than every usable bubble ({longest * 1e3:.2f} ms)"
-    if leanest > most:
-        return f"its smallest unit needs {leanest / 2**30:.2f} GiB, more than any bubble has free ({most / 2**30:.2f} GiB)"
+    if not any(cycles):
+        return "the main plan leaves no bubbles"
+    slots = [s for c in cycles for s in c]
+    longest = max(s.duration_s for s in slots) * (1 - margin)
+    most = max(s.free_bytes for s in slots)
+    leanest = min(profiles, key=lambda p: max(u.time_s for u in p.units))
+    u = max(leanest.units, key=lambda u: u.time_s)
+    if u.time_s > longest:
+        return (f"its unit {u.name} takes {u.time_s * 1e3:.1f} ms even at batch {leanest.batch_size}, longer than "
+                f"every usable bubble ({longest * 1e3:.1f} ms)")
+    need = min(max(u.mem_bytes for u in p.units) + p.resident_bytes for p in profiles)
+    if need > most:
+        return f"it needs {need / 2**30:.2f} GiB, more than any bubble has free ({most / 2**30:.2f} GiB)"
     return "no configuration fits both the time and the memory of any bubble"
 
 
@@ -80,8 +94,13 @@ def assign_fill(cycles: list[list[BubbleSlot]], iteration_s: float, jobs: dict[s
     feasible: set[str] = set()  # jobs that fit some bubble somewhere, chosen or not
     for r, cycle in enumerate(cycles):
         best: RankFill | None = None
+        if not cycle:  # this rank never waits
+            per_rank.append(None)
+            continue
         for profiles in jobs.values():
             for prof, resident, overhead, res_bytes in _options(profiles, cycle, target):
+                if _stuck_unit(prof.units, cycle, safety_margin, overhead, res_bytes) is not None:
+                    continue
                 pk = greedy_pack(prof.units, cycle, safety_margin=safety_margin, launch_overhead_s=overhead,
                                  resident_bytes=res_bytes, cycles=2)
                 if pk.units_completed:

@@ -1,0 +1,720 @@
+"""The fill executor: one process per main-job rank that runs fill jobs inside the pipeline bubbles.
+
+It is FreeRide's side-task manager and worker for one GPU (§3.1, §3.2, appendix A.1-A.2) executing
+PipeFill's bubble signals (§4.2-4.3). Each fill job is a side task with its own process
+(planner/runtime/fill_task.py) and walks the state machine
+
+    SUBMITTED -CreateSideTask-> CREATED -InitSideTask-> PAUSED <-StartSideTask / PauseSideTask-> RUNNING
+    RUNNING -RunNextStep-> RUNNING;  CREATED | PAUSED | RUNNING -StopSideTask-> STOPPED
+
+CreateSideTask starts the task process, which builds the model with real weights (and its optimizer)
+in host memory; InitSideTask, run at the start of a bubble (A.2), moves it to the device and times
+every linearized unit; StartSideTask and PauseSideTask follow the bubbles; StopSideTask ends it when
+its work is done, it raised, or it was killed.
+
+Two interfaces (A.1). *iterative*: the manager sends one linearized unit at a time ("step") and
+starts it only if the bubble's usable time (duration x (1 - safety margin)) still covers the unit's
+profiled duration (the program-directed limit, §3.2.3). *imperative*: the task loops over its units
+on its own; the manager resumes it with SIGCONT and pauses it with SIGSTOP. Framework-enforced limit:
+a task that is not paused by the pause point (bubble end or deadline, whichever is first) plus the
+grace period is SIGKILLed (for the iterative interface that is the process running the late step)
+and recorded; the job is STOPPED, the main job never waits.
+
+Protocols (all over one-way pipes; writes below PIPE_BUF are atomic, so a stopped or killed task
+never leaves half a message):
+  client -> executor: BubbleBegin, BubbleEnd, Request("report" | "close")
+  executor -> client: ("ready", {job: state}), ("report", dict), ("closed", None), ("crashed", text)
+  executor -> task:   ("init", free_bytes), ("step", pos, free_bytes), ("run", free_bytes), ("stop",)
+  task -> executor:   ("created", info), ("inited", [unit seconds] | None), ("failed", text),
+                      ("step" | "unit", pos, start, end, start_mono, end_mono, iteration_done), ("done",)
+
+This module never imports torch: the manager stays light and starts fast.
+"""
+from __future__ import annotations
+
+import enum
+import math
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing import connection
+from typing import Any, Literal
+
+from planner.plan import FillJob, Plan
+
+__all__ = ["State", "Transition", "TRANSITIONS", "IllegalTransition", "SideTaskState", "ExecutorOptions",
+           "TaskSpec", "BubbleBegin", "BubbleEnd", "Request", "Executor", "executor_main"]
+
+Interface = Literal["iterative", "imperative"]
+
+
+class State(str, enum.Enum):
+    SUBMITTED = "SUBMITTED"
+    CREATED = "CREATED"
+    PAUSED = "PAUSED"
+    RUNNING = "RUNNING"
+    STOPPED = "STOPPED"
+
+
+class Transition(str, enum.Enum):
+    CREATE = "CreateSideTask"
+    INIT = "InitSideTask"
+    START = "StartSideTask"
+    RUN_NEXT_STEP = "RunNextStep"
+    PAUSE = "PauseSideTask"
+    STOP = "StopSideTask"
+
+
+TRANSITIONS: dict[Transition, tuple[frozenset[State], State]] = {
+    Transition.CREATE: (frozenset({State.SUBMITTED}), State.CREATED),
+    Transition.INIT: (frozenset({State.CREATED}), State.PAUSED),
+    Transition.START: (frozenset({State.PAUSED}), State.RUNNING),
+    Transition.RUN_NEXT_STEP: (frozenset({State.RUNNING}), State.RUNNING),
+    Transition.PAUSE: (frozenset({State.RUNNING}), State.PAUSED),
+    Transition.STOP: (frozenset({State.CREATED, State.PAUSED, State.RUNNING}), State.STOPPED),
+}
+"""FreeRide Figure 3(a): transition -> (states it may start from, state it leads to)."""
+
+
+class IllegalTransition(RuntimeError):
+    """A transition that FreeRide's state machine does not allow from the task's current state."""
+
+
+@dataclass(kw_only=True, slots=True)
+class SideTaskState:
+    """One side task's state and the shared log every transition is appended to."""
+
+    job: str
+    state: State = State.SUBMITTED
+    log: list[dict[str, Any]] = field(default_factory=list)
+
+    def can(self, transition: Transition) -> bool:
+        return self.state in TRANSITIONS[transition][0]
+
+    def apply(self, transition: Transition, *, reason: str = "", at: float | None = None) -> State:
+        sources, target = TRANSITIONS[transition]
+        if self.state not in sources:
+            allowed = " or ".join(sorted(s.value for s in sources))
+            raise IllegalTransition(f"{transition.value} is not allowed from {self.state.value} (fill job "
+                                    f"{self.job!r}); it starts from {allowed}")
+        self.log.append({"t": time.time() if at is None else at, "job": self.job, "transition": transition.value,
+                         "from": self.state.value, "to": target.value, "reason": reason})
+        self.state = target
+        return target
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ExecutorOptions:
+    """How the executor runs its fill jobs (the plan says which jobs and bubbles, not these)."""
+
+    interface: dict[str, Interface] = field(default_factory=dict)
+    """Fill job name -> side-task interface; jobs not named use `default_interface`."""
+    default_interface: Interface = "iterative"
+    iterations: dict[str, int] = field(default_factory=dict)
+    """Fill job name -> iterations after which its work is done (STOPPED); absent: runs until shutdown."""
+    profile_reps: int = 2
+    """Timed passes over the linearized units during InitSideTask (after one warm-up pass)."""
+    step_safety: float = 1.25
+    """A step starts only if usable time left >= profiled (or recently observed) time x this + overhead."""
+    step_overhead_s: float = 1e-3
+    cpu_threads: int = 1
+    """torch threads of a task process on CPU, so fill work does not crowd the main job's cores."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        bad = {k: v for k, v in self.interface.items() if v not in ("iterative", "imperative")}
+        if bad or self.default_interface not in ("iterative", "imperative"):
+            raise ValueError(f"interfaces must be 'iterative' or 'imperative', got {bad or self.default_interface}")
+        if self.profile_reps < 1 or self.step_safety < 1 or self.cpu_threads < 1:
+            raise ValueError(f"profile_reps={self.profile_reps} and cpu_threads={self.cpu_threads} must be >= 1, "
+                             f"step_safety={self.step_safety} must be >= 1")
+
+    def interface_of(self, job: str) -> Interface:
+        return self.interface.get(job, self.default_interface)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TaskSpec:
+    """What a task process needs to run one fill job."""
+
+    job: str
+    model_file: str
+    model_sha256: str
+    model_args: dict[str, Any]
+    kind: Literal["train", "infer"]
+    batch_size: int
+    units: tuple[str, ...]
+    """The plan's linearized units; the task checks its own linearization has as many."""
+    device: str
+    interface: Interface
+    iterations: int | None
+    profile_reps: int = 2
+    cpu_threads: int = 1
+    seed: int = 0
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BubbleBegin:
+    seq: int
+    bubble_id: int
+    duration_s: float
+    free_bytes: int
+    called_at: float
+    """time.time() when the main job called bubble_begin."""
+    start_wall: float
+    """When the bubble starts: the call, or the GPU going idle when a ready event was given."""
+    start_mono: float
+    ended: bool = False
+    """bubble_end was called before the ready event fired: nothing may run."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BubbleEnd:
+    seq: int
+    bubble_id: int
+    wall: float
+    mono: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Request:
+    kind: Literal["report", "close"]
+
+
+@dataclass(kw_only=True, slots=True)
+class Occurrence:
+    """One occurrence of a bubble on this rank and what the fill jobs did in it."""
+
+    bubble_id: int
+    seq: int
+    duration_s: float
+    free_bytes: int
+    called_at: float
+    start_wall: float
+    start_mono: float
+    margin: float
+    jobs: list[str]
+    planned_units: dict[str, float]
+    end_wall: float | None = None
+    end_mono: float | None = None
+    paused: bool = False
+    acted: bool = False
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    overruns: list[dict[str, Any]] = field(default_factory=list)
+    kills: list[dict[str, Any]] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    units_done: int = 0
+    samples_done: int = 0
+
+    @property
+    def deadline_mono(self) -> float:
+        return self.start_mono + self.duration_s
+
+    @property
+    def usable_mono(self) -> float:
+        return self.start_mono + self.duration_s * (1.0 - self.margin)
+
+    def pause_mono(self) -> float:
+        """PauseSideTask is due at the bubble's end or its deadline, whichever comes first."""
+        return min(self.deadline_mono, math.inf if self.end_mono is None else self.end_mono)
+
+    def sigstop_mono(self) -> float:
+        """An imperative task is stopped at the end of the usable time (its kernels may still drain)."""
+        return min(self.usable_mono, math.inf if self.end_mono is None else self.end_mono)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"bubble_id": self.bubble_id, "seq": self.seq, "main_begin": self.called_at,
+                "gpu_idle": self.start_wall, "main_end": self.end_wall,
+                "deadline": self.start_wall + self.duration_s,
+                "usable_until": self.start_wall + self.duration_s * (1.0 - self.margin),
+                "duration_s": self.duration_s, "free_bytes": self.free_bytes, "jobs": list(self.jobs),
+                "planned_units": dict(self.planned_units), "units_done": self.units_done,
+                "samples_done": self.samples_done, "steps": self.steps, "overruns": self.overruns,
+                "kills": self.kills, "errors": self.errors}
+
+
+def _task_entry(spec: TaskSpec, rx: Any, tx: Any) -> None:
+    from planner.runtime.fill_task import task_main  # torch is imported only in the task process
+
+    task_main(spec, rx, tx)
+
+
+def _is_stopped(pid: int) -> bool:
+    """Whether the kernel has the process in the stopped state ('T'); true where /proc is missing."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read()
+    except FileNotFoundError:
+        return not os.path.isdir("/proc/self")
+    return stat[stat.rindex(b")") + 2:][:1] in (b"T", b"t")
+
+
+
+class TaskHandle:
+    """The manager's side of one side task: its process, pipes, state machine and progress."""
+
+    def __init__(self, spec: TaskSpec, job: FillJob, log: list[dict[str, Any]]) -> None:
+        self.spec, self.job = spec, job
+        self.sm = SideTaskState(job=spec.job, log=log)
+        self.proc: Any = None
+        self.to_task: Any = None
+        self.from_task: Any = None
+        self.loaded = False  # CREATED and its context (model, optimizer) is in host memory
+        self.busy: dict[str, Any] | None = None  # the RPC in flight: init or one step
+        self.kill_at: float | None = None  # a pause is pending: SIGKILL at this monotonic time
+        self.pause_occ: Occurrence | None = None
+        self.overrun: dict[str, Any] | None = None
+        self.sigstopped = False
+        self.looping = False  # imperative: its own loop was started
+        self.pos = 0  # next position in the job's stream of linearized units
+        self.iterations = 0
+        self.samples = 0
+        self.profile: list[float] | None = None
+        self.observed: dict[int, float] = {}
+        self.linearized: list[str] = list(spec.units)
+        self.stop_reason: str | None = None
+        self.error: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.spec.job
+
+    @property
+    def iterative(self) -> bool:
+        return self.spec.interface == "iterative"
+
+    @property
+    def live(self) -> bool:
+        return self.proc is not None and self.sm.state is not State.STOPPED
+
+    def spawn(self, ctx: Any) -> None:
+        task_rx, to_task = ctx.Pipe(duplex=False)
+        from_task, task_tx = ctx.Pipe(duplex=False)
+        self.proc = ctx.Process(target=_task_entry, args=(self.spec, task_rx, task_tx),
+                                name=f"fxp-fill-{self.name}", daemon=True)
+        self.proc.start()
+        task_rx.close()
+        task_tx.close()  # else EOF never comes when the task dies
+        self.to_task, self.from_task = to_task, from_task
+
+    def send(self, msg: tuple) -> bool:
+        try:
+            self.to_task.send(msg)
+            return True
+        except (OSError, ValueError):
+            return False  # the process is gone; its sentinel reports it
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.kill(self.proc.pid, sig)
+        except (ProcessLookupError, TypeError):
+            pass
+
+    def unit_name(self, pos: int | None) -> str:
+        return "init" if pos is None else self.linearized[pos % len(self.linearized)]
+
+    def estimate(self, pos: int, opts: ExecutorOptions) -> float:
+        """Program-directed limit: the step's profiled time, or its recent time if longer, with margin."""
+        k = pos % len(self.linearized)
+        base = max(self.profile[k] if self.profile else 0.0, self.observed.get(k, 0.0))
+        return base * opts.step_safety + opts.step_overhead_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "kind": self.spec.kind, "interface": self.spec.interface,
+                "batch_size": self.spec.batch_size, "state": self.sm.state.value, "stop_reason": self.stop_reason,
+                "error": self.error, "units_done": self.pos, "iterations_done": self.iterations,
+                "samples_done": self.samples, "units": self.linearized,
+                "profile_s": dict(zip(self.linearized, self.profile)) if self.profile else None,
+                "predicted_s": dict(zip(self.job.units, self.job.unit_time_s))}
+
+
+class Executor:
+    """The manager loop of one rank: bubble signals in, side-task transitions out."""
+
+    def __init__(self, plan: Plan, pipeline_rank: int, global_rank: int, device: str,
+                 measured_bubbles: dict[int, float] | None, grace_s: float, options: ExecutorOptions,
+                 cmd: Any, out: Any) -> None:
+        if plan.fill is None:
+            raise ValueError("the plan has no fill section")
+        self.rank, self.global_rank, self.device = pipeline_rank, global_rank, device
+        self.grace_s, self.options, self.cmd, self.out = grace_s, options, cmd, out
+        self.margin = plan.fill.safety_margin
+        self.measured = {int(k): float(v) for k, v in (measured_bubbles or {}).items()}
+        chunks = [c for c in plan.fill.chunks if c.rank == pipeline_rank]
+        self.bubble_jobs: dict[int, list[str]] = {}
+        units: dict[int, dict[str, list[int]]] = {}
+        for c in chunks:
+            names = self.bubble_jobs.setdefault(c.bubble_id, [])
+            names.append(c.job) if c.job not in names else None
+            units.setdefault(c.bubble_id, {}).setdefault(c.job, []).append(c.units)
+        self.planned = {b: {j: sum(u) / len(u) for j, u in per.items()} for b, per in units.items()}
+        free = {b.id: b.free_bytes for b in plan.bubbles if b.rank == pipeline_rank}
+        self.log: list[dict[str, Any]] = []
+        self.tasks: dict[str, TaskHandle] = {}
+        self.job_free: dict[str, int] = {}
+        for job in plan.fill.jobs:
+            bubbles = [b for b, names in self.bubble_jobs.items() if job.name in names]
+            if bubbles:
+                self.tasks[job.name] = TaskHandle(self._spec(job), job, self.log)
+                self.job_free[job.name] = min((free[b] for b in bubbles if b in free), default=2**62)
+        self.occs: list[Occurrence] = []
+        self.cur: Occurrence | None = None
+        self.errors: list[dict[str, Any]] = []
+        self.kills: list[dict[str, Any]] = []
+        self.finished = False
+        self.ready_sent = False
+        self.started_at = time.time()
+        self.offset = time.time() - time.monotonic()
+
+    def _spec(self, job: FillJob) -> TaskSpec:
+        o = self.options
+        return TaskSpec(job=job.name, model_file=job.model_file, model_sha256=job.model_sha256,
+                        model_args=dict(job.model_args), kind=job.kind, batch_size=job.batch_size,
+                        units=tuple(job.units), device=self.device, interface=o.interface_of(job.name),
+                        iterations=o.iterations.get(job.name), profile_reps=o.profile_reps,
+                        cpu_threads=o.cpu_threads, seed=o.seed)
+
+    def wall(self, mono: float) -> float:
+        return mono + self.offset
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        ctx = mp.get_context("spawn")
+        for t in self.tasks.values():
+            self._create(t, ctx)
+        self._maybe_ready()
+        try:
+            while not self.finished:
+                self._wait(self._timeout(time.monotonic()))
+                self._tick(time.monotonic())
+        finally:
+            self._stop_all("executor exit")
+            self._reap()
+
+    def _create(self, t: TaskHandle, ctx: Any) -> None:
+        try:
+            t.spawn(ctx)
+        except Exception as exc:  # noqa: BLE001 - a fill job that cannot start is recorded, never raised
+            t.proc = None
+            t.stop_reason, t.error = "failed", f"could not start its process: {exc}"
+            self.errors.append({"job": t.name, "at": time.time(), "message": t.error, "unit": None})
+            return
+        t.sm.apply(Transition.CREATE, reason=f"task process {t.proc.pid} started ({t.spec.interface} interface)")
+
+    def _timeout(self, now: float) -> float:
+        wake = [0.5]
+        cur = self.cur
+        if cur is not None and not cur.paused:
+            wake += [cur.pause_mono() - now, cur.sigstop_mono() - now]
+        for t in self.tasks.values():
+            if t.live and t.kill_at is not None:
+                wake.append(t.kill_at - now)
+                if not t.iterative:
+                    wake.append(0.002)  # poll /proc until SIGSTOP shows
+        return max(0.0, min(wake))
+
+    def _wait(self, timeout: float) -> None:
+        waitables: dict[Any, TaskHandle | None] = {self.cmd: None}
+        for t in self.tasks.values():
+            if t.live:
+                waitables[t.from_task] = t
+                waitables[t.proc.sentinel] = t
+        exited = []
+        for obj in connection.wait(list(waitables), timeout):
+            t = waitables[obj]
+            if t is None:
+                self._drain_cmd()
+            elif obj is t.from_task:
+                self._drain_task(t)
+            else:
+                exited.append(t)
+        for t in exited:
+            self._drain_task(t)
+            if t.live:
+                t.proc.join(timeout=0.1)
+                self._failed(t, f"task process exited with code {t.proc.exitcode}")
+
+    def _drain_cmd(self) -> None:
+        while not self.finished:
+            try:
+                if not self.cmd.poll():
+                    return
+                msg = self.cmd.recv()
+            except (EOFError, OSError):
+                self._stop_all("the main job closed the connection")
+                self.finished = True
+                return
+            if isinstance(msg, BubbleBegin):
+                self._begin(msg)
+            elif isinstance(msg, BubbleEnd):
+                self._end(msg)
+            elif isinstance(msg, Request):
+                self._request(msg)
+
+    def _drain_task(self, t: TaskHandle) -> None:
+        while t.live:
+            try:
+                if not t.from_task.poll():
+                    return
+                msg = t.from_task.recv()
+            except (EOFError, OSError):
+                return  # the sentinel tells
+            self._on_task(t, msg)
+
+    def _tick(self, now: float) -> None:
+        cur = self.cur
+        if cur is not None and not cur.paused:
+            if now >= cur.sigstop_mono():
+                self._sigstop_all(cur)
+            if now >= cur.pause_mono():
+                self._pause(cur)
+        self._check_pending(now)
+        if cur is not None and not cur.paused:
+            self._serve(cur, now)
+
+    # ---- bubbles ---------------------------------------------------------------------------------
+
+    def _begin(self, msg: BubbleBegin) -> None:
+        if self.cur is not None and not self.cur.paused:
+            if self.cur.end_mono is None:
+                self.cur.end_mono = msg.start_mono  # bubble_end never came: the next bubble closes it
+            self._pause(self.cur)
+        duration = min(msg.duration_s, self.measured.get(msg.bubble_id, math.inf))
+        occ = Occurrence(bubble_id=msg.bubble_id, seq=msg.seq, duration_s=max(0.0, duration),
+                         free_bytes=msg.free_bytes, called_at=msg.called_at, start_wall=msg.start_wall,
+                         start_mono=msg.start_mono, margin=self.margin,
+                         jobs=list(self.bubble_jobs.get(msg.bubble_id, [])),
+                         planned_units=dict(self.planned.get(msg.bubble_id, {})))
+        if msg.ended:
+            occ.end_mono = msg.start_mono
+        self.occs.append(occ)
+        self.cur = occ
+
+    def _end(self, msg: BubbleEnd) -> None:
+        for occ in reversed(self.occs):
+            if occ.seq == msg.seq:
+                occ.end_wall = msg.wall
+                occ.end_mono = msg.mono if occ.end_mono is None else min(occ.end_mono, msg.mono)
+                return
+
+    def _serve(self, cur: Occurrence, now: float) -> None:
+        """A.2: a new bubble inits the current task if it is CREATED, else starts it; then steps."""
+        t = next((self.tasks[n] for n in cur.jobs if self.tasks[n].live and self.tasks[n].loaded), None)
+        if t is None or t.busy is not None or t.kill_at is not None or now >= cur.usable_mono:
+            return
+        if t.sm.state is State.CREATED:
+            if not cur.acted and t.send(("init", cur.free_bytes)):
+                t.busy = {"what": "init", "pos": None, "sent": now, "occ": cur}
+            cur.acted = True
+            return
+        if t.sm.state is State.PAUSED:
+            if not t.iterative and now >= cur.sigstop_mono():
+                return
+            self._start(t, cur, now)
+        if t.sm.state is State.RUNNING and t.iterative and now + t.estimate(t.pos, self.options) <= cur.usable_mono:
+            if t.send(("step", t.pos, cur.free_bytes)):
+                t.busy = {"what": "step", "pos": t.pos, "sent": now, "occ": cur}
+                t.sm.apply(Transition.RUN_NEXT_STEP, reason=t.unit_name(t.pos))
+
+    def _start(self, t: TaskHandle, cur: Occurrence, now: float) -> None:
+        cur.acted = True
+        if not t.iterative:
+            if t.looping:
+                t.signal(signal.SIGCONT)
+            else:
+                t.looping = t.send(("run", min(cur.free_bytes, self.job_free[t.name])))
+            t.sigstopped = False
+        left = (cur.usable_mono - now) * 1e3
+        t.sm.apply(Transition.START, reason=f"bubble {cur.bubble_id}, {left:.1f} ms usable")
+
+    def _sigstop_all(self, cur: Occurrence) -> None:
+        for t in self.tasks.values():
+            if t.live and not t.iterative and t.sm.state is State.RUNNING and not t.sigstopped:
+                t.signal(signal.SIGSTOP)
+                t.sigstopped = True
+                t.kill_at, t.pause_occ = cur.pause_mono() + self.grace_s, cur
+
+    def _pause(self, cur: Occurrence) -> None:
+        """PauseSideTask for every running task; a task busy past this point gets the grace period."""
+        cur.paused = True
+        self._sigstop_all(cur)
+        at = cur.pause_mono()
+        cause = "deadline" if at >= cur.deadline_mono else "bubble end"
+        for t in self.tasks.values():
+            if not t.live:
+                continue
+            if t.busy is not None:
+                t.kill_at, t.pause_occ = at + self.grace_s, cur
+                t.overrun = {"job": t.name, "unit": t.unit_name(t.busy["pos"]), "pos": t.busy["pos"],
+                             "started": self.wall(t.busy["sent"]), "pause_at": self.wall(at), "cause": cause,
+                             "finished_at": None, "killed": False}
+                cur.overruns.append(t.overrun)
+            elif t.iterative and t.sm.state is State.RUNNING:
+                t.sm.apply(Transition.PAUSE, reason=f"bubble {cur.bubble_id} {cause}")
+
+    def _check_pending(self, now: float) -> None:
+        for t in list(self.tasks.values()):
+            if not t.live or t.kill_at is None:
+                continue
+            if not t.iterative and t.busy is None and t.sm.state is State.RUNNING and _is_stopped(t.proc.pid):
+                t.kill_at = t.pause_occ = None
+                t.sm.apply(Transition.PAUSE, reason="SIGSTOP took effect")
+            elif now >= t.kill_at:
+                self._kill(t)
+
+    def _kill(self, t: TaskHandle) -> None:
+        """Framework-enforced limit (FreeRide 3.2.3): not paused by pause point + grace -> SIGKILL."""
+        t.signal(signal.SIGKILL)
+        what = t.busy["what"] if t.busy else "run"
+        rec = {"job": t.name, "what": what, "unit": t.unit_name(t.busy["pos"]) if t.busy else None,
+               "started": self.wall(t.busy["sent"]) if t.busy else None,
+               "limit": self.wall(t.kill_at), "killed_at": time.time(), "grace_s": self.grace_s}
+        if t.overrun is not None:
+            t.overrun["killed"] = True
+        if t.pause_occ is not None:
+            t.pause_occ.kills.append(rec)
+        self.kills.append(rec)
+        unit = f" ({rec['unit']})" if rec["unit"] else ""
+        self._stop(t, "killed", f"{what}{unit} still running {self.grace_s * 1e3:.0f} ms after the pause point")
+
+    # ---- task messages ---------------------------------------------------------------------------
+
+    def _on_task(self, t: TaskHandle, msg: tuple) -> None:
+        kind = msg[0]
+        if kind == "created":
+            t.loaded, t.linearized = True, list(msg[1]["units"])
+            self._maybe_ready()
+        elif kind == "inited":
+            self._inited(t, msg[1])
+        elif kind in ("step", "unit"):
+            self._progress(t, *msg[1:])
+        elif kind == "done":
+            self._stop(t, "done", f"{t.iterations} iterations done")
+        elif kind == "failed":
+            self._failed(t, msg[1])
+
+    def _late_finished(self, t: TaskHandle) -> None:
+        if t.overrun is not None:
+            t.overrun["finished_at"] = time.time()
+        t.kill_at = t.pause_occ = t.overrun = None
+
+    def _inited(self, t: TaskHandle, profile: list[float] | None) -> None:
+        t.busy, t.profile = None, profile
+        if t.kill_at is not None:
+            self._late_finished(t)
+        what = f"profiled {len(profile)} units, {sum(profile) * 1e3:.1f} ms per iteration" if profile else "on device"
+        t.sm.apply(Transition.INIT, reason=what)
+
+    def _progress(self, t: TaskHandle, pos: int, start: float, end: float, start_mono: float, end_mono: float,
+                  iteration_done: bool) -> None:
+        occ = t.busy["occ"] if t.busy else self.cur
+        if t.busy is not None:
+            k, dt = pos % len(t.linearized), time.monotonic() - t.busy["sent"]
+            t.observed[k] = dt if k not in t.observed else 0.7 * t.observed[k] + 0.3 * dt
+        t.busy = None
+        rec = {"job": t.name, "unit": t.unit_name(pos), "pos": pos, "iteration": pos // len(t.linearized),
+               "start": start, "end": end, "interface": t.spec.interface}
+        t.pos = pos + 1
+        if occ is not None:
+            occ.steps.append(rec)
+            occ.units_done += 1
+        if iteration_done:
+            t.iterations += 1
+            t.samples += t.spec.batch_size
+            if occ is not None:
+                occ.samples_done += t.spec.batch_size
+        if t.iterative and t.kill_at is not None:
+            self._late_finished(t)
+            t.sm.apply(Transition.PAUSE, reason="late step finished within the grace period")
+        if t.iterative and t.spec.iterations is not None and t.iterations >= t.spec.iterations:
+            self._stop(t, "done", f"{t.iterations} iterations done")
+
+    def _failed(self, t: TaskHandle, text: str) -> None:
+        occ = t.busy["occ"] if t.busy else (self.cur if t.sm.state is State.RUNNING else None)
+        rec = {"job": t.name, "at": time.time(), "message": text,
+               "unit": t.unit_name(t.busy["pos"]) if t.busy else None}
+        if occ is not None:
+            occ.errors.append(rec)
+        self.errors.append(rec)
+        t.error = text
+        self._stop(t, "failed", text)
+
+    def _stop(self, t: TaskHandle, reason: str, detail: str) -> None:
+        if t.sm.state is State.STOPPED:
+            return
+        if t.proc is not None and t.proc.is_alive():
+            if t.iterative and t.loaded and t.busy is None and reason != "killed":
+                t.send(("stop",))  # leaves on its own; reaped at exit
+            else:
+                t.signal(signal.SIGKILL)  # mid-step, still loading, or possibly SIGSTOPped
+        t.busy = t.kill_at = t.pause_occ = None
+        t.stop_reason = t.stop_reason or reason
+        if t.sm.can(Transition.STOP):
+            t.sm.apply(Transition.STOP, reason=f"{reason}: {detail}")
+        self._maybe_ready()
+
+    # ---- shutdown and report ---------------------------------------------------------------------
+
+    def _request(self, msg: Request) -> None:
+        self._stop_all(f"{msg.kind} requested")
+        if msg.kind == "report":
+            self._send(("report", self.report()))
+        else:
+            self._send(("closed", None))
+            self.finished = True
+
+    def _stop_all(self, why: str) -> None:
+        if self.cur is not None and not self.cur.paused:
+            self._pause(self.cur)
+        for t in self.tasks.values():
+            if t.sm.state is not State.STOPPED and t.proc is not None:
+                self._stop(t, "shutdown", why)
+
+    def _reap(self) -> None:
+        until = time.monotonic() + 2.0
+        for t in self.tasks.values():
+            if t.proc is None:
+                continue
+            t.proc.join(timeout=max(0.0, until - time.monotonic()))
+            if t.proc.is_alive():
+                t.proc.kill()
+                t.proc.join(timeout=1.0)
+
+    def _maybe_ready(self) -> None:
+        if not self.ready_sent and all(t.loaded or not t.live for t in self.tasks.values()):
+            self.ready_sent = True
+            self._send(("ready", {t.name: t.sm.state.value for t in self.tasks.values()}))
+
+    def _send(self, msg: tuple) -> None:
+        try:
+            self.out.send(msg)
+        except (OSError, ValueError):
+            pass  # the main job is gone
+
+    def report(self) -> dict[str, Any]:
+        return {"pipeline_rank": self.rank, "global_rank": self.global_rank, "device": self.device,
+                "executor_pid": os.getpid(), "grace_s": self.grace_s, "safety_margin": self.margin,
+                "started_at": self.started_at, "jobs": [t.to_dict() for t in self.tasks.values()],
+                "bubbles": [o.to_dict() for o in self.occs],
+                "overruns": [r for o in self.occs for r in o.overruns], "kills": self.kills,
+                "errors": self.errors, "transitions": self.log}
+
+
+def executor_main(plan_json: str, pipeline_rank: int, global_rank: int, device: str,
+                  measured_bubbles: dict[int, float] | None, grace_s: float, options: ExecutorOptions,
+                  cmd: Any, out: Any) -> None:
+    """Entry point of the executor process (started by FillClient.start with the spawn context)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main job's to handle; it closes us
+    try:
+        plan = Plan.model_validate_json(plan_json)
+        Executor(plan, pipeline_rank, global_rank, device, measured_bubbles, grace_s, options, cmd, out).run()
+    except BaseException:  # noqa: BLE001 - tell the main job why, then leave
+        try:
+            out.send(("crashed", traceback.format_exc()))
+        except OSError:
+            pass
+        raise SystemExit(1) from None

@@ -1,0 +1,418 @@
+"""Stage modules from a plan: trace, split by the plan's partition, tensor parallelism, shared weights.
+
+The traced graph is split with ``passes.split.split_by`` into *pieces*: one per virtual stage, or,
+when the plan recomputes activations, one per (stage, unit) so that each block unit can run under
+``torch.utils.checkpoint``. The split's top-level graph (placeholders, get_attr, calls of pieces,
+getitems, output) is the program the stages run between them:
+
+- a piece's result and its getitems belong to the piece's stage;
+- placeholders (model inputs) and get_attr nodes are evaluated locally by every stage that reads
+  them: every rank loads the data itself, and a weight read at top level (a tied LM head) is a
+  parameter of each stage that reads it;
+- a value produced by stage j and read by stage k > j travels j -> j+1 -> ... -> k: it is part of
+  every boundary in between (``StageProgram.send``/``recv``), so skip connections work too.
+
+Shapes of boundary tensors come from a meta pass: the model is built again on the meta device,
+traced and split the same way, and run on meta inputs of one microbatch; every rank runs it locally,
+so the receiver of a p2p transfer knows shape and dtype without a handshake. Non-tensor boundary
+values (Python ints of shapes) are constants of that pass and never travel.
+
+Tensor parallelism: the plan's ``tensor_parallel`` linears get ``ColwiseParallel`` /
+``RowwiseParallel`` with ``use_local_output=False``; every other parameter becomes a replicated
+DTensor and stage inputs are wrapped as replicated DTensors, so each op sees global shapes (the
+head count baked into ``view`` stays right). Where DTensor cannot propagate a sharding (unflattening
+a sharded dim of 3*hidden into (3, heads, d)), the piece interpreter replicates that op's inputs
+and retries: attention then runs replicated on each TP rank, the MLP stays Megatron-sharded.
+Correct on CPU, not fast. Stage outputs leave as full tensors.
+"""
+from __future__ import annotations
+
+import operator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from passes.errors import UserError
+from passes.load import ModelFile
+from passes.split import split_by
+from passes.trace import trace_model
+from passes.units import group_nodes
+
+from ..plan import Plan
+
+__all__ = ["Piece", "StageProgram", "TensorSpec", "SplitModel", "StageModule", "build_split", "boundary_specs",
+           "stage_modules", "apply_tensor_parallel", "implicit_replication"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Piece:
+    """One submodule of the split: part of one virtual stage."""
+
+    index: int
+    stage: int
+    checkpoint: bool
+    """Run under torch.utils.checkpoint (a block unit with recompute planned)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def grad(self) -> bool:
+        return self.dtype.is_floating_point or self.dtype.is_complex
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StageProgram:
+    """What one virtual stage evaluates of the split's top-level graph."""
+
+    stage: int
+    rank: int
+    nodes: tuple[str, ...]
+    """Top-level node names it evaluates, in graph order (local placeholders/get_attrs included)."""
+    recv: tuple[str, ...]
+    """Values it receives from stage - 1 (empty for stage 0)."""
+    send: tuple[str, ...]
+    """Values it sends to stage + 1 (empty for the last stage)."""
+    last: bool
+
+
+@dataclass(kw_only=True)
+class SplitModel:
+    """The split of the whole model; every rank builds it, then keeps its own stages."""
+
+    split: fx.GraphModule
+    pieces: list[Piece]
+    programs: list[StageProgram]
+    canonical: dict[int, str]
+    """id(parameter) -> its name in the model (the first name, for tied weights)."""
+    holders: dict[str, set[int]]
+    """Canonical parameter name -> pipeline ranks whose stages use it."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Splitting
+
+
+def _pieces(gm: fx.GraphModule, root: nn.Module, plan: Plan) -> tuple[dict[str, int], list[Piece]]:
+    """Node name -> piece index, and the pieces in graph order."""
+    stage_of = {name: s.stage for s in plan.partition for name in s.nodes}
+    recompute = plan.config.recompute != "none"  # 'selective' runs as 'full' (see README of runtime)
+    unit_of: dict[str, tuple[int, str]] = {}
+    if recompute:
+        for i, (_, kind, nodes) in enumerate(group_nodes(gm, root)):
+            unit_of.update({n.name: (i, kind) for n in nodes})
+    keys: dict[tuple[int, int], int] = {}
+    part_of: dict[str, int] = {}
+    pieces: list[Piece] = []
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        if node.name not in stage_of:
+            raise UserError(f"the plan's partition does not place fx node {node.name!r}; the model traced "
+                            "differently than when it was planned (leaves or model arguments changed?) - re-plan")
+        unit, kind = unit_of.get(node.name, (-1, ""))
+        key = (stage_of[node.name], unit)
+        if key not in keys:
+            keys[key] = len(pieces)
+            pieces.append(Piece(index=len(pieces), stage=key[0], checkpoint=kind == "block"))
+        part_of[node.name] = keys[key]
+    return part_of, pieces
+
+
+def _node_stages(split: fx.GraphModule, pieces: list[Piece]) -> dict[str, int]:
+    """Stage of each routed top-level node (piece calls and what is taken from their results)."""
+    stage: dict[str, int] = {}
+    for node in split.graph.nodes:
+        if node.op == "call_module":
+            stage[node.name] = pieces[int(str(node.target).removeprefix("submod_"))].stage
+        elif node.op == "call_function":
+            srcs = [stage[a.name] for a in node.all_input_nodes if a.name in stage]
+            if not srcs:
+                raise UserError(f"top-level node {node.name} of the split reads no stage output; cannot place it")
+            stage[node.name] = max(srcs)
+    return stage
+
+
+def _programs(split: fx.GraphModule, pieces: list[Piece], plan: Plan) -> list[StageProgram]:
+    n_stages, p = len(plan.partition), plan.config.pp
+    last = n_stages - 1
+    routed = _node_stages(split, pieces)
+    send: list[list[str]] = [[] for _ in range(n_stages)]
+    recv: list[list[str]] = [[] for _ in range(n_stages)]
+    local: list[set[str]] = [set() for _ in range(n_stages)]
+    for node in split.graph.nodes:
+        if node.op == "output":
+            continue
+        users = {last if u.op == "output" else routed[u.name] for u in node.users}
+        if node.name not in routed:  # placeholder / get_attr: evaluated by each reader
+            for s in users:
+                local[s].add(node.name)
+            continue
+        src = routed[node.name]
+        if users and min(users) < src:
+            raise UserError(f"value {node.name} of stage {src} is read by earlier stage {min(users)}; the plan's "
+                            "stages are not in data-flow order - re-plan")
+        for k in range(src, max(users, default=src)):
+            send[k].append(node.name)
+            recv[k + 1].append(node.name)
+    order = [n.name for n in split.graph.nodes if n.op != "output"]
+    return [StageProgram(stage=s, rank=s % p, recv=tuple(recv[s]), send=tuple(send[s]), last=s == last,
+                         nodes=tuple(n for n in order if routed.get(n) == s or n in local[s]))
+            for s in range(n_stages)]
+
+
+def _trace_split(model: nn.Module, plan: Plan) -> tuple[fx.GraphModule, list[Piece]]:
+    gm = trace_model(model, plan.source.leaves)
+    part_of, pieces = _pieces(gm, model, plan)
+    if {pc.stage for pc in pieces} != set(range(len(plan.partition))):
+        raise UserError(f"the plan has {len(plan.partition)} stages but its partition places nodes on stages "
+                        f"{sorted({pc.stage for pc in pieces})}")
+    return split_by(gm, model, part_of.__getitem__), pieces
+
+
+def build_split(model: nn.Module, plan: Plan) -> SplitModel:
+    """Trace ``model`` (real weights) and split it by the plan's partition."""
+    split, pieces = _trace_split(model, plan)
+    programs = _programs(split, pieces, plan)
+    canonical = {}
+    for name, param in model.named_parameters():  # dedup: a tied weight keeps its first name
+        canonical[id(param)] = name
+    holders: dict[str, set[int]] = {}
+    for prog in programs:
+        for param in _program_params(split, prog):
+            holders.setdefault(canonical[id(param)], set()).add(prog.rank)
+    return SplitModel(split=split, pieces=pieces, programs=programs, canonical=canonical, holders=holders)
+
+
+def _program_params(split: fx.GraphModule, prog: StageProgram) -> list[nn.Parameter]:
+    nodes = {n.name: n for n in split.graph.nodes}
+    out: list[nn.Parameter] = []
+    for name in prog.nodes:
+        node = nodes[name]
+        if node.op == "call_module":
+            out.extend(split.get_submodule(str(node.target)).parameters())
+        elif node.op == "get_attr":
+            value = _attr(split, str(node.target))
+            if isinstance(value, nn.Parameter):
+                out.append(value)
+    return out
+
+
+def _attr(module: nn.Module, target: str) -> Any:
+    *path, leaf = target.split(".")
+    for part in path:
+        module = getattr(module, part)
+    return getattr(module, leaf)
+
+
+def boundary_specs(model_file: ModelFile, plan: Plan) -> dict[str, TensorSpec | Any]:
+    """Shape pass on the meta device: every top-level value of one microbatch (b samples)."""
+    meta = model_file.build("meta", torch.float32)
+    meta.train()
+    split, _ = _trace_split(meta, plan)
+    inputs, _ = model_file.call("sample_batch", plan.config.microbatch, 0)
+    inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
+    interp = fx.Interpreter(split, garbage_collect_values=False)
+    with torch.no_grad():
+        interp.run(*inputs)
+    return {node.name: (TensorSpec(shape=tuple(v.shape), dtype=v.dtype) if isinstance(v, torch.Tensor) else v)
+            for node, v in interp.env.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Stage modules
+
+
+@contextmanager
+def implicit_replication(enabled: bool = True) -> Iterator[None]:
+    """DTensor ops treat plain tensors (masks, aranges) as replicated; reentrant, unlike torch's."""
+    if not enabled:
+        yield
+        return
+    from torch.distributed.tensor import DTensor
+
+    dispatcher = DTensor._op_dispatcher
+    old = dispatcher._allow_implicit_replication
+    dispatcher._allow_implicit_replication = True
+    try:
+        yield
+    finally:
+        dispatcher._allow_implicit_replication = old
+
+
+class _ReplicatingInterpreter(fx.Interpreter):
+    """Runs a piece on DTensors; an op whose sharding cannot propagate runs on replicated inputs."""
+
+    def __init__(self, module: fx.GraphModule, replicate: set[str]) -> None:
+        super().__init__(module)
+        self.replicate = replicate  # node names that needed it before; shared across calls
+
+    def run_node(self, n: fx.Node) -> Any:
+        if n.name not in self.replicate:
+            try:
+                return super().run_node(n)
+            except RuntimeError as exc:
+                if not _is_sharding_error(exc):
+                    raise
+                self.replicate.add(n.name)  # deterministic: every TP rank takes the same path
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        args, kwargs = torch.utils._pytree.tree_map(_replicated, (args, kwargs))
+        return getattr(self, n.op)(n.target, args, kwargs)
+
+
+def _is_sharding_error(exc: RuntimeError) -> bool:
+    text = str(exc)
+    return "redistribute" in text or "haring propagation" in text or "unevenly sharded" in text
+
+
+def _replicated(x: Any) -> Any:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if isinstance(x, DTensor) and any(not pl.is_replicate() for pl in x.placements):
+        return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
+    return x
+
+
+class StageModule(nn.Module):
+    """One virtual stage: its pieces and the top-level weights it reads, plus the program to run."""
+
+    def __init__(self, split: SplitModel, stage: int, constants: dict[str, Any]) -> None:
+        super().__init__()
+        self.program = split.programs[stage]
+        self.index = stage
+        nodes = {n.name: n for n in split.split.graph.nodes}
+        self._nodes = [nodes[name] for name in self.program.nodes]
+        self._output = next(n for n in split.split.graph.nodes if n.op == "output")
+        self.pieces = nn.ModuleDict()
+        self.attr_params = nn.ParameterDict()
+        self._attr_values: dict[str, Any] = {}
+        self._checkpointed = {f"submod_{pc.index}" for pc in split.pieces if pc.checkpoint}
+        for node in self._nodes:
+            if node.op == "call_module":
+                self.pieces[str(node.target)] = split.split.get_submodule(str(node.target))
+            elif node.op == "get_attr":
+                value = _attr(split.split, str(node.target))
+                if isinstance(value, nn.Parameter):
+                    self.attr_params[_key(node.target)] = value
+                else:
+                    self._attr_values[str(node.target)] = value
+        self._placeholders = [n.name for n in split.split.graph.nodes if n.op == "placeholder"]
+        self._constants = {name: constants[name] for name in self.program.recv if name in constants}
+        self.names = {local: split.canonical[id(p)] for local, p in self.named_parameters(remove_duplicate=False)}
+        """Local parameter name -> canonical name in the model."""
+        self.tp_mesh = None
+        self._replicate: dict[str, set[str]] = {}
+
+    def run(self, received: dict[str, Any], data: Sequence[Any]) -> tuple[list[Any], Any]:
+        """Evaluate the stage: returns (values to send, model output or None)."""
+        env: dict[str, Any] = dict(self._constants)
+        env.update({k: self._wrap_input(v) for k, v in received.items()})
+        with implicit_replication(self.tp_mesh is not None):
+            for node in self._nodes:
+                if node.name in env:
+                    continue
+                env[node.name] = self._eval(node, env, data)
+            sends = [self._unwrap(env[name]) for name in self.program.send]
+            out = None
+            if self.program.last:
+                out = torch.utils._pytree.tree_map(self._unwrap, fx.node.map_arg(self._output.args[0],
+                                                                                  lambda n: env[n.name]))
+        return sends, out
+
+    def _eval(self, node: fx.Node, env: dict[str, Any], data: Sequence[Any]) -> Any:
+        if node.op == "placeholder":
+            return self._wrap_input(data[self._placeholders.index(node.name)])
+        if node.op == "get_attr":
+            if _key(node.target) in self.attr_params:
+                return self.attr_params[_key(node.target)]
+            return self._attr_values[str(node.target)]
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
+        if node.op == "call_module":
+            return self._call_piece(str(node.target), args)
+        if node.op == "call_function" and node.target is operator.getitem or node.op == "call_function":
+            return node.target(*args, **kwargs)
+        raise RuntimeError(f"unexpected top-level node {node.format_node()}")
+
+    def _call_piece(self, name: str, args: tuple[Any, ...]) -> Any:
+        fn: Callable[..., Any] = self.pieces[name]
+        if self.tp_mesh is not None:
+            interp = _ReplicatingInterpreter(self.pieces[name], self._replicate.setdefault(name, set()))
+            fn = interp.run
+        if name in self._checkpointed and torch.is_grad_enabled():
+            return checkpoint(fn, *args, use_reentrant=False)
+        return fn(*args)
+
+    def _wrap_input(self, x: Any) -> Any:
+        if self.tp_mesh is None or not isinstance(x, torch.Tensor):
+            return x
+        from torch.distributed.tensor import DTensor, Replicate
+
+        return x if isinstance(x, DTensor) else DTensor.from_local(x, self.tp_mesh, [Replicate()], run_check=False)
+
+    @staticmethod
+    def _unwrap(x: Any) -> Any:
+        from torch.distributed.tensor import DTensor
+
+        return x.full_tensor() if isinstance(x, DTensor) else x
+
+
+def _key(target: Any) -> str:
+    return str(target).replace(".", "__")
+
+
+def stage_modules(split: SplitModel, pipeline_rank: int, constants: dict[str, Any]) -> list[StageModule]:
+    """The stages this pipeline rank runs (stage j runs on rank j % p), in stage order."""
+    return [StageModule(split, prog.stage, constants) for prog in split.programs if prog.rank == pipeline_rank]
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism
+
+
+def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module, tp_mesh: Any) -> None:
+    """Shard the plan's linears over ``tp_mesh``; every other parameter becomes a replicated DTensor.
+
+    A parameter shared by two stages of this rank stays one object (memo by identity)."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for st in stages:
+        for path, style in plan.partition[st.index].tensor_parallel.items():
+            target = _submodule(root, path, st.index)
+            found = [(piece, name) for piece in st.pieces.values() for name, child in piece.named_children()
+                     if child is target]
+            if not found:
+                raise UserError(f"stage {st.index} of the plan shards {path!r}, which that stage does not run")
+            for piece, name in found:
+                parallelize_module(piece, tp_mesh, {name: styles[style](use_local_output=False)})
+        st.tp_mesh = tp_mesh
+    memo: dict[int, nn.Parameter] = {}
+    for st in stages:
+        for module in st.modules():
+            for name, param in list(module._parameters.items()):
+                if param is None or isinstance(param, DTensor):
+                    continue
+                if id(param) not in memo:
+                    local = DTensor.from_local(param.detach(), tp_mesh, [Replicate()], run_check=False)
+                    memo[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
+                module._parameters[name] = memo[id(param)]
+
+
+def _submodule(root: nn.Module, path: str, stage: int) -> nn.Module:
+    try:
+        module = root.get_submodule(path)
+    except AttributeError:
+        raise UserError(f"stage {stage} of the plan shards {path!r}, which the model does not have") from None
+    if not isinstance(module, (nn.Linear, nn.Embedding)):
+        raise UserError(f"stage {stage} of the plan shards {path!r}, a {type(module).__name__}; only nn.Linear "
+                        "and nn.Embedding can be split by torch.distributed.tensor.parallel")
+    return module

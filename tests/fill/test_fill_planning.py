@@ -1,0 +1,87 @@
+"""Fill planning end to end: spec validation, profiles, joint choice, the plan's fill section."""
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from passes.errors import UserError
+from planner.api import make_plan
+from planner.cli import app
+from planner.fill.packing import validate_packing
+from planner.fill.profiles import profile_job
+from planner.fill.spec import FillJobSpec, Work, load_fill_spec
+from planner.search import Pins
+from targets.registry import get_target
+from tests.conftest import EXAMPLES, FIXTURES
+
+GPT = {"preset": "7.5b"}
+
+
+@pytest.fixture(scope="module")
+def fill_plan():
+    spec = load_fill_spec(EXAMPLES / "fill" / "jobs.yaml")
+    plan, result = make_plan(str(EXAMPLES / "gpt.py"), gpus=32, global_batch=128, target="a100-80gb",
+                             model_args=GPT, fill=spec, main_slack=0.05)
+    return plan, result
+
+
+def test_spec_paths_resolve_and_bad_fields_are_named(tmp_path):
+    spec = load_fill_spec(EXAMPLES / "fill" / "jobs.yaml")
+    assert all(j.model.endswith(".py") and j.model.startswith("/") for j in spec.jobs)
+    with pytest.raises(UserError, match=r"jobs\.0\.kind"):
+        load_fill_spec(FIXTURES / "bad_fill.yaml")
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("jobs: [\n  - name: x\n")
+    with pytest.raises(UserError, match="not valid YAML"):
+        load_fill_spec(broken)
+    with pytest.raises(ValueError, match="exactly one of samples or iterations"):
+        Work(samples=1, iterations=2)
+
+
+def test_training_profiles_cover_the_three_configurations():
+    job = FillJobSpec(name="mlp", model=str(EXAMPLES / "mlp.py"), kind="train", batch_sizes=[16, 64],
+                      work=Work(iterations=10))
+    profs = profile_job(job, get_target("a100-80gb"))
+    assert {(p.batch_size, p.config) for p in profs} == {(b, c) for b in (16, 64) for c in ("plain", "checkpoint", "offload")}
+    by = {(p.batch_size, p.config): p for p in profs}
+    plain, ckpt, off = by[64, "plain"], by[64, "checkpoint"], by[64, "offload"]
+    n = (len(plain.units) - 1) // 2
+    assert [u.name[:2] for u in plain.units] == ["F:"] * n + ["B:"] * n + ["OP"]
+    assert max(u.mem_bytes for u in ckpt.units) < max(u.mem_bytes for u in plain.units)  # recomputation saves memory
+    assert ckpt.iteration_s > plain.iteration_s  # ... and costs time
+    assert off.resident_bytes == plain.resident_bytes // 4  # optimizer state left on the host
+
+
+def test_joint_choice_packs_within_bubbles_and_reports(fill_plan):
+    plan, result = fill_plan
+    f = plan.fill
+    assert f is not None and f.chunks
+    bubbles = {(b.rank, b.id): b for b in plan.bubbles}
+    for ch in f.chunks:
+        b = bubbles[(ch.rank, ch.bubble_id)]
+        assert ch.expected_s <= b.duration_s * (1 - f.safety_margin) + 1e-9
+        assert ch.memory_bytes <= b.free_bytes
+    assert 0 < f.predictions.bubble_time_used <= 1
+    main_useful = f.predictions.total_useful_tflops_per_gpu - f.predictions.fill_tflops_per_gpu
+    assert main_useful > 0
+    # within the 5% slack of the best main configuration
+    assert plan.predictions.iteration_s <= result.best.iteration_s * 1.05 + 1e-9
+
+
+def test_unplaceable_job_is_reported_not_fatal():
+    spec = load_fill_spec(FIXTURES / "huge_fill.yaml")
+    plan, _ = make_plan(str(EXAMPLES / "gpt.py"), gpus=8, global_batch=32, target="a100-80gb",
+                        model_args={"preset": "1.7b"}, fill=spec, pins=Pins(p=4, schedule="1f1b"))
+    assert "big-bert" in plan.fill.predictions.unplaceable
+    assert "bubble" in plan.fill.predictions.unplaceable["big-bert"]
+    assert any(c.job.startswith("mlp") for c in plan.fill.chunks)
+
+
+def test_cli_fill_errors_are_one_clear_message():
+    runner = CliRunner()
+    for fill, needle in ((FIXTURES / "bad_fill.yaml", "jobs.0.kind"),
+                         (FIXTURES / "untraceable_fill.yaml", "mark it a leaf")):
+        res = runner.invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "8", "--model-arg", "preset=1.7b",
+                                  "--fill", str(fill)])
+        text = res.stdout + (res.stderr or "")
+        assert res.exit_code != 0 and needle in text and "Traceback" not in text
