@@ -50,11 +50,11 @@ def _typed(raw: str) -> Any:
     return raw
 
 
-def profile_rows(profile: ModelProfile, target: Target, b: int, t: int = 1,
-                 eff: Efficiency = Efficiency()) -> list[dict[str, Any]]:
+def profile_rows(profile: ModelProfile, target: Target, b: int, t: int = 1, eff: Efficiency = Efficiency(),
+                 dtype: str = "bf16") -> list[dict[str, Any]]:
     rows = []
     for u in profile.units:
-        ut = unit_time(u, b, t, target, eff=eff)
+        ut = unit_time(u, b, t, target, eff=eff, dtype=dtype)
         rows.append({"unit": u.name, "kind": u.kind, "params": u.params, "fwd_flops": u.fwd_flops(b),
                      "bwd_flops": u.bwd_flops(b), "activation_bytes": unit_activation_bytes(u, b, t, "none"),
                      "fwd_s": ut.fwd_s, "bwd_s": ut.bwd_s})

@@ -89,6 +89,7 @@ def profile(
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree to price"),
     model_arg: List[str] = typer.Option([], "--model-arg", help="key=value passed to build_model"),
     leaf: List[str] = typer.Option([], "--leaf", help="module class or name to trace as one node"),
+    dtype: str = typer.Option("bf16", "--dtype", help="precision to price: bf16, fp16 or fp32"),
     measure: bool = typer.Option(False, "--measure", help="also time each unit on this machine"),
     repeats: int = typer.Option(5, help="timed repetitions per unit with --measure"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
@@ -105,9 +106,9 @@ def profile(
         kwargs = parse_model_args(model_arg)
         tg = get_target(target)
         with status(not as_json, "tracing") as st:
-            prof, _ = analyze(model, kwargs, leaves=tuple(leaf),
+            prof, _ = analyze(model, kwargs, leaves=tuple(leaf), dtype=dtype,
                               progress=(lambda name: st.update(f"pass: {name}")) if st else None)
-        rows = profile_rows(prof, tg, batch, tp)
+        rows = profile_rows(prof, tg, batch, tp, dtype=dtype)
         if measure:
             from passes.profile import measure_units
 

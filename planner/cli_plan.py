@@ -34,6 +34,7 @@ def plan(
     schedule: Optional[str] = typer.Option(None, "--schedule", help="pin: gpipe, 1f1b or interleaved"),
     allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let t span nodes"),
     shard_optimizer: bool = typer.Option(False, "--shard-optimizer", help="shard optimizer state over d"),
+    dtype: str = typer.Option("bf16", "--dtype", help="training precision: bf16, fp16 or fp32"),
     fill: Optional[str] = typer.Option(None, "--fill", help="fill-job YAML: pack these jobs into the bubbles"),
     main_slack: float = typer.Option(0.0, "--main-slack", help="main throughput the fill may cost (0.05 = 5%)"),
     offload: str = typer.Option("auto", "--offload", help="main-job optimizer offload to host: auto, on, off"),
@@ -62,7 +63,7 @@ def plan(
             task = bar.add_task("tracing", total=None)
             plan_, _ = make_plan(model, gpus=gpus, global_batch=global_batch, target=target,
                                  gpus_per_node=gpus_per_node, model_args=parse_model_args(model_arg), pins=pins,
-                                 leaves=tuple(leaf), plan_path=output,
+                                 leaves=tuple(leaf), plan_path=output, dtype=dtype,
                                  memory=MemoryConfig(shard_optimizer=shard_optimizer), fill=spec,
                                  main_slack=main_slack, offload=offload, fill_solver=fill_solver,
                                  progress=lambda name: bar.update(task, description=f"pass: {name}"),

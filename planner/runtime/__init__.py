@@ -1,1 +1,138 @@
-"""Runtime: execute a plan on torch.distributed and run fill jobs in the pipeline bubbles."""
+"""The runtime: execute a plan under torchrun (``python -m planner.runtime plan.json``).
+
+This package's top level imports no torch: the checks every rank makes before any collective
+(schema version, model file hash, world size) and the local launcher live here, so that a bad plan
+stops each rank within a fraction of a second, before the launcher can kill a slower one.
+
+- ``check_plan(path, world_size)``: validate a plan for this launch, or raise UserError.
+- ``launch_local(plan, ...)``: run the plan's torchrun command on this machine, stream rank logs.
+- ``summarize(metrics)``: per-step figures of a metrics document (what ``planner launch`` prints).
+
+The executor (torch) is ``planner.runtime.executor``; stage building is ``planner.runtime.stage``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from passes.errors import UserError
+
+from ..plan import Plan, load_plan
+
+__all__ = ["CheckedPlan", "LocalRun", "check_plan", "resolve_model_file", "torchrun_command", "launch_local",
+           "summarize", "METRICS_SCHEMA"]
+
+METRICS_SCHEMA = "fxplanner.metrics/v1"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class CheckedPlan:
+    path: Path
+    plan: Plan
+    model_file: Path
+
+
+def resolve_model_file(plan: Plan, plan_path: Path) -> Path:
+    """The plan's model file: absolute as is; relative to the working directory, else to the plan."""
+    given = Path(plan.source.model_file)
+    for candidate in ([given] if given.is_absolute() else [Path.cwd() / given, plan_path.parent / given]):
+        if candidate.is_file():
+            return candidate
+    raise UserError(f"plan {plan_path} was made from model file {given}, which does not exist here (looked in "
+                    f"{Path.cwd()} and next to the plan)")
+
+
+def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
+    """Everything a rank checks before any collective; every rank reaches the same verdict."""
+    path = Path(path)
+    plan = load_plan(path)  # schema version and fields
+    model = resolve_model_file(plan, path)
+    digest = hashlib.sha256(model.read_bytes()).hexdigest()
+    if digest != plan.source.model_sha256:
+        raise UserError(f"model file {model} has sha256 {digest[:16]}..., but plan {path} was made from "
+                        f"{plan.source.model_sha256[:16]}...; the file changed since planning - re-run `planner plan`")
+    c = plan.config
+    need = c.tp * c.pp * c.dp
+    if need != world_size:
+        raise UserError(f"plan {path} needs tp*pp*dp = {c.tp}*{c.pp}*{c.dp} = {need} processes, but this launch has "
+                        f"WORLD_SIZE={world_size}; start it with {need} processes (torchrun --nproc-per-node ...)")
+    if len(plan.actions) != c.pp or len(plan.partition) != c.pp * c.vp:
+        raise UserError(f"plan {path} has {len(plan.actions)} action lists and {len(plan.partition)} stages for "
+                        f"pp={c.pp}, vp={c.vp}; the plan is inconsistent - re-run `planner plan`")
+    return CheckedPlan(path=path, plan=plan, model_file=model)
+
+
+# ---------------------------------------------------------------------------------------------
+# Local launch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LocalRun:
+    returncode: int
+    metrics: dict[str, Any] | None
+    command: list[str]
+
+
+def torchrun_command(plan_path: str | Path, world: int, runtime_args: list[str]) -> list[str]:
+    """``torchrun --standalone --nnodes 1 --nproc-per-node WORLD -m planner.runtime PLAN ...``."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+            "--nproc-per-node", str(world), "--tee", "3", "-m", "planner.runtime", str(plan_path), *runtime_args]
+
+
+_TEE_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:")
+
+
+def launch_local(plan_path: str | Path, *, steps: int = 3, fill: bool = True, metrics: str | Path | None = None,
+                 extra: list[str] | None = None, on_line: Callable[[str], None] = print,
+                 timeout_s: float | None = None) -> LocalRun:
+    """Run the plan on this machine, one process per rank (gloo on CPU); stream each rank's lines
+    prefixed ``[rank N]``; return the exit code and the metrics document."""
+    checked = check_plan(plan_path, _world(plan_path))
+    with tempfile.TemporaryDirectory(prefix="fxp-launch-") as tmp:
+        out = Path(metrics) if metrics else Path(tmp) / "metrics.json"
+        args = ["--steps", str(steps), "--metrics", str(out), *([] if fill else ["--no-fill"]), *(extra or [])]
+        cmd = torchrun_command(checked.path, _world(plan_path), args)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                on_line(_TEE_PREFIX.sub(lambda m: f"[rank {m.group(1)}]", line.rstrip("\n")))
+            rc = proc.wait(timeout=timeout_s)
+        except BaseException:
+            proc.kill()
+            raise
+        doc = json.loads(out.read_text()) if rc == 0 and out.is_file() else None
+    return LocalRun(returncode=rc, metrics=doc, command=cmd)
+
+
+def _world(plan_path: str | Path) -> int:
+    c = load_plan(plan_path).config
+    return c.tp * c.pp * c.dp
+
+
+def summarize(metrics: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per (run, step): loss, slowest rank's iteration time, bubble time, fill figures."""
+    rows = []
+    for run in metrics.get("runs", []):
+        ranks = run["ranks"]
+        for i, loss in enumerate(run["loss"]):
+            steps = [r["steps"][i] for r in ranks]
+            bubbles = [b for s in steps for b in s["bubbles"]]
+            rows.append({"plan": run["plan"], "step": i, "loss": loss, "fill": any(s["fill"] for s in steps),
+                         "iteration_s": max(s["iteration_s"] for s in steps),
+                         "bubble_s": sum(b["duration_s"] for b in bubbles) / max(len(ranks), 1),
+                         "bubbles": len(bubbles)})
+    return rows
+
+
+def mean_iteration_s(metrics: dict[str, Any]) -> float:
+    """Mean over steps after the first (step 0 runs without fill) of the slowest rank's time."""
+    rows = [r for r in summarize(metrics) if r["step"] > 0] or summarize(metrics)
+    return sum(r["iteration_s"] for r in rows) / max(len(rows), 1)

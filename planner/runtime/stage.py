@@ -27,7 +27,6 @@ Correct on CPU, not fast. Stage outputs leave as full tensors.
 """
 from __future__ import annotations
 
-import operator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -337,7 +336,7 @@ class StageModule(nn.Module):
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n.name])
         if node.op == "call_module":
             return self._call_piece(str(node.target), args)
-        if node.op == "call_function" and node.target is operator.getitem or node.op == "call_function":
+        if node.op == "call_function":  # getitem of a piece's tuple of results
             return node.target(*args, **kwargs)
         raise RuntimeError(f"unexpected top-level node {node.format_node()}")
 

@@ -1,0 +1,432 @@
+"""Execute one pipeline rank's action list: compute, p2p, gradient reduction, optimizer, bubbles.
+
+torch.distributed.pipelining's schedule runtime cannot take new action kinds (BUBBLE), so the plan's
+own action strings run here, one at a time, in order:
+
+- ``kF m`` / ``kB m``: forward / backward of virtual stage k on microbatch m. The last stage
+  computes ``loss_fn(output, targets) / m``; its backward starts from that loss, other stages from
+  the gradient received for what they sent.
+- ``kSEND_F m`` / ``kSEND_B m``: asynchronous ``isend`` (gloo/nccl p2p, tagged by boundary,
+  microbatch and slot); ``kRECV_F m`` / ``kRECV_B m``: ``irecv`` into a buffer shaped by the meta
+  shape pass, waited at once. Sends are waited at ALLREDUCE, so the schedule's own deadlock check
+  (unbounded buffers) holds.
+- ``ALLREDUCE``: sum gradients of parameters shared between pipeline ranks (tied embedding/head)
+  over their holders, then average all gradients over the data-parallel group.
+- ``OPT``: optimizer step. ``BUBBLE<id>``: the rank would idle here; hand the time to the fill client.
+
+Every step ends with a barrier over all ranks, so that a step's wall time (and a trailing bubble)
+is measured the same way on every rank.
+"""
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from passes.load import ModelFile
+
+from ..plan import Plan
+from ..schedule import Action, Op, Schedule
+from .groups import Groups, make_groups, make_shared_groups
+from .stage import (StageModule, TensorSpec, apply_tensor_parallel, boundary_specs, build_split,
+                    implicit_replication, stage_modules)
+
+__all__ = ["RunOptions", "NullFill", "FillHooks", "ActionError", "Executor", "prepare", "load_fill_client",
+           "schedule_of"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RunOptions:
+    """How to run a plan (the command line of ``python -m planner.runtime``)."""
+
+    steps: int = 3
+    fill: bool = True
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    seed: int = 0
+    device: str = "cpu"
+    dump_dir: Path | None = None
+    """Debug: write each rank's parameters and gradients (canonical names) after the last step."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1:
+            raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if self.optimizer not in ("adam", "sgd"):
+            raise ValueError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
+
+
+class FillHooks(Protocol):
+    def bubble_begin(self, bubble_id: int, duration_s: float, free_bytes: int, **kw: Any) -> None: ...
+    def bubble_end(self, bubble_id: int) -> None: ...
+    def report(self) -> dict: ...
+    def close(self) -> None: ...
+
+
+class NullFill:
+    """Fill hooks that do nothing: step 0, --no-fill, or no fill client installed."""
+
+    def bubble_begin(self, bubble_id: int, duration_s: float, free_bytes: int, ready: Any = None) -> None:
+        pass
+
+    def bubble_end(self, bubble_id: int) -> None:
+        pass
+
+    def report(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def load_fill_client() -> Any:
+    """``planner.runtime.fill_client.FillClient`` if that module exists, else None."""
+    if importlib.util.find_spec("planner.runtime.fill_client") is None:
+        return None
+    from . import fill_client  # noqa: PLC0415 - optional, written separately
+
+    return getattr(fill_client, "FillClient", None)
+
+
+class ActionError(RuntimeError):
+    """An action failed; names the pipeline rank and the step index into its action list."""
+
+    def __init__(self, pipeline_rank: int, step: int, action: Action, cause: BaseException) -> None:
+        super().__init__(f"pipeline rank {pipeline_rank}, step {step} ({action}): {type(cause).__name__}: {cause}")
+        self.pipeline_rank, self.step, self.action = pipeline_rank, step, action
+
+
+def schedule_of(plan: Plan) -> Schedule:
+    c = plan.config
+    return Schedule(kind=c.schedule, p=c.pp, v=c.vp, m=c.microbatches,
+                    ranks=tuple(tuple(Action.parse(a) for a in acts) for acts in plan.actions))
+
+
+@dataclass(kw_only=True)
+class _Step:
+    """Per-step state and records."""
+
+    index: int
+    t0: float
+    inputs: list[tuple[Any, ...]]
+    targets: list[Any]
+    saved: dict[tuple[int, int], tuple[dict[str, torch.Tensor], Any]] = field(default_factory=dict)
+    received: dict[tuple[int, int], dict[str, torch.Tensor]] = field(default_factory=dict)
+    out_acts: dict[tuple[int, int], list[Any]] = field(default_factory=dict)
+    out_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    in_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
+    pending: list[Any] = field(default_factory=list)
+    loss: torch.Tensor | None = None
+    bubble: tuple[int, float] | None = None
+    bubbles: list[dict[str, Any]] = field(default_factory=list)
+    times: dict[int, list[float]] = field(default_factory=dict)
+
+
+class Executor:
+    """One rank's view of a plan: its stages, groups, optimizer, and the action loop."""
+
+    def __init__(self, *, plan: Plan, model_file: ModelFile, groups: Groups, stages: list[StageModule],
+                 specs: dict[str, Any], slots: int, options: RunOptions) -> None:
+        self.plan, self.mf, self.groups, self.options = plan, model_file, groups, options
+        self.c = groups.coords
+        self.stages = {st.index: st for st in stages}
+        self.specs = specs
+        self.actions = [Action.parse(a) for a in plan.actions[self.c.pp]]
+        self.n_stages = len(plan.partition)
+        self.m = plan.config.microbatches
+        self.params: dict[str, torch.nn.Parameter] = {}
+        for st in stages:
+            for local, param in st.named_parameters(remove_duplicate=False):
+                self.params.setdefault(st.names[local], param)
+        self.params = dict(sorted(self.params.items()))
+        unique = list({id(p): p for p in self.params.values()}.values())
+        opt = torch.optim.Adam if options.optimizer == "adam" else torch.optim.SGD
+        self.optimizer = opt(unique, lr=options.lr)
+        self.bubble_info = {b.id: b for b in plan.bubbles if b.rank == self.c.pp}
+        self.measured: dict[int, float] = {}
+        """Bubble id -> duration observed in step 0 (seconds, this rank)."""
+        self.fill: Any = NullFill()
+        self.tp = groups.coords.tp_size > 1
+        self.cuda = options.device.startswith("cuda")
+        self._slots = slots  # tags must agree between sender and receiver: from all stages' programs
+        self._mail: dict[int, torch.Tensor] = {}
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def run_step(self, index: int) -> dict[str, Any]:
+        self.optimizer.zero_grad(set_to_none=True)
+        inputs, targets = self._microbatches(index)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+        st = _Step(index=index, t0=time.perf_counter(), inputs=inputs, targets=targets)
+        for i, action in enumerate(self.actions):
+            try:
+                self._do(st, action)
+            except Exception as exc:  # noqa: BLE001 - re-raised with the schedule position
+                raise ActionError(self.c.pp, i, action, exc) from exc
+        loss = self._step_loss(st)
+        dist.barrier()
+        self._end_bubble(st)
+        return {"step": index, "iteration_s": time.perf_counter() - st.t0, "loss": loss, "bubbles": st.bubbles,
+                "stages": {str(k): {"forward_s": v[0], "backward_s": v[1]} for k, v in sorted(st.times.items())},
+                "peak_memory_bytes": torch.cuda.max_memory_allocated() if self.cuda else None,
+                "fill": self.options.fill and not isinstance(self.fill, NullFill)}
+
+    def _do(self, st: _Step, a: Action) -> None:
+        op = a.op
+        if op is Op.F or op is Op.B:
+            self._end_bubble(st)
+            start = time.perf_counter()
+            (self._forward if op is Op.F else self._backward)(st, a.stage, a.mb)
+            self._sync()
+            st.times.setdefault(a.stage, [0.0, 0.0])[op is Op.B] += time.perf_counter() - start
+        elif op is Op.SEND_F:
+            self._send(st, st.out_acts.pop((a.stage, a.mb)), a.stage + 1, self._tag(0, a.stage, a.mb))
+        elif op is Op.RECV_F:
+            self._recv_forward(st, a.stage, a.mb)
+        elif op is Op.SEND_B:
+            self._send(st, st.in_grads.pop((a.stage, a.mb)), a.stage - 1, self._tag(1, a.stage - 1, a.mb))
+        elif op is Op.RECV_B:
+            self._recv_backward(st, a.stage, a.mb)
+        elif op is Op.ALLREDUCE:
+            self._end_bubble(st)
+            for work in st.pending:
+                work.wait()
+            st.pending.clear()
+            self._reduce_gradients()
+        elif op is Op.OPT:
+            self._end_bubble(st)
+            with implicit_replication(self.tp):
+                self.optimizer.step()
+        elif op is Op.BUBBLE:
+            self._begin_bubble(st, a.mb)
+
+    def _forward(self, st: _Step, k: int, mb: int) -> None:
+        stage = self.stages[k]
+        received = st.received.pop((k, mb), {})
+        sends, out = stage.run(received, st.inputs[mb])
+        if stage.program.last:
+            loss = self._loss(out, st.targets[mb]) / self.m
+            st.loss = loss.detach() if st.loss is None else st.loss + loss.detach()
+            st.saved[(k, mb)] = (received, loss)
+        else:
+            st.saved[(k, mb)] = (received, sends)
+            st.out_acts[(k, mb)] = [s.detach() if isinstance(s, torch.Tensor) else s for s in sends]
+
+    def _loss(self, output: Any, targets: Any) -> torch.Tensor:
+        return self.mf.module.loss_fn(output, targets)  # not ModelFile.call: no model kwargs
+
+    def _backward(self, st: _Step, k: int, mb: int) -> None:
+        stage = self.stages[k]
+        received, outs = st.saved.pop((k, mb))
+        with implicit_replication(self.tp):
+            if stage.program.last:
+                outs.backward()
+            else:
+                grads = st.out_grads.pop((k, mb))
+                pairs = [(o, g) for o, g in zip(self._grad_values(stage.program.send, outs), grads)
+                         if o.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        if k > 0:
+            st.in_grads[(k, mb)] = [x.grad if x.grad is not None else torch.zeros_like(x)
+                                    for x in self._grad_values(stage.program.recv, received)]
+
+    def _grad_values(self, names: tuple[str, ...], values: Any) -> list[torch.Tensor]:
+        """The tensors among ``names`` that carry a gradient (floating point), in order."""
+        if isinstance(values, dict):
+            values = [values.get(n) for n in names]
+        return [v for n, v in zip(names, values) if isinstance(self.specs.get(n), TensorSpec) and self.specs[n].grad]
+
+    # -- point to point ------------------------------------------------------------------------
+
+    def _tag(self, direction: int, boundary: int, mb: int) -> int:
+        """Unique per step: direction (0 activations, 1 gradients), boundary k (k -> k+1), mb."""
+        return ((direction * self.n_stages + boundary) * self.m + mb) * self._slots
+
+    def _peer(self, stage: int) -> int:
+        return self.c.peer(stage % self.c.pp_size)
+
+    def _send(self, st: _Step, tensors: list[Any], to_stage: int, tag: int) -> None:
+        peer = self._peer(to_stage)
+        for j, t in enumerate(x for x in tensors if isinstance(x, torch.Tensor)):
+            t = t.detach().contiguous()
+            if peer == self.c.rank:
+                self._mail[tag + j] = t
+            else:
+                st.pending.append(dist.isend(t, dst=peer, tag=tag + j))
+
+    def _recv(self, specs: list[TensorSpec], from_stage: int, tag: int) -> list[torch.Tensor]:
+        peer = self._peer(from_stage)
+        bufs = []
+        for j, spec in enumerate(specs):
+            if peer == self.c.rank:
+                bufs.append(self._mail.pop(tag + j))
+                continue
+            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.options.device)
+            dist.irecv(buf, src=peer, tag=tag + j).wait()
+            bufs.append(buf)
+        return bufs
+
+    def _recv_forward(self, st: _Step, k: int, mb: int) -> None:
+        names = [n for n in self.stages[k].program.recv if isinstance(self.specs.get(n), TensorSpec)]
+        bufs = self._recv([self.specs[n] for n in names], k - 1, self._tag(0, k - 1, mb))
+        st.received[(k, mb)] = {n: (b.requires_grad_() if self.specs[n].grad else b) for n, b in zip(names, bufs)}
+
+    def _recv_backward(self, st: _Step, k: int, mb: int) -> None:
+        names = [n for n in self.stages[k].program.send
+                 if isinstance(self.specs.get(n), TensorSpec) and self.specs[n].grad]
+        st.out_grads[(k, mb)] = self._recv([self.specs[n] for n in names], k + 1, self._tag(1, k, mb))
+
+    # -- gradients, loss -----------------------------------------------------------------------
+
+    def _local_grads(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        out: dict[str, torch.Tensor] = {}
+        seen: set[int] = set()
+        with torch.no_grad():
+            for name, p in self.params.items():
+                if id(p) in seen:
+                    continue
+                seen.add(id(p))
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                if isinstance(p.grad, DTensor):
+                    if tuple(p.grad.placements) != tuple(p.placements):
+                        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+                    out[name] = p.grad.to_local()
+                else:
+                    out[name] = p.grad
+        return out
+
+    def _reduce_gradients(self) -> None:
+        grads = self._local_grads()
+        for name, group in sorted(self.groups.shared.items()):
+            if name in grads:  # Megatron's embedding group: sum the copies' gradients
+                dist.all_reduce(grads[name], group=group)
+        if self.c.dp_size > 1 and grads:
+            flat = torch.cat([g.reshape(-1) for g in grads.values()])
+            dist.all_reduce(flat, group=self.groups.dp_group)
+            flat /= self.c.dp_size
+            offset = 0
+            for g in grads.values():
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def _step_loss(self, st: _Step) -> float | None:
+        """Sum over microbatches of loss/m, averaged over dp; only the last pipeline rank has it."""
+        if st.loss is None:
+            return None
+        loss = st.loss.detach().clone().reshape(1).to(torch.float64)
+        if self.c.dp_size > 1:
+            dist.all_reduce(loss, group=self.groups.dp_group)
+            loss /= self.c.dp_size
+        return float(loss.item())
+
+    # -- bubbles -------------------------------------------------------------------------------
+
+    def _begin_bubble(self, st: _Step, bubble_id: int) -> None:
+        self._end_bubble(st)
+        now = time.perf_counter()
+        st.bubble = (bubble_id, now)
+        info = self.bubble_info.get(bubble_id)
+        planned = info.duration_s if info else 0.0
+        duration = self.measured.get(bubble_id, planned)
+        kwargs = {}
+        if self.cuda:  # CUDA-only: the fill job may start once the compute stream reaches this point
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream())
+            kwargs["ready"] = ev
+        self.fill.bubble_begin(bubble_id, duration, info.free_bytes if info else 0, **kwargs)
+
+    def _end_bubble(self, st: _Step) -> None:
+        if st.bubble is None:
+            return
+        bubble_id, start = st.bubble
+        st.bubble = None
+        self.fill.bubble_end(bubble_id)
+        now = time.perf_counter()
+        info = self.bubble_info.get(bubble_id)
+        st.bubbles.append({"id": bubble_id, "start_s": start - st.t0, "duration_s": now - start,
+                           "predicted_start_s": info.start_s if info else None,
+                           "predicted_s": info.duration_s if info else None})
+
+    # -- data, timing, run ---------------------------------------------------------------------
+
+    def _microbatches(self, step: int) -> tuple[list[tuple[Any, ...]], list[Any]]:
+        B, d, b = self.plan.source.global_batch, self.c.dp_size, self.plan.config.microbatch
+        inputs, targets = self.mf.call("sample_batch", B, step)
+        inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        lo = self.c.dp * (B // d)
+        take = lambda x, i: x[lo + i * b: lo + (i + 1) * b].to(self.options.device) \
+            if isinstance(x, torch.Tensor) else x  # noqa: E731
+        return ([tuple(take(x, i) for x in inputs) for i in range(self.m)], [take(targets, i) for i in range(self.m)])
+
+    def _sync(self) -> None:
+        if self.cuda:  # CUDA-only: make per-stage times mean kernel time, at the cost of overlap
+            torch.cuda.synchronize()
+
+    def run(self, log: Any = print) -> dict[str, Any]:
+        """All steps; step 0 without fill, measuring the bubbles; returns this rank's record."""
+        steps = []
+        client = load_fill_client() if self.options.fill else None
+        for index in range(self.options.steps):
+            if index == 1 and client is not None:
+                self.fill = self._start_fill(client)
+                dist.barrier()  # ranks with and without fill jobs start step 1 together
+            record = self.run_step(index)
+            if index == 0:
+                self.measured = {b["id"]: b["duration_s"] for b in record["bubbles"]}
+            steps.append(record)
+            if record["loss"] is not None and self.c.dp == 0 and self.c.tp == 0:
+                log(f"step {index}: loss {record['loss']:.6f}, iteration {record['iteration_s'] * 1e3:.1f} ms")
+        report = self.fill.report()
+        self.fill.close()
+        return {"rank": self.c.rank, "pp": self.c.pp, "dp": self.c.dp, "tp": self.c.tp,
+                "stages": sorted(self.stages), "steps": steps, "fill_report": report,
+                "fill_client": type(self.fill).__name__}
+
+    def _start_fill(self, client: Any) -> Any:
+        started = client.start(self.plan, self.c.pp, self.c.rank, self.options.device, dict(self.measured))
+        if started is None:
+            return NullFill()
+        if hasattr(started, "wait_ready"):  # fill models load once, outside the timed steps
+            started.wait_ready()
+        return started
+
+    def dump(self, path: Path) -> None:
+        """Debug: this rank's parameters and gradients, full tensors under canonical names."""
+        from torch.distributed.tensor import DTensor
+
+        full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()  # noqa: E731
+        params, grads = {}, {}
+        for name, p in self.params.items():
+            params[name] = full(p)
+            grads[name] = full(p.grad) if p.grad is not None else None
+        path.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"params": params, "grads": grads, "coords": [self.c.pp, self.c.dp, self.c.tp]}, path)
+
+
+def prepare(plan: Plan, model_file: ModelFile, options: RunOptions) -> Executor:
+    """Build groups, model, stages and optimizer for this rank (collective: every rank calls it)."""
+    c = plan.config
+    groups = make_groups(device_type="cuda" if options.device.startswith("cuda") else "cpu",
+                         pp=c.pp, dp=c.dp, tp=c.tp)
+    torch.manual_seed(options.seed)
+    model = model_file.build(options.device, torch.float32)
+    model.train()
+    split = build_split(model, plan)
+    make_shared_groups(groups, split.holders)
+    specs = boundary_specs(model_file, plan)
+    constants = {k: v for k, v in specs.items() if not isinstance(v, TensorSpec)}
+    stages = stage_modules(split, groups.coords.pp, constants)
+    if c.tp > 1:
+        apply_tensor_parallel(stages, plan, model, groups.tp_mesh)
+    slots = 1 + max(len(p.send) for p in split.programs)
+    return Executor(plan=plan, model_file=model_file, groups=groups, stages=stages, specs=specs, slots=slots,
+                    options=options)

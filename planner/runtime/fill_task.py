@@ -1,0 +1,332 @@
+"""A fill job's side-task process: its model split into the planning units, run one linearized unit
+at a time.
+
+The model is traced and grouped exactly as planning does (passes.trace.trace_model, then
+passes.split.unit_of_nodes + split_by) so the units here are the units the plan packed. A train
+job's linearized sequence is forward units 0..n-1, backward units n-1..0, then the optimizer step;
+an infer job's is the forward units. Between units the runner keeps each unit's output and, for
+every value a unit takes from an earlier one, a detached leaf that collects its gradient; a
+backward unit calls torch.autograd.backward on its outputs with the summed gradients of their
+consumers' leaves (and on the loss for the last unit). Data come from the model file's
+`sample_batch(batch_size, step, **model_args)`, the loss from its `loss_fn(output, targets)`.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import multiprocessing as mp
+import operator
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from passes.errors import ModelFileError
+from passes.load import file_sha256, load_model_file, user_frame
+from passes.split import split_by, unit_of_nodes
+from passes.trace import trace_model
+from passes.units import group_nodes
+
+from .fill_executor import TaskSpec
+
+__all__ = ["linearize", "UnitRunner", "cap_memory", "task_main"]
+
+
+def linearize(unit_names: list[str], kind: str) -> list[str]:
+    """The linearized units of a fill job: 'fwd:U' for each unit, then 'bwd:U' reversed, 'optimizer'."""
+    fwd = [f"fwd:{u}" for u in unit_names]
+    return fwd if kind == "infer" else fwd + [f"bwd:{u}" for u in reversed(unit_names)] + ["optimizer"]
+
+
+class UnitRunner:
+    """Builds a fill job's model (real weights, host memory) and runs its linearized units in order."""
+
+    def __init__(self, spec: TaskSpec) -> None:
+        self.spec, self.train = spec, spec.kind == "train"
+        path = Path(spec.model_file)
+        if path.is_file() and spec.model_sha256 and file_sha256(path) != spec.model_sha256:
+            raise ModelFileError(f"fill model file {path} changed since the plan was made (sha256 differs); "
+                                 "re-plan or restore the file")
+        self.mf = load_model_file(path, spec.model_args)
+        torch.manual_seed(spec.seed)
+        root = self.mf.build("cpu")
+        gm = trace_model(root)
+        part = unit_of_nodes(gm, root)
+        names = [name for name, _, _ in group_nodes(gm, root)]
+        self.module = split_by(gm, root, part.__getitem__)
+        self.module.train(self.train)
+        self._index(names)
+        self.linearized = linearize(self.unit_names, spec.kind)
+        if spec.units and len(spec.units) != len(self.linearized):
+            raise ModelFileError(
+                f"the plan lists {len(spec.units)} linearized units for fill job {spec.job!r}, but {path} splits "
+                f"into {len(self.unit_names)} units, i.e. {len(self.linearized)} for a {spec.kind} job "
+                f"({self.linearized[0]} ... {self.linearized[-1]}); re-plan with this model file")
+        self.device = torch.device("cpu")
+        self.optimizer = self._make_optimizer() if self.train else None
+        self.pos = 0
+        self.iterations = 0
+        self._reset()
+
+    def _index(self, names: list[str]) -> None:
+        """Which top-level nodes of the split graph each unit evaluates."""
+        self.calls: list[fx.Node] = []
+        self.before: list[list[fx.Node]] = []
+        self.after: list[list[fx.Node]] = []
+        self.placeholders: list[fx.Node] = []
+        unit_of: dict[fx.Node, int] = {}
+        pending: list[fx.Node] = []
+        for node in self.module.graph.nodes:
+            if node.op == "placeholder":
+                self.placeholders.append(node)
+            elif node.op == "get_attr":
+                pending.append(node)
+            elif node.op == "call_module":
+                unit_of[node] = len(self.calls)
+                self.calls.append(node)
+                self.before.append(pending)
+                self.after.append([])
+                pending = []
+            elif node.op == "call_function" and node.target is operator.getitem and node.args[0] in unit_of:
+                unit_of[node] = unit_of[node.args[0]]
+                self.after[unit_of[node]].append(node)
+            elif node.op == "output":
+                self.output = node
+            else:
+                raise ModelFileError(f"unexpected top-level node {node.format_node()} after splitting into units")
+        index = [int(str(c.target).rsplit("_", 1)[1]) for c in self.calls]
+        self.unit_names = [names[i] if i < len(names) else str(c.target) for i, c in zip(index, self.calls)]
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        build = getattr(self.mf.module, "build_optimizer", None)
+        params = list(self.module.parameters())
+        return build(params) if callable(build) else torch.optim.AdamW(params, lr=1e-4)
+
+    def _reset(self) -> None:
+        self.env: dict[str, Any] = {}
+        self.producer: dict[str, int] = {}
+        self.consumers: dict[str, list[torch.Tensor]] = {}
+        self.targets: Any = None
+        self.loss: torch.Tensor | None = None
+
+    @property
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.module.parameters())
+
+    def to_device(self) -> None:
+        """InitSideTask: move weights (and so the optimizer's parameters) to the job's device."""
+        self.device = torch.device(self.spec.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.module.to(self.device)
+
+    def step(self) -> bool:
+        """Run the next linearized unit; True when it completed an iteration."""
+        n, k = len(self.calls), self.pos % len(self.linearized)
+        if k < n:
+            self._forward(k)
+        elif k < 2 * n:
+            self._backward(2 * n - 1 - k)
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the step's time is its GPU time, and ends inside the bubble
+        self.pos += 1
+        done = self.pos % len(self.linearized) == 0
+        if done:
+            self.iterations += 1
+            self._reset()
+        return done
+
+    def _batch(self, iteration: int) -> None:
+        if self.mf.has("sample_batch"):
+            inputs, self.targets = self.mf.call("sample_batch", self.spec.batch_size, iteration)
+        else:
+            inputs, self.targets = self.mf.inputs(self.spec.batch_size, "cpu"), None
+        inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        for node, value in zip(self.placeholders, inputs):
+            self.env[node.name] = value.to(self.device) if isinstance(value, torch.Tensor) else value
+        if isinstance(self.targets, torch.Tensor):
+            self.targets = self.targets.to(self.device)
+
+    def _arg(self, node: fx.Node, unit: int) -> Any:
+        value = self.env[node.name]
+        if self.train and node.name in self.producer and isinstance(value, torch.Tensor) and value.requires_grad:
+            leaf = value.detach().requires_grad_(True)  # this unit's own input; its .grad flows back later
+            self.consumers.setdefault(node.name, []).append(leaf)
+            return leaf
+        return value
+
+    def _forward(self, k: int) -> None:
+        if k == 0:
+            self._batch(self.pos // len(self.linearized))
+        with torch.set_grad_enabled(self.train):
+            for node in self.before[k]:
+                self.env[node.name] = _fetch(self.module, str(node.target))  # buffers, tied weights
+            node = self.calls[k]
+            args = fx.node.map_arg(node.args, lambda a: self._arg(a, k))
+            kwargs = fx.node.map_arg(node.kwargs, lambda a: self._arg(a, k))
+            self.env[node.name] = self.module.get_submodule(str(node.target))(*args, **kwargs)
+            self.producer[node.name] = k
+            for g in self.after[k]:
+                self.env[g.name] = self.env[g.args[0].name][g.args[1]]
+                self.producer[g.name] = k
+            if k == len(self.calls) - 1:
+                output = fx.node.map_arg(self.output.args[0], lambda a: self.env[a.name])
+                if self.train:
+                    self.loss = self._loss(output)
+
+    def _loss(self, output: Any) -> torch.Tensor:
+        fn = getattr(self.mf.module, "loss_fn", None)
+        if callable(fn) and self.targets is not None:
+            return fn(output, self.targets)
+        first = output if isinstance(output, torch.Tensor) else next(x for x in output if isinstance(x, torch.Tensor))
+        return first.float().pow(2).mean()  # no loss_fn / targets: a stand-in with the same backward work
+
+    def _backward(self, j: int) -> None:
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if j == len(self.calls) - 1 and self.loss is not None:
+            tensors.append(self.loss)
+            grads.append(None)
+        for name in [n for n, unit in self.producer.items() if unit == j]:
+            value = self.env.pop(name)
+            del self.producer[name]
+            got = [leaf.grad for leaf in self.consumers.pop(name, []) if leaf.grad is not None]
+            if isinstance(value, torch.Tensor) and value.requires_grad and got:
+                tensors.append(value)
+                grads.append(functools.reduce(torch.add, got))
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        if j == len(self.calls) - 1:
+            self.loss = None
+
+    def profile(self, reps: int) -> list[float]:
+        """Seconds of each linearized unit: the slowest of `reps` timed passes after a warm-up pass.
+
+        Runs iteration 0's batch with a throw-away optimizer, then restores the weights, so the job's
+        own trajectory is unchanged by profiling."""
+        saved = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        optimizer, pos, iterations = self.optimizer, self.pos, self.iterations
+        self.optimizer = self._make_optimizer() if self.train else None
+        times = [0.0] * len(self.linearized)
+        try:
+            for rep in range(reps + 1):
+                self.pos = 0
+                self._reset()
+                for k in range(len(self.linearized)):
+                    t0 = time.perf_counter()
+                    self.step()
+                    if rep:
+                        times[k] = max(times[k], time.perf_counter() - t0)
+        finally:
+            self.module.load_state_dict(saved)
+            for p in self.module.parameters():
+                p.grad = None
+            self.optimizer, self.pos, self.iterations = optimizer, pos, iterations
+            self._reset()
+        return times
+
+
+def _fetch(module: torch.nn.Module, target: str) -> Any:
+    obj: Any = module
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def cap_memory(device: torch.device, free_bytes: int) -> None:
+    """CUDA only (PipeFill 4.3): cap this process's allocator at the bubble's free memory, so an
+    overdraft is an OOM of the fill job, not of the main job. No-op on CPU."""
+    if device.type != "cuda":
+        return
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, max(free_bytes, 1) / total), device)
+
+
+def _die_with_parent() -> None:
+    """SIGKILL this process when the executor dies, even while it is SIGSTOPped (Linux only)."""
+    parent = mp.parent_process()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if parent is not None and os.getppid() != parent.pid:
+        os._exit(0)
+
+
+def _describe(exc: BaseException, spec: TaskSpec) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    where = user_frame(exc, Path(spec.model_file))
+    return text if isinstance(exc, ModelFileError) or where == spec.model_file else f"{text} (at {where})"
+
+
+def task_main(spec: TaskSpec, rx: Any, tx: Any) -> None:
+    """Entry point of a task process: CREATED work (build model and optimizer), then the interface."""
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        if spec.device.startswith("cpu"):
+            torch.set_num_threads(spec.cpu_threads)
+        runner = UnitRunner(spec)
+        tx.send(("created", {"units": runner.linearized, "params": runner.num_params}))
+        (_iterative if spec.interface == "iterative" else _imperative)(runner, rx, tx)
+    except (EOFError, BrokenPipeError):
+        return  # the executor is gone
+    except BaseException as exc:  # noqa: BLE001 - OOM, a user error, anything: reported, then exit
+        try:
+            tx.send(("failed", _describe(exc, spec)))
+        except OSError:
+            pass
+
+
+def _timed_step(runner: UnitRunner, kind: str) -> tuple:
+    pos, start, start_mono = runner.pos, time.time(), time.monotonic()
+    done = runner.step()
+    return (kind, pos, start, time.time(), start_mono, time.monotonic(), done)
+
+
+def _iterative(runner: UnitRunner, rx: Any, tx: Any) -> None:
+    """Iterative interface: one RunNextStep per ("step", pos, free_bytes) request."""
+    free = None
+    while True:
+        msg = rx.recv()
+        if msg[0] == "stop":
+            return
+        if msg[0] == "init":
+            runner.to_device()
+        if msg[-1] != free:
+            free = msg[-1]
+            cap_memory(runner.device, free)
+        if msg[0] == "init":
+            tx.send(("inited", runner.profile(runner.spec.profile_reps)))
+        elif msg[0] == "step":
+            if msg[1] != runner.pos:
+                raise RuntimeError(f"asked for unit {msg[1]} of the stream, next is {runner.pos}")
+            tx.send(_timed_step(runner, "step"))
+
+
+def _imperative(runner: UnitRunner, rx: Any, tx: Any) -> None:
+    """Imperative interface: after ("run", free_bytes) loop over the units; paused by SIGSTOP."""
+    msg = rx.recv()
+    if msg[0] != "init":
+        return
+    runner.to_device()
+    cap_memory(runner.device, msg[1])
+    tx.send(("inited", None))
+    msg = rx.recv()
+    if msg[0] != "run":
+        return
+    cap_memory(runner.device, msg[1])
+    limit = runner.spec.iterations
+    while limit is None or runner.iterations < limit:
+        tx.send(_timed_step(runner, "unit"))
+    tx.send(("done",))
+    rx.recv()
