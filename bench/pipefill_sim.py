@@ -20,7 +20,7 @@ Assumptions (ours, stated because the paper does not give them):
   per chunk. Only the fill-drain and fwd-bwd bubbles are filled (PipeFill does not fill 1F1B's
   non-contiguous bubbles, 001 l.180, 257); ``--fill-all`` fills every bubble.
 - Fill jobs (Table 1, transformer rows): BERT-base (109M) and BERT-large (334M), inference at
-  sequence 512 or training at sequence 128 with equal probability (models < 700M, 001 l.213).
+  sequence 512 or training at sequence 128 with equal probability (models < 700M, 001 l.211).
   Per-layer FLOPs 24 b s h^2 + 4 b s^2 h (backward 2x); efficiency 0.4 T / (T + 2048) for T
   tokens per GEMM (small batches run far below peak); training stashes s b h (34 + 5 a s / h)
   bytes per layer (Korthikanti et al.), resident 2N bytes for inference and 16N for mixed-precision
@@ -28,7 +28,7 @@ Assumptions (ours, stated because the paper does not give them):
   The Executor picks the batch (power of two) with the most samples per cycle on each rank;
   a dedicated GPU runs the largest batch that fits 80 GB.
 - Trace: job sizes log-uniform in [1 min, 1 h] of dedicated GPU time (the paper samples the
-  Alibaba trace filtered to < 1 GPU-hour, 001 l.213), all queued at t = 0 (a backlog, so the
+  Alibaba trace filtered to < 1 GPU-hour, 001 l.211), all queued at t = 0 (a backlog, so the
   numbers are the bubbles' capacity over ``--hours``). One pipeline slice (16 GPUs, one per stage)
   is simulated; the other GPUs of a stage see the same bubbles, so C = n.
 """

@@ -31,16 +31,18 @@ class Efficiency:
     Megatron's GEMMs inside a full training step reach ~70% of A100 dense peak, and its fused
     kernels (scale-mask-softmax, bias-GeLU, bias-dropout-add) avoid about a fifth of the elementwise
     HBM traffic an op-by-op execution moves. The rest are priors: half of gemm_max at ~1 GFLOP per
-    product, elementwise kernels at 80% of HBM bandwidth, collectives at 70% of link bandwidth.
+    product on an A100 (a product needs a few microseconds of work to fill the device, so the
+    half point scales with the peak), elementwise kernels at 80% of HBM bandwidth, collectives at 70% of link bandwidth.
     Calibrate on your own cluster (`calibration`) rather than trusting these off A100."""
 
     gemm_max: float = 0.70
-    gemm_half_flops: float = 1.0e9
+    gemm_half_s: float = 3.2e-6  # a product this long at peak reaches half of gemm_max (1 GFLOP on A100)
     hbm: float = 0.80
     link: float = 0.70
     fusion: float = 0.2  # share of elementwise HBM traffic that fused kernels avoid
     launch_s: float = 4e-6
     calibration: float = 1.0  # measured / predicted compute time, from `planner calibrate`
+    unit_factors: tuple[tuple[str, float, float], ...] = ()  # (unit kind, forward, backward) corrections
 
     def __post_init__(self) -> None:
         if not 0 <= self.fusion < 1:
@@ -59,8 +61,9 @@ class UnitTime:
     tp_comm_s: float  # of which TP communication, forward + backward
 
 
-def gemm_efficiency(flops_per_gemm: float, eff: Efficiency) -> float:
-    return eff.gemm_max * flops_per_gemm / (flops_per_gemm + eff.gemm_half_flops)
+def gemm_efficiency(flops_per_gemm: float, eff: Efficiency, peak: float) -> float:
+    half = peak * eff.gemm_half_s
+    return eff.gemm_max * flops_per_gemm / (flops_per_gemm + half)
 
 
 def _part_time(part: Part, b: float, t: int, target: Target, eff: Efficiency, gemms: int,
@@ -72,7 +75,7 @@ def _part_time(part: Part, b: float, t: int, target: Target, eff: Efficiency, ge
     mm_bytes = part.mm_bytes(b) / t
     ew_bytes = max(part.fwd_bytes(b) / t - mm_bytes, 0.0) * (1 - eff.fusion)
     peak, bw, vec = gpu.peak(dtype), gpu.hbm_bw * eff.hbm, gpu.peak("fp32")
-    rate = peak * gemm_efficiency(mm / max(gemms, 1), eff) if mm else peak
+    rate = peak * gemm_efficiency(mm / max(gemms, 1), eff, peak) if mm else peak
     fwd = max(mm / rate, mm_bytes / bw) + max(ew_flops / vec, ew_bytes / bw)
     bwd_ew_flops = max(part.bwd_flops(b) / t - 2 * mm, 0.0)
     bwd_ew_bytes = max(part.bwd_bytes(b) / t - 2 * mm_bytes, 0.0) * (1 - eff.fusion)
@@ -110,13 +113,15 @@ def unit_time(unit: Unit, b: float, t: int, target: Target, *, recompute: str = 
     n = max(unit.tp_allreduces, 1)
     ar_f = n * tp_allreduce_s(unit.tp_fwd_allreduce_bytes(b) / n, t, target, eff) if unit.tp_allreduces else 0.0
     ar_b = tp_allreduce_s(unit.tp_bwd_allreduce_bytes(b) / n, t, target, eff) * n if t > 1 else 0.0
-    fwd = sf + rf + ar_f
-    bwd = sb + rb + ar_b
+    kf, kb = next(((f, b_) for kind, f, b_ in eff.unit_factors if kind == unit.kind), (1.0, 1.0))
+    fwd = (sf + rf) * kf + ar_f
+    bwd = (sb + rb) * kb + ar_b
     if recompute == "full" and unit.kind == "block":
         bwd += fwd
     elif recompute == "selective":
         part = unit.sharded
-        sel_rate = target.gpu.peak(dtype) * gemm_efficiency(part.selective_flops(b) / t, eff)
+        peak = target.gpu.peak(dtype)
+        sel_rate = peak * gemm_efficiency(part.selective_flops(b) / t, eff, peak)
         if part.selective_flops(b):
             bwd += (part.selective_flops(b) / t / sel_rate + 2 * part.selective_bytes(b) / t /
                     (target.gpu.hbm_bw * eff.hbm)) * eff.calibration

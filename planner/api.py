@@ -5,6 +5,7 @@ import time
 from dataclasses import asdict
 from typing import Any, Callable
 
+from costmodels.calibration import Calibration, apply_calibration
 from costmodels.compute import Efficiency, unit_time
 from costmodels.memory import MemoryConfig, unit_activation_bytes
 from passes.errors import UserError
@@ -72,11 +73,15 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
               model_args: dict[str, Any] | None = None, pins: Pins = Pins(), leaves: tuple[str, ...] = (),
               dtype: str = "bf16", plan_path: str = "plan.json", memory: MemoryConfig = MemoryConfig(),
               fill: FillSpec | None = None, main_slack: float = 0.0, offload: str = "auto",
-              fill_solver: str = "greedy", progress: Callable[[str], None] | None = None,
+              fill_solver: str = "greedy", calibration: Calibration | None = None, progress: Callable[[str], None] | None = None,
               search_progress: Callable[[int, int], None] | None = None) -> tuple[Plan, SearchResult]:
     tg = get_target(target, gpus_per_node)
+    eff = Efficiency()
+    if calibration is not None:
+        eff, tg = apply_calibration(calibration, eff, tg)
     profile, _ = analyze(model, model_args, leaves=leaves, dtype=dtype, progress=progress)
-    ev = Evaluator(units=profile.units, target=tg, global_batch=global_batch, n_gpus=gpus, dtype=dtype, mem=memory)
+    ev = Evaluator(units=profile.units, target=tg, global_batch=global_batch, n_gpus=gpus, dtype=dtype, mem=memory,
+                   eff=eff)
     start = time.perf_counter()
     if main_slack < 0:
         raise UserError(f"--main-slack must be >= 0, got {main_slack}")

@@ -159,3 +159,5 @@ def main() -> None:
 
 
 from . import cli_plan  # noqa: E402,F401  (registers plan/show/chart)
+from . import cli_calibrate  # noqa: E402,F401
+from . import cli_fill  # noqa: E402,F401

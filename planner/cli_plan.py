@@ -35,6 +35,7 @@ def plan(
     allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let t span nodes"),
     shard_optimizer: bool = typer.Option(False, "--shard-optimizer", help="shard optimizer state over d"),
     dtype: str = typer.Option("bf16", "--dtype", help="training precision: bf16, fp16 or fp32"),
+    calibration: Optional[str] = typer.Option(None, "--calibration", help="file from `planner calibrate`"),
     fill: Optional[str] = typer.Option(None, "--fill", help="fill-job YAML: pack these jobs into the bubbles"),
     main_slack: float = typer.Option(0.0, "--main-slack", help="main throughput the fill may cost (0.05 = 5%)"),
     offload: str = typer.Option("auto", "--offload", help="main-job optimizer offload to host: auto, on, off"),
@@ -43,6 +44,7 @@ def plan(
     as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of the summary"),
 ) -> None:
     """Choose the whole PTD-P configuration for MODEL on N GPUs (and the fill of its bubbles)."""
+    from costmodels.calibration import load_calibration
     from costmodels.memory import MemoryConfig
 
     from .api import make_plan, parse_model_args
@@ -54,6 +56,7 @@ def plan(
         if offload not in ("auto", "on", "off") or fill_solver not in ("greedy", "cpsat"):
             raise UserError("--offload takes auto, on or off and --fill-solver greedy or cpsat")
         spec = load_fill_spec(fill) if fill else None
+        cal = load_calibration(calibration) if calibration else None
         pins = Pins(t=tp, p=pp, d=dp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
                     allow_cross_node_tp=allow_cross_node_tp)
         if global_batch < 1:
@@ -65,7 +68,7 @@ def plan(
                                  gpus_per_node=gpus_per_node, model_args=parse_model_args(model_arg), pins=pins,
                                  leaves=tuple(leaf), plan_path=output, dtype=dtype,
                                  memory=MemoryConfig(shard_optimizer=shard_optimizer), fill=spec,
-                                 main_slack=main_slack, offload=offload, fill_solver=fill_solver,
+                                 main_slack=main_slack, offload=offload, fill_solver=fill_solver, calibration=cal,
                                  progress=lambda name: bar.update(task, description=f"pass: {name}"),
                                  search_progress=lambda i, n: bar.update(task, description="searching",
                                                                          completed=i, total=n))

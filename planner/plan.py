@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from passes.errors import UserError
 
-__all__ = ["SCHEMA", "Plan", "load_plan", "save_plan", "json_schema"]
+__all__ = ["SCHEMA", "Plan", "load_plan", "save_plan", "json_schema", "plan_target"]
 
 SCHEMA = "fxplanner.plan/v1"
 ArgValue = Union[bool, int, float, str]
@@ -171,6 +171,14 @@ class Plan(_Model):
     launch: Launch
     search: SearchInfo
     fill: Fill | None = None
+
+
+def plan_target(plan: Plan):
+    """The target the plan was made for, rebuilt from the figures stored in it (no registry lookup)."""
+    from targets.specs import ClusterSpec, GPUSpec, Target
+
+    gpu = GPUSpec(**plan.source.gpu)
+    return Target(name=plan.source.target, gpu=gpu, cluster=ClusterSpec(**plan.source.cluster))
 
 
 def json_schema() -> dict:

@@ -20,7 +20,7 @@ from .packing import DEFAULT_LAUNCH_OVERHEAD_S, BubbleSlot, Packing, cpsat_pack,
 from .pipeswitch import TransferOverhead, dp_grouping
 from .profiles import FillProfile
 
-__all__ = ["RankFill", "FillAssignment", "assign_fill", "load_overhead_s"]
+__all__ = ["RankFill", "FillAssignment", "assign_fill", "best_fill", "load_overhead_s"]
 
 PCIE_CALL_S = 10e-6  # per transfer (PipeSwitch 4.2's fixed cost; assumption for the target)
 SYNC_S = 20e-6
@@ -86,33 +86,40 @@ def _why_not(profiles: list[FillProfile], cycles: list[list[BubbleSlot]], margin
     return "no configuration fits both the time and the memory of any bubble"
 
 
+def best_fill(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], target: Target, *,
+              safety_margin: float = 0.1, solver: str = "greedy", time_limit_s: float = 1.0) -> RankFill | None:
+    """The configuration and residency of one job that recovers the most FLOPs on one rank's cycle."""
+    best: RankFill | None = None
+    for prof, resident, overhead, res_bytes in _options(profiles, cycle, target):
+        if _stuck_unit(prof.units, cycle, safety_margin, overhead, res_bytes) is not None:
+            continue
+        pk = greedy_pack(prof.units, cycle, safety_margin=safety_margin, launch_overhead_s=overhead,
+                         resident_bytes=res_bytes, cycles=2)
+        if pk.units_completed and (best is None or pk.flops_per_cycle > best.packing.flops_per_cycle):
+            best = RankFill(rank=rank, profile=prof, resident=resident, packing=pk)
+    if best is not None and solver == "cpsat":
+        p = best.packing.params
+        best = replace(best, packing=cpsat_pack(best.profile.units, cycle, safety_margin=safety_margin,
+                                                launch_overhead_s=p.launch_overhead_s, resident_bytes=p.resident_bytes,
+                                                cycles=2, time_limit_s=time_limit_s, hint=best.packing))
+    return best
+
+
 def assign_fill(cycles: list[list[BubbleSlot]], iteration_s: float, jobs: dict[str, list[FillProfile]],
                 target: Target, *, safety_margin: float = 0.1, solver: str = "greedy",
                 time_limit_s: float = 1.0) -> FillAssignment:
-    """cycles[r] is pipeline rank r's bubbles in one iteration (with the free memory of each)."""
+    """cycles[r] is pipeline rank r's bubbles in one iteration (with the free memory of each); each
+    rank runs the job that recovers the most FLOPs there."""
     per_rank: list[RankFill | None] = []
     feasible: set[str] = set()  # jobs that fit some bubble somewhere, chosen or not
     for r, cycle in enumerate(cycles):
-        best: RankFill | None = None
-        if not cycle:  # this rank never waits
-            per_rank.append(None)
-            continue
-        for profiles in jobs.values():
-            for prof, resident, overhead, res_bytes in _options(profiles, cycle, target):
-                if _stuck_unit(prof.units, cycle, safety_margin, overhead, res_bytes) is not None:
-                    continue
-                pk = greedy_pack(prof.units, cycle, safety_margin=safety_margin, launch_overhead_s=overhead,
-                                 resident_bytes=res_bytes, cycles=2)
-                if pk.units_completed:
-                    feasible.add(prof.job)
-                if pk.units_completed and (best is None or pk.flops_per_cycle > best.packing.flops_per_cycle):
-                    best = RankFill(rank=r, profile=prof, resident=resident, packing=pk)
+        options = [best_fill(r, cycle, profiles, target, safety_margin=safety_margin) for profiles in jobs.values()
+                   if cycle]
+        feasible.update(o.profile.job for o in options if o is not None)
+        best = max((o for o in options if o is not None), key=lambda o: o.packing.flops_per_cycle, default=None)
         if best is not None and solver == "cpsat":
-            p = best.packing.params
-            best = replace(best, packing=cpsat_pack(best.profile.units, cycle, safety_margin=safety_margin,
-                                                    launch_overhead_s=p.launch_overhead_s,
-                                                    resident_bytes=p.resident_bytes, cycles=2,
-                                                    time_limit_s=time_limit_s, hint=best.packing))
+            best = best_fill(r, cycle, jobs[best.profile.job], target, safety_margin=safety_margin,
+                             solver="cpsat", time_limit_s=time_limit_s)
         per_rank.append(best)
     total_bubble = sum(s.duration_s for c in cycles for s in c)
     used = sum(sum(ch.time_s for ch in rf.packing.chunks) / rf.packing.params.cycles for rf in per_rank if rf)

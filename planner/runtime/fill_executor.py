@@ -242,6 +242,16 @@ def _task_entry(spec: TaskSpec, rx: Any, tx: Any) -> None:
     task_main(spec, rx, tx)
 
 
+def _task_context() -> Any:
+    """Task processes fork from a forkserver that imported torch once (a clean, single-threaded
+    process: safe to fork, CUDA untouched), so N fill jobs pay one torch import, not N."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["planner.runtime.fill_task"])
+    return ctx
+
+
 def _is_stopped(pid: int) -> bool:
     """Whether the kernel has the process in the stopped state ('T'); true where /proc is missing."""
     try:
@@ -383,7 +393,7 @@ class Executor:
     # ---- the loop -------------------------------------------------------------------------------
 
     def run(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _task_context()
         for t in self.tasks.values():
             self._create(t, ctx)
         self._maybe_ready()

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import multiprocessing as mp
 import operator
 import os
 import signal
@@ -251,15 +250,15 @@ def cap_memory(device: torch.device, free_bytes: int) -> None:
 
 
 def _die_with_parent() -> None:
-    """SIGKILL this process when the executor dies, even while it is SIGSTOPped (Linux only)."""
-    parent = mp.parent_process()
+    """SIGKILL this process when its parent (the executor, or the forkserver that exits with the
+    executor) dies, even while it is SIGSTOPped (Linux only)."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
-    if parent is not None and os.getppid() != parent.pid:
-        os._exit(0)
+    if os.getppid() == 1:
+        os._exit(0)  # the parent died before the line above
 
 
 def _describe(exc: BaseException, spec: TaskSpec) -> str:

@@ -85,3 +85,21 @@ def test_cli_fill_errors_are_one_clear_message():
                                   "--fill", str(fill)])
         text = res.stdout + (res.stderr or "")
         assert res.exit_code != 0 and needle in text and "Traceback" not in text
+
+
+def test_simulate_fill_cli_runs_a_trace_through_a_plan(tmp_path):
+    plan_path = tmp_path / "plan.json"
+    runner = CliRunner()
+    res = runner.invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "8", "--model-arg", "preset=1.7b",
+                              "--pp", "4", "--schedule", "1f1b", "-o", str(plan_path)])
+    assert res.exit_code == 0, res.stdout
+    for policy in ("fifo", "sjf"):
+        res = runner.invoke(app, ["simulate-fill", str(plan_path), str(EXAMPLES / "fill" / "jobs.yaml"),
+                                  "--policy", policy, "--json"])
+        assert res.exit_code == 0, res.stdout
+        import json
+
+        data = json.loads(res.stdout)
+        assert data["policy"] == policy and data["fill_tflops_per_gpu"] > 0
+        assert 0 < data["bubble_time_used"] <= 1
+        assert all(j["work_done"] <= j["work"] + 1e-6 for j in data["jobs"])

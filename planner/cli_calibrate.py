@@ -1,0 +1,58 @@
+"""`planner calibrate`: measure this machine and write correction factors."""
+from __future__ import annotations
+
+import json
+from typing import List, Optional
+
+import typer
+from rich.table import Table
+
+from passes.errors import UserError
+
+from .cli import _ms, app, err, out, user_errors
+
+
+@app.command()
+def calibrate(
+    model: str = typer.Argument(..., help="model file whose units are timed"),
+    measure: bool = typer.Option(False, "--measure", help="time the units here (required: calibration measures)"),
+    target: Optional[str] = typer.Option(None, help="target the factors are for (default: describe this machine)"),
+    batch: int = typer.Option(4, "--batch", "-b", help="microbatch size to time"),
+    model_arg: List[str] = typer.Option([], "--model-arg", help="key=value passed to build_model"),
+    repeats: int = typer.Option(5, help="timed repetitions per unit"),
+    comm: bool = typer.Option(True, help="fit gloo latency/bandwidth with a two-process ping-pong"),
+    target_out: str = typer.Option("local-cpu.yaml", help="where to write this machine's target (no --target)"),
+    output: str = typer.Option("calibration.json", "-o", "--output", help="calibration file to write"),
+    as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+) -> None:
+    """Profile MODEL's units on this device and store per-target correction factors."""
+    from targets.registry import get_target
+
+    from .api import parse_model_args
+    from .calibrate import calibrate as run, fit_comm, machine_target
+
+    with user_errors():
+        if not measure:
+            raise UserError("calibration measures this machine: pass --measure")
+        kwargs = parse_model_args(model_arg)
+        with err.status("measuring the interconnect and the device"):
+            fit = fit_comm() if comm else None
+            tg = get_target(target) if target else machine_target(target_out, fit)
+        with err.status(f"timing the units of {model}"):
+            cal, rows = run(model, kwargs, batch=batch, target=tg, repeats=repeats, comm=fit)
+        with open(output, "w") as fh:
+            fh.write(cal.model_dump_json(by_alias=True, indent=1) + "\n")
+    if as_json:
+        out.print_json(json.dumps({"calibration": json.loads(cal.model_dump_json(by_alias=True)), "units": rows}))
+        return
+    table = Table(title=f"calibration of {cal.target} on {cal.device} ({cal.dtype}, b={batch})")
+    for col in ("unit kind", "units", "forward: measured/predicted", "backward: measured/predicted"):
+        table.add_column(col)
+    for kind, f in cal.unit_factors.items():
+        table.add_row(kind, str(f.units), f"{f.fwd:.3f}", f"{f.bwd:.3f}")
+    out.print(table)
+    if fit:
+        out.print(f"gloo: latency {_ms(fit.latency_s)}, bandwidth {fit.bandwidth / 1e9:.2f} GB/s", highlight=False)
+    where = "" if target else f"; target {target_out}"
+    out.print(f"written {output}{where}; use: planner plan MODEL.py --target {target or target_out} "
+              f"--calibration {output}", highlight=False)

@@ -1,0 +1,46 @@
+"""`planner simulate-fill plan.json trace.yaml`: run a fill-job trace through a plan's bubbles
+with the event-driven cluster simulator (PipeFill 5.1)."""
+from __future__ import annotations
+
+from planner.plan import Plan, plan_target
+
+from .assign import best_fill
+from .cluster_sim import Prices, SimReport, simulate
+from .packing import BubbleSlot
+from .profiles import profile_job
+from .scheduler import FillJob, Rank, RankPlan
+from .spec import FillSpec
+
+__all__ = ["simulate_trace"]
+
+
+def _ranks(plan: Plan) -> list[Rank]:
+    ranks = []
+    for r in range(plan.config.pp):
+        bubbles = [b for b in plan.bubbles if b.rank == r]
+        ranks.append(Rank(id=r, slots=tuple(BubbleSlot(id=b.id, duration_s=b.duration_s, free_bytes=b.free_bytes)
+                                            for b in bubbles),
+                          period_s=plan.predictions.iteration_s, starts_s=tuple(b.start_s for b in bubbles)))
+    return ranks
+
+
+def simulate_trace(plan: Plan, spec: FillSpec, *, policy: str = "fifo", horizon_s: float | None = None,
+                   prices: Prices | None = None) -> SimReport:
+    """One simulated rank per pipeline rank; each stands for the t*d GPUs that share its bubbles."""
+    target = plan_target(plan)
+    ranks = _ranks(plan)
+    jobs = []
+    for js in spec.jobs:
+        profiles = profile_job(js, target, dtype=plan.source.dtype)
+        plans, best_any = [], None
+        for rank in ranks:
+            rf = best_fill(rank.id, list(rank.slots), profiles, target, safety_margin=spec.safety_margin) if rank.slots else None
+            plans.append(RankPlan.from_packing(rf.packing) if rf else None)
+            best_any = best_any or rf
+        prof = best_any.profile if best_any else profiles[0]
+        per_iter = len(prof.units)
+        jobs.append(FillJob(name=js.name, work=float(js.iterations(prof.batch_size) * per_iter), plans=tuple(plans),
+                            mem_bytes=prof.resident_bytes, arrival_s=js.arrival_s, deadline_s=js.deadline_s,
+                            priority=js.priority, kind=js.kind, dedicated_s_per_work=prof.iteration_s / per_iter))
+    gpus_per_rank = plan.config.tp * plan.config.dp
+    return simulate(jobs, ranks, policy, horizon_s=horizon_s, gpus_per_rank=gpus_per_rank, prices=prices)

@@ -1,0 +1,276 @@
+"""The fill executor against a fake main job: real bubbles made of sleeps, real fill jobs in them.
+
+Each scenario starts one executor (its fill jobs load in the background, wait_ready() waits), then a
+fake main job calls bubble_begin / sleeps the bubble / bubble_end / sleeps its own "compute", and
+checks that its own loop never waited on the executor.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from passes.load import file_sha256, load_model_file
+from planner.plan import (Bubble, ConfigModel, Fill, FillChunk, FillJob, FillPredictions, Launch, Plan, Predictions,
+                          SearchInfo, Source)
+from planner.runtime.fill_client import FillClient
+from planner.runtime.fill_executor import ExecutorOptions, TaskSpec
+from planner.runtime.fill_task import UnitRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+MLP, BERT = str(ROOT / "examples/mlp.py"), str(ROOT / "examples/bert.py")
+FAULTY = str(Path(__file__).parent / "fixtures/faulty.py")
+BROKEN = str(ROOT / "tests/fixtures/raises.py")  # build_model() raises
+MLP_ARGS = {"features": 32, "width": 64, "depth": 2}
+FREE = 1 << 30
+CALL_LIMIT_S = 0.005  # bubble_begin / bubble_end must return within a few ms (they take microseconds)
+
+
+def _job(name: str, path: str, args: dict, kind: str, units: int, batch: int = 4) -> FillJob:
+    names = [f"fwd:{i}" for i in range(units)]
+    if kind == "train":
+        names += [f"bwd:{i}" for i in reversed(range(units))] + ["optimizer"]
+    return FillJob(name=name, model_file=path, model_sha256=file_sha256(path), model_args=args, kind=kind,
+                   batch_size=batch, config="plain", units=names, unit_time_s=[1e-3] * len(names), resident=True)
+
+
+def _plan(jobs: list[FillJob], placement: dict[int, str], durations: dict[int, float], margin: float) -> Plan:
+    """A 2-rank GPipe plan (as make_plan would give for examples/gpt.py preset=tiny layers=2) whose
+    rank 0 has the given bubbles, each assigned to one fill job."""
+    fill = Fill(safety_margin=margin, jobs=jobs,
+                chunks=[FillChunk(job=job, rank=0, bubble_id=b, first_unit=0, units=2, expected_s=0.01,
+                                  memory_bytes=1 << 20) for b, job in placement.items()],
+                predictions=FillPredictions(fill_tflops_per_gpu=0.0, bubble_time_used=0.5,
+                                            total_useful_tflops_per_gpu=0.0, offload_optimizer=False))
+    source = Source(model_file=str(ROOT / "examples/gpt.py"), model_sha256=file_sha256(ROOT / "examples/gpt.py"),
+                    model_args={"preset": "tiny", "layers": 2}, dtype="fp32", target="cpu", gpu={}, cluster={},
+                    gpus=2, gpus_per_node=2, global_batch=8, tool_version="test")
+    predictions = Predictions(iteration_s=1.0, samples_per_s=8.0, tokens_per_s=256.0, tflops_per_gpu=0.0, mfu=0.0,
+                              hardware_tflops_per_gpu=0.0, bubble_fraction=0.5, p2p_s=0.0, tp_comm_s=0.0,
+                              allreduce_s=[0.0, 0.0], optimizer_s=[0.0, 0.0], memory=[])
+    return Plan(source=source, config=ConfigModel(tp=1, pp=2, dp=1, microbatch=1, microbatches=8, vp=1,
+                                                  recompute="none", schedule="gpipe"),
+                alternatives=[], partition=[], actions=[[f"BUBBLE{b}" for b in placement], ["BUBBLE0"]],
+                bubbles=[Bubble(id=b, rank=0, start_s=0.0, duration_s=d, kind="B", free_bytes=FREE)
+                         for b, d in durations.items()],
+                predictions=predictions, launch=Launch(nnodes=1, nproc_per_node=2, commands=[], script=""),
+                search=SearchInfo(evaluated=1, rejected={}, seconds=0.0, pinned=[]), fill=fill)
+
+
+def _fake_main(client: FillClient, rounds: int, durations: dict[int, float], compute_s: float = 0.05,
+               ready=None) -> dict:
+    """The main job's loop: per round, every bubble (begin, sleep, end) then its own compute."""
+    calls, windows = [], []
+    start = time.perf_counter()
+    for _ in range(rounds):
+        for bubble_id, duration in durations.items():
+            t0 = time.perf_counter()
+            client.bubble_begin(bubble_id, duration, FREE, ready=ready)
+            t1 = time.perf_counter()
+            time.sleep(duration)
+            t2 = time.perf_counter()
+            client.bubble_end(bubble_id)
+            calls += [t1 - t0, time.perf_counter() - t2]
+            windows.append(bubble_id)
+            time.sleep(compute_s)
+    elapsed = time.perf_counter() - start
+    planned = rounds * (sum(durations.values()) + compute_s * len(durations))
+    return {"calls": calls, "elapsed": elapsed, "planned": planned}
+
+
+def _assert_main_job_on_time(main: dict) -> None:
+    assert max(main["calls"]) < CALL_LIMIT_S, f"slowest bubble call {max(main['calls']) * 1e3:.2f} ms"
+    assert main["elapsed"] < main["planned"] * 1.1 + 0.1, (main["elapsed"], main["planned"])
+
+
+def _start(plan: Plan, grace_s: float = 0.1, **options) -> FillClient:
+    client = FillClient.start(plan, 0, 0, "cpu", grace_s=grace_s, options=ExecutorOptions(**options))
+    assert client is not None
+    assert client.wait_ready(120.0), "fill jobs did not load"
+    return client
+
+
+# ---- the unit runner, in-process ------------------------------------------------------------------
+
+@pytest.mark.parametrize(("path", "args"), [(MLP, MLP_ARGS),
+                                            (str(ROOT / "examples/gpt.py"), {"preset": "tiny", "layers": 2,
+                                                                             "dropout": 0.0})])
+def test_linearized_units_give_the_whole_models_gradients(path: str, args: dict) -> None:
+    spec = TaskSpec(job="j", model_file=path, model_sha256=file_sha256(path), model_args=args, kind="train",
+                    batch_size=3, units=(), device="cpu", interface="iterative", iterations=None)
+    runner = UnitRunner(spec)
+    n = len(runner.unit_names)
+    assert runner.linearized[:n] == [f"fwd:{u}" for u in runner.unit_names] and runner.linearized[-1] == "optimizer"
+    profile = runner.profile(1)
+    assert len(profile) == 2 * n + 1 and all(t > 0 for t in profile)
+    mf = load_model_file(path, args)
+    torch.manual_seed(0)
+    ref = mf.build("cpu")
+    (x,), y = mf.call("sample_batch", 3, 0)
+    mf.module.loss_fn(ref(x), y).backward()
+    for _ in range(2 * n):  # all forward and backward units, not the optimizer
+        runner.step()
+    mine = dict(runner.module.named_parameters())
+    assert len(mine) == len(list(ref.parameters()))
+    ref_grads = sorted(float(p.grad.abs().sum()) for p in ref.parameters())
+    assert ref_grads == pytest.approx(sorted(float(p.grad.abs().sum()) for p in mine.values()), rel=1e-5)
+    assert runner.step() and runner.iterations == 1  # the optimizer step completes the iteration
+
+
+def test_the_plans_linearization_must_match_the_model() -> None:
+    spec = TaskSpec(job="bert", model_file=BERT, model_sha256=file_sha256(BERT), model_args={"preset": "tiny"},
+                    kind="infer", batch_size=2, units=("a", "b"), device="cpu", interface="iterative",
+                    iterations=None)
+    with pytest.raises(Exception, match="lists 2 linearized units for fill job 'bert'.* 4 for a infer job"):
+        UnitRunner(spec)
+
+
+def test_no_fill_for_the_rank_starts_nothing() -> None:
+    plan = _plan([_job("mlp", MLP, MLP_ARGS, "train", 4)], {0: "mlp"}, {0: 0.2}, 0.1)
+    assert FillClient.start(plan, 1, 1, "cpu") is None
+    assert FillClient.start(plan.model_copy(update={"fill": None}), 0, 0, "cpu") is None
+
+
+# ---- real executors --------------------------------------------------------------------------------
+
+def test_training_and_inference_fill_jobs_run_only_inside_bubbles() -> None:
+    durations = {0: 0.3, 1: 0.2}
+    jobs = [_job("mlp", MLP, MLP_ARGS, "train", 4), _job("bert", BERT, {"preset": "tiny"}, "infer", 4)]
+    client = _start(_plan(jobs, {0: "mlp", 1: "bert"}, durations, margin=0.25))
+    try:
+        main = _fake_main(client, rounds=4, durations=durations)
+        report = client.report()
+    finally:
+        client.close()
+    _assert_main_job_on_time(main)
+    assert report["kills"] == [] and report["errors"] == [], report["kills"] + report["errors"]
+    bubbles = report["bubbles"]
+    assert [b["bubble_id"] for b in bubbles] == [0, 1] * 4
+    for b in bubbles:
+        assert b["main_begin"] <= b["gpu_idle"] < b["deadline"] <= b["main_end"] + 0.05
+        for step in b["steps"]:
+            assert b["main_begin"] <= step["start"] <= step["end"] <= b["main_end"], (b["bubble_id"], step)
+        assert {s["job"] for s in b["steps"]} <= set(b["jobs"])
+    jobs_done = {j["name"]: j for j in report["jobs"]}
+    mlp, bert = jobs_done["mlp"], jobs_done["bert"]
+    assert sum(1 for b in bubbles if b["bubble_id"] == 0 and b["units_done"] > 0) >= 3
+    assert sum(1 for b in bubbles if b["bubble_id"] == 1 and b["samples_done"] > 0) >= 3
+    assert mlp["iterations_done"] >= 2 and mlp["samples_done"] == 4 * mlp["iterations_done"]
+    assert bert["iterations_done"] >= 3 and bert["units"][0] == "fwd:tok+pos+ln"
+    assert mlp["profile_s"] is not None and set(mlp["profile_s"]) == set(mlp["units"])
+    # the stream is contiguous: each step is the next unit of its job
+    for name in ("mlp", "bert"):
+        positions = [s["pos"] for b in bubbles for s in b["steps"] if s["job"] == name]
+        assert positions == list(range(len(positions)))
+    assert [(t["job"], t["to"]) for t in report["transitions"] if t["transition"] == "StopSideTask"] == \
+        [("mlp", "STOPPED"), ("bert", "STOPPED")]
+    assert all(j["stop_reason"] == "shutdown" for j in report["jobs"])
+
+
+def test_overrun_is_killed_after_grace_and_failures_are_recorded() -> None:
+    durations = {0: 0.25, 1: 0.2, 2: 0.2}
+    jobs = [_job("slow", FAULTY, {"mode": "slow", "after": 1, "seconds": 2.0}, "train", 3),
+            _job("raising", FAULTY, {"mode": "raise", "after": 2}, "train", 3),
+            _job("broken", BROKEN, {}, "infer", 1)]
+    grace = 0.05
+    client = _start(_plan(jobs, {0: "slow", 1: "raising", 2: "broken"}, durations, margin=0.1), grace_s=grace)
+    try:
+        main = _fake_main(client, rounds=3, durations=durations)
+        report = client.report()
+    finally:
+        client.close()
+    _assert_main_job_on_time(main)
+    state = {j["name"]: j for j in report["jobs"]}
+    assert all(j["state"] == "STOPPED" for j in state.values())
+    # the slow job: iteration 1's first forward unit sleeps 2 s, it was still running at the deadline
+    assert state["slow"]["stop_reason"] == "killed"
+    (kill,) = report["kills"]
+    assert kill["job"] == "slow" and kill["what"] == "step" and kill["unit"] == "fwd:blocks.0"
+    occ = next(b for b in report["bubbles"] if b["kills"])
+    assert kill["limit"] == pytest.approx(min(occ["deadline"], occ["main_end"]) + grace, abs=0.01)
+    assert 0 <= kill["killed_at"] - kill["limit"] < 0.05  # killed as soon as the grace period ran out
+    assert occ["overruns"][0]["killed"] and occ["overruns"][0]["unit"] == "fwd:blocks.0"
+    assert state["slow"]["iterations_done"] == 1
+    # the raising job ran two good iterations, then its error was recorded in the bubble it happened in
+    assert state["raising"]["stop_reason"] == "failed" and state["raising"]["iterations_done"] == 2
+    assert "RuntimeError: fill model exploded at step 2" in state["raising"]["error"]
+    assert "faulty.py" in state["raising"]["error"]
+    assert any("exploded" in e["message"] for b in report["bubbles"] for e in b["errors"])
+    # the job whose model cannot be built never left CREATED
+    assert state["broken"]["stop_reason"] == "failed" and "weights file missing" in state["broken"]["error"]
+    assert [t["transition"] for t in report["transitions"] if t["job"] == "broken"] == \
+        ["CreateSideTask", "StopSideTask"]
+    assert {e["job"] for e in report["errors"]} == {"raising", "broken"}
+    # nothing ran after its job stopped
+    for name in ("slow", "raising"):
+        stopped = next(t["t"] for t in report["transitions"] if t["job"] == name and t["to"] == "STOPPED")
+        assert all(s["start"] <= stopped for b in report["bubbles"] for s in b["steps"] if s["job"] == name)
+
+
+def test_imperative_tasks_are_paused_by_signals() -> None:
+    durations = {0: 0.25, 1: 0.15}
+    jobs = [_job("loop", MLP, {"features": 64, "width": 256, "depth": 4}, "train", 6, batch=64),
+            _job("short", BERT, {"preset": "tiny"}, "infer", 4)]
+    client = _start(_plan(jobs, {0: "loop", 1: "short"}, durations, margin=0.2), grace_s=0.1,
+                    default_interface="imperative", iterations={"short": 3})
+    try:
+        main = _fake_main(client, rounds=4, durations=durations, compute_s=0.1)
+        report = client.report()
+    finally:
+        client.close()
+    _assert_main_job_on_time(main)
+    assert report["kills"] == [] and report["errors"] == []
+    bubbles = report["bubbles"]
+    windows = [(b["main_begin"], b["main_end"]) for b in bubbles]
+    loop_steps = [s for b in bubbles for s in b["steps"] if s["job"] == "loop"]
+    # a unit that SIGSTOP cut in two finishes in the next bubble: every unit *ends* inside a bubble
+    assert all(any(a <= s["end"] <= z for a, z in windows) for s in loop_steps)
+    assert sum(1 for b in bubbles if b["bubble_id"] == 0 and b["units_done"] > 0) >= 3
+    log = [(t["transition"], t["reason"]) for t in report["transitions"] if t["job"] == "loop"]
+    assert sum(1 for tr, why in log if tr == "PauseSideTask" and why == "SIGSTOP took effect") >= 3
+    assert not any(tr == "RunNextStep" for tr, _ in log)  # the imperative task runs its own loop
+    short = next(j for j in report["jobs"] if j["name"] == "short")
+    assert short["stop_reason"] == "done" and short["iterations_done"] == 3 and short["samples_done"] == 12
+
+
+def test_a_dead_executor_never_stops_the_main_job() -> None:
+    durations = {0: 0.05}
+    plan = _plan([_job("mlp", MLP, MLP_ARGS, "train", 4)], {0: "mlp"}, durations, margin=0.1)
+    client = FillClient.start(plan, 0, 0, "cpu")
+    assert client is not None
+    try:
+        os.kill(client.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        main = _fake_main(client, rounds=5, durations=durations, compute_s=0.01)
+        report = client.report(timeout_s=5.0)
+    finally:
+        client.close()
+    _assert_main_job_on_time(main)
+    assert "exited" in report["error"] and report["bubbles"] == []
+
+
+def test_ready_event_delays_the_bubble_start_not_the_caller() -> None:
+    """The CUDA path with a stand-in event: bubble_begin returns at once; the bubble starts when the
+    (here: sleeping) synchronize returns, in the client's sender thread."""
+
+    class SlowEvent:
+        def synchronize(self) -> None:
+            time.sleep(0.1)
+
+    durations = {0: 0.3}
+    plan = _plan([_job("mlp", MLP, MLP_ARGS, "train", 4)], {0: "mlp"}, durations, margin=0.2)
+    client = _start(plan)
+    try:
+        main = _fake_main(client, rounds=2, durations=durations, ready=SlowEvent())
+        report = client.report()
+    finally:
+        client.close()
+    _assert_main_job_on_time(main)
+    for b in report["bubbles"]:
+        assert b["gpu_idle"] - b["main_begin"] >= 0.095
+        assert all(s["start"] >= b["gpu_idle"] for s in b["steps"])
+    assert report["jobs"][0]["units_done"] > 0
