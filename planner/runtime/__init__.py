@@ -1,8 +1,9 @@
 """The runtime: execute a plan under torchrun (``python -m planner.runtime plan.json``).
 
-This package's top level imports no torch: the checks every rank makes before any collective
-(schema version, model file hash, world size) and the local launcher live here, so that a bad plan
-stops each rank within a fraction of a second, before the launcher can kill a slower one.
+This package's top level imports neither torch nor pydantic: the checks every rank makes before any
+collective (schema version, model file hash, world size) and the local launcher live here, and
+``python -m planner.runtime`` guards SIGTERM before the plan module is even imported, so that a bad
+plan makes every rank print its message even while torchrun is tearing the others down.
 
 - ``check_plan(path, world_size)``: validate a plan for this launch, or raise UserError.
 - ``launch_local(plan, ...)``: run the plan's torchrun command on this machine, stream rank logs.
@@ -20,11 +21,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from passes.errors import UserError
 
-from ..plan import Plan, load_plan
+if TYPE_CHECKING:
+    from ..plan import Plan
 
 __all__ = ["CheckedPlan", "LocalRun", "check_plan", "resolve_model_file", "torchrun_command", "launch_local",
            "summarize", "METRICS_SCHEMA"]
@@ -51,6 +53,8 @@ def resolve_model_file(plan: Plan, plan_path: Path) -> Path:
 
 def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
     """Everything a rank checks before any collective; every rank reaches the same verdict."""
+    from ..plan import load_plan
+
     path = Path(path)
     plan = load_plan(path)  # schema version and fields
     model = resolve_model_file(plan, path)
@@ -113,6 +117,8 @@ def launch_local(plan_path: str | Path, *, steps: int = 3, fill: bool = True, me
 
 
 def _world(plan_path: str | Path) -> int:
+    from ..plan import load_plan
+
     c = load_plan(plan_path).config
     return c.tp * c.pp * c.dp
 

@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from passes.errors import UserError
 
@@ -45,11 +47,33 @@ def _error(rank: int, world: int, message: str) -> int:
     return 2
 
 
+@contextmanager
+def _sigterm_deferred() -> Iterator[list[int]]:
+    """torchrun SIGTERMs every rank as soon as one exits; the plan checks take under a second, so a
+    rank finishes its own check (and prints its message) first, then honours the signal."""
+    got: list[int] = []
+    try:
+        old = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+    except ValueError:  # not the main thread
+        yield got
+        return
+    try:
+        yield got
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    try:  # no torch yet: these checks take a fraction of a second on every rank
-        checked = [check_plan(p, world) for p in args.plans]
+    with _sigterm_deferred() as term:
+        args = parse_args(argv)
+        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+        try:  # no torch yet: these checks take a fraction of a second on every rank
+            checked = [check_plan(p, world) for p in args.plans]
+        except UserError as exc:
+            return _error(rank, world, str(exc))
+    if term:
+        return 128 + signal.SIGTERM  # the launcher stopped the job while this rank was checking
+    try:
         return _run(args, checked, rank, world)
     except UserError as exc:
         return _error(rank, world, str(exc))
