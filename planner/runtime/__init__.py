@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import subprocess
 import sys
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
     from ..plan import Plan
 
 __all__ = ["CheckedPlan", "LocalRun", "check_plan", "resolve_model_file", "torchrun_command", "launch_local",
-           "summarize", "METRICS_SCHEMA"]
+           "child_env", "summarize", "mean_iteration_s", "METRICS_SCHEMA"]
 
 METRICS_SCHEMA = "fxplanner.metrics/v1"
 
@@ -63,6 +64,9 @@ def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
         raise UserError(f"model file {model} has sha256 {digest[:16]}..., but plan {path} was made from "
                         f"{plan.source.model_sha256[:16]}...; the file changed since planning - re-run `planner plan`")
     c = plan.config
+    if plan.source.global_batch != c.dp * c.microbatch * c.microbatches:
+        raise UserError(f"plan {path}: global batch {plan.source.global_batch} is not d*b*m = "
+                        f"{c.dp}*{c.microbatch}*{c.microbatches}; the plan is inconsistent - re-run `planner plan`")
     need = c.tp * c.pp * c.dp
     if need != world_size:
         raise UserError(f"plan {path} needs tp*pp*dp = {c.tp}*{c.pp}*{c.dp} = {need} processes, but this launch has "
@@ -90,7 +94,7 @@ def torchrun_command(plan_path: str | Path, world: int, runtime_args: list[str])
             "--nproc-per-node", str(world), "--tee", "3", "-m", "planner.runtime", str(plan_path), *runtime_args]
 
 
-_TEE_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:")
+_TEE_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:(?:\[rank \1\] )?")
 
 
 def launch_local(plan_path: str | Path, *, steps: int = 3, fill: bool = True, metrics: str | Path | None = None,
@@ -103,17 +107,27 @@ def launch_local(plan_path: str | Path, *, steps: int = 3, fill: bool = True, me
         out = Path(metrics) if metrics else Path(tmp) / "metrics.json"
         args = ["--steps", str(steps), "--metrics", str(out), *([] if fill else ["--no-fill"]), *(extra or [])]
         cmd = torchrun_command(checked.path, _world(plan_path), args)
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                                env=child_env())
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
-                on_line(_TEE_PREFIX.sub(lambda m: f"[rank {m.group(1)}]", line.rstrip("\n")))
+                on_line(_TEE_PREFIX.sub(lambda m: f"[rank {m.group(1)}] ", line.rstrip("\n")))
             rc = proc.wait(timeout=timeout_s)
         except BaseException:
             proc.kill()
             raise
         doc = json.loads(out.read_text()) if rc == 0 and out.is_file() else None
     return LocalRun(returncode=rc, metrics=doc, command=cmd)
+
+
+def child_env() -> dict[str, str]:
+    """This environment, with this very ``planner`` package first on PYTHONPATH: the ranks run the
+    code that launched them, whatever the working directory or the installed copy."""
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
+    return env
 
 
 def _world(plan_path: str | Path) -> int:

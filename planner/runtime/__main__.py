@@ -15,9 +15,8 @@ import os
 import signal
 import sys
 import traceback
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from passes.errors import UserError
 
@@ -47,34 +46,52 @@ def _error(rank: int, world: int, message: str) -> int:
     return 2
 
 
-@contextmanager
-def _sigterm_deferred() -> Iterator[list[int]]:
-    """torchrun SIGTERMs every rank as soon as one exits; the plan checks take under a second, so a
-    rank finishes its own check (and prints its message) first, then honours the signal."""
-    got: list[int] = []
+_PRECHECK_FAILED: list[bool] = []
+_TERM: list[int] = []
+LINGER_S = 2.0
+"""How long a rank that failed its checks waits before exiting (see _linger)."""
+
+
+def _defer_sigterm() -> Any:
+    """torchrun SIGTERMs every rank as soon as one exits. The checks before any collective are short,
+    so a rank finishes its own and prints its own message first: on an error it exits with 2 still
+    ignoring the signal; otherwise main() restores the old handler and honours a signal it got."""
     try:
-        old = signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
-    except ValueError:  # not the main thread
-        yield got
+        return signal.signal(signal.SIGTERM, lambda signum, frame: _TERM.append(signum))
+    except ValueError:  # not the main thread (main() called from a test)
+        return None
+
+
+def _linger() -> None:
+    """A rank that failed its checks waits (up to LINGER_S, less once torchrun signals it) so that a
+    rank started later reaches its own check and prints its own message before torchrun, seeing
+    the first exit, terminates it. Under torchrun with several ranks only."""
+    if int(os.environ.get("WORLD_SIZE", "1")) < 2 or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    try:
-        yield got
-    finally:
-        signal.signal(signal.SIGTERM, old)
+    import time
+
+    until = time.monotonic() + LINGER_S
+    while not _TERM and time.monotonic() < until:
+        time.sleep(0.02)
 
 
 def main(argv: list[str] | None = None) -> int:
-    with _sigterm_deferred() as term:
-        args = parse_args(argv)
-        rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-        try:  # no torch yet: these checks take a fraction of a second on every rank
-            checked = [check_plan(p, world) for p in args.plans]
-        except UserError as exc:
-            return _error(rank, world, str(exc))
+    old_handler = _defer_sigterm()
+    term = _TERM
+    args = parse_args(argv)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    try:  # the plan checks need no torch: a fraction of a second on every rank
+        checked = [check_plan(p, world) for p in args.plans]
+        files = [_load_model_file(c) for c in checked]
+    except UserError as exc:
+        _PRECHECK_FAILED.append(True)
+        return _error(rank, world, str(exc))
+    if old_handler is not None:
+        signal.signal(signal.SIGTERM, old_handler)
     if term:
         return 128 + signal.SIGTERM  # the launcher stopped the job while this rank was checking
     try:
-        return _run(args, checked, rank, world)
+        return _run(args, checked, files, rank, world)
     except UserError as exc:
         return _error(rank, world, str(exc))
     except KeyboardInterrupt:
@@ -91,26 +108,27 @@ def _device(choice: str) -> str:
     return choice
 
 
-def _run(args: argparse.Namespace, checked: list[CheckedPlan], rank: int, world: int) -> int:
+def _load_model_file(c: CheckedPlan) -> Any:
+    """Import the model file (and torch); it must also define sample_batch and loss_fn."""
+    from passes.load import load_model_file
+
+    mf = load_model_file(c.model_file, dict(c.plan.source.model_args))
+    missing = [fn for fn in ("sample_batch", "loss_fn") if not mf.has(fn)]
+    if missing:
+        raise UserError(f"model file {c.model_file} does not define {' and '.join(f'{m}()' for m in missing)}; the "
+                        "runtime needs sample_batch(batch_size, step, **model_args) -> (inputs, targets) and "
+                        "loss_fn(output, targets)")
+    return mf
+
+
+def _run(args: argparse.Namespace, checked: list[CheckedPlan], files: list[Any], rank: int, world: int) -> int:
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    from passes.load import load_model_file
+    from .executor import ActionError, RunOptions, failure_text, prepare
 
-    from .executor import ActionError, RunOptions, prepare, schedule_of
-    from ..schedule import grid
-
-    files = []
-    for c in checked:  # still before any collective: a model file without data or loss stops every rank
-        mf = load_model_file(c.model_file, dict(c.plan.source.model_args))
-        missing = [fn for fn in ("sample_batch", "loss_fn") if not mf.has(fn)]
-        if missing:
-            raise UserError(f"model file {c.model_file} does not define {' and '.join(missing)}; the runtime needs "
-                            "sample_batch(batch_size, step, **model_args) -> (inputs, targets) and "
-                            "loss_fn(output, targets)")
-        files.append(mf)
     device = _device(args.device)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
@@ -126,8 +144,7 @@ def _run(args: argparse.Namespace, checked: list[CheckedPlan], rank: int, world:
             try:
                 record = ex.run(log=log)
             except ActionError as exc:
-                print(f"[rank {rank}] error: {exc}\n{grid(schedule_of(c.plan), mark=(exc.pipeline_rank, exc.step))}",
-                      file=sys.stderr, flush=True)
+                print(f"[rank {rank}] {failure_text(c.plan, exc)}", file=sys.stderr, flush=True)
                 traceback.print_exception(exc.__cause__, file=sys.stderr)
                 return 1
             if opts.dump_dir is not None:
@@ -157,5 +174,15 @@ def _run_entry(c: CheckedPlan, ranks: list[dict[str, Any]], args: argparse.Names
             "ranks": sorted(ranks, key=lambda r: r["rank"])}
 
 
+def _cli() -> None:
+    code = main()
+    if _PRECHECK_FAILED:  # interpreter shutdown restores SIGTERM's default; nothing to clean up yet
+        _linger()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _cli()

@@ -31,13 +31,13 @@ import torch.distributed as dist
 from passes.load import ModelFile
 
 from ..plan import Plan
-from ..schedule import Action, Op, Schedule
+from ..schedule import Action, Op, Schedule, grid
 from .groups import Groups, make_groups, make_shared_groups
 from .stage import (StageModule, TensorSpec, apply_tensor_parallel, boundary_specs, build_split,
                     implicit_replication, stage_modules)
 
 __all__ = ["RunOptions", "NullFill", "FillHooks", "ActionError", "Executor", "prepare", "load_fill_client",
-           "schedule_of"]
+           "schedule_of", "failure_text"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,6 +98,11 @@ class ActionError(RuntimeError):
     def __init__(self, pipeline_rank: int, step: int, action: Action, cause: BaseException) -> None:
         super().__init__(f"pipeline rank {pipeline_rank}, step {step} ({action}): {type(cause).__name__}: {cause}")
         self.pipeline_rank, self.step, self.action = pipeline_rank, step, action
+
+
+def failure_text(plan: Plan, exc: ActionError) -> str:
+    """The error and the schedule grid with the failing action marked."""
+    return f"error: {exc}\n{grid(schedule_of(plan), mark=(exc.pipeline_rank, exc.step))}"
 
 
 def schedule_of(plan: Plan) -> Schedule:
@@ -375,6 +380,7 @@ class Executor:
         """All steps; step 0 without fill, measuring the bubbles; returns this rank's record."""
         steps = []
         client = load_fill_client() if self.options.fill else None
+        dist.barrier()  # ranks finish building at different times; step 0 measures from a common start
         for index in range(self.options.steps):
             if index == 1 and client is not None:
                 self.fill = self._start_fill(client)

@@ -1,16 +1,22 @@
 """The main job's handle on its rank's fill executor (PipeFill's bubble signalling, §4.2).
 
-The main job's rank process calls bubble_begin / bubble_end at its BUBBLE actions. Both only put a
-tuple on an in-process queue (about a microsecond, no lock the executor can hold); a sender thread
-turns it into a message on a pipe to the executor process, after waiting for the CUDA `ready`
-event when one is given. The main job waits on the executor only in report() and close(), each
-with a timeout; an executor that crashed or hangs changes nothing else.
+The main job's rank process calls bubble_begin / bubble_end at its BUBBLE actions. Both only read
+the clocks and put a tuple on an in-process queue (tens of microseconds at worst, mostly the futex
+that wakes the sender thread; no lock the executor can hold); a sender thread turns it into a
+message on a pipe to the executor process, after waiting for the CUDA `ready` event when one is
+given. The main job waits on the executor only in wait_ready(), report() and close(), each with a
+timeout; an executor that crashed or hangs changes nothing else.
+
+The executor is started with the 'spawn' context, which re-imports the caller's __main__ module in
+the child: keep a launcher script's work under `if __name__ == "__main__":` (`python -m
+planner.runtime` is fine).
 """
 from __future__ import annotations
 
 import atexit
 import multiprocessing as mp
 import queue
+import sys
 import threading
 import time
 from typing import Any
@@ -21,7 +27,7 @@ from .fill_executor import BubbleBegin, BubbleEnd, ExecutorOptions, Request, exe
 
 __all__ = ["FillClient"]
 
-_EMPTY_REPORT = {"jobs": [], "bubbles": [], "overruns": [], "kills": [], "errors": [], "transitions": []}
+_REPORT_LISTS = ("jobs", "bubbles", "overruns", "kills", "errors", "transitions")
 
 
 class FillClient:
@@ -55,11 +61,16 @@ class FillClient:
             return None
         if grace_s < 0:
             raise ValueError(f"grace_s={grace_s} must be >= 0")
+        unknown = sorted({c.job for c in chunks} - {j.name for j in plan.fill.jobs})
+        if unknown:
+            raise ValueError(f"fill chunks of pipeline rank {pipeline_rank} name jobs {unknown} that the plan's "
+                             "fill section does not list")
+        device = _explicit_device(str(device))
         ctx = mp.get_context("spawn")
         cmd_r, cmd_w = ctx.Pipe(duplex=False)
         res_r, res_w = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=executor_main, name=f"fxp-fill-executor-{global_rank}",
-                           args=(plan.model_dump_json(by_alias=True), pipeline_rank, global_rank, str(device),
+                           args=(plan.model_dump_json(by_alias=True), pipeline_rank, global_rank, device,
                                  dict(measured_bubbles or {}), float(grace_s), options or ExecutorOptions(),
                                  cmd_r, res_w))
         proc.start()
@@ -101,7 +112,7 @@ class FillClient:
         if self._report is None:
             self._queue.put(Request(kind="report"))
             got = self._await("report", timeout_s)
-            self._report = got if isinstance(got, dict) else {**_EMPTY_REPORT, "error": got}
+            self._report = got if isinstance(got, dict) else {**{k: [] for k in _REPORT_LISTS}, "error": got}
         return self._report
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -183,3 +194,11 @@ class FillClient:
         return BubbleBegin(seq=seq, bubble_id=bubble_id, duration_s=float(duration_s), free_bytes=int(free_bytes),
                            called_at=wall, start_wall=start_wall, start_mono=start_mono,
                            ended=ended)
+
+
+def _explicit_device(device: str) -> str:
+    """'cuda' means the caller's current device; in a fresh process it would mean cuda:0."""
+    torch = sys.modules.get("torch")
+    if device == "cuda" and torch is not None and torch.cuda.is_available():
+        return f"cuda:{torch.cuda.current_device()}"
+    return device

@@ -353,13 +353,14 @@ class Executor:
         self.grace_s, self.options, self.cmd, self.out = grace_s, options, cmd, out
         self.margin = plan.fill.safety_margin
         self.measured = {int(k): float(v) for k, v in (measured_bubbles or {}).items()}
-        chunks = [c for c in plan.fill.chunks if c.rank == pipeline_rank]
-        self.bubble_jobs: dict[int, list[str]] = {}
+        self.bubble_jobs: dict[int, list[str]] = {}  # bubble id -> its fill jobs, in the plan's order
         units: dict[int, dict[str, list[int]]] = {}
-        for c in chunks:
-            names = self.bubble_jobs.setdefault(c.bubble_id, [])
-            names.append(c.job) if c.job not in names else None
-            units.setdefault(c.bubble_id, {}).setdefault(c.job, []).append(c.units)
+        for c in plan.fill.chunks:
+            if c.rank == pipeline_rank:
+                names = self.bubble_jobs.setdefault(c.bubble_id, [])
+                if c.job not in names:
+                    names.append(c.job)
+                units.setdefault(c.bubble_id, {}).setdefault(c.job, []).append(c.units)
         self.planned = {b: {j: sum(u) / len(u) for j, u in per.items()} for b, per in units.items()}
         free = {b.id: b.free_bytes for b in plan.bubbles if b.rank == pipeline_rank}
         self.log: list[dict[str, Any]] = []
@@ -419,7 +420,9 @@ class Executor:
         wake = [0.5]
         cur = self.cur
         if cur is not None and not cur.paused:
-            wake += [cur.pause_mono() - now, cur.sigstop_mono() - now]
+            wake.append(cur.pause_mono() - now)
+            if cur.sigstop_mono() > now:
+                wake.append(cur.sigstop_mono() - now)
         for t in self.tasks.values():
             if t.live and t.kill_at is not None:
                 wake.append(t.kill_at - now)
@@ -555,8 +558,8 @@ class Executor:
         at = cur.pause_mono()
         cause = "deadline" if at >= cur.deadline_mono else "bubble end"
         for t in self.tasks.values():
-            if not t.live:
-                continue
+            if not t.live or t.kill_at is not None:
+                continue  # stopped, or already on the clock from an earlier pause
             if t.busy is not None:
                 t.kill_at, t.pause_occ = at + self.grace_s, cur
                 t.overrun = {"job": t.name, "unit": t.unit_name(t.busy["pos"]), "pos": t.busy["pos"],

@@ -6,8 +6,11 @@ checks that its own loop never waited on the executor.
 """
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -17,17 +20,19 @@ import torch
 from passes.load import file_sha256, load_model_file
 from planner.plan import (Bubble, ConfigModel, Fill, FillChunk, FillJob, FillPredictions, Launch, Plan, Predictions,
                           SearchInfo, Source)
+from planner.runtime import fill_executor
 from planner.runtime.fill_client import FillClient
-from planner.runtime.fill_executor import ExecutorOptions, TaskSpec
+from planner.runtime.fill_executor import BubbleBegin, BubbleEnd, Executor, ExecutorOptions, Request, TaskSpec
 from planner.runtime.fill_task import UnitRunner
 
 ROOT = Path(__file__).resolve().parents[2]
 MLP, BERT = str(ROOT / "examples/mlp.py"), str(ROOT / "examples/bert.py")
 FAULTY = str(Path(__file__).parent / "fixtures/faulty.py")
-BROKEN = str(ROOT / "tests/fixtures/raises.py")  # build_model() raises
 MLP_ARGS = {"features": 32, "width": 64, "depth": 2}
 FREE = 1 << 30
-CALL_LIMIT_S = 0.005  # bubble_begin / bubble_end must return within a few ms (they take microseconds)
+# bubble_begin / bubble_end take microseconds; the bounds leave room for a loaded 2-core CI machine,
+# where the OS may deschedule the caller for a time slice while the fill job computes.
+CALL_MEDIAN_LIMIT_S, CALL_MAX_LIMIT_S = 0.0005, 0.015
 
 
 def _job(name: str, path: str, args: dict, kind: str, units: int, batch: int = 4) -> FillJob:
@@ -62,28 +67,31 @@ def _plan(jobs: list[FillJob], placement: dict[int, str], durations: dict[int, f
 
 
 def _fake_main(client: FillClient, rounds: int, durations: dict[int, float], compute_s: float = 0.05,
-               ready=None) -> dict:
+               ready: dict | None = None) -> dict:
     """The main job's loop: per round, every bubble (begin, sleep, end) then its own compute."""
-    calls, windows = [], []
+    calls = []
     start = time.perf_counter()
     for _ in range(rounds):
         for bubble_id, duration in durations.items():
+            event = (ready or {}).get(bubble_id)
             t0 = time.perf_counter()
-            client.bubble_begin(bubble_id, duration, FREE, ready=ready)
+            client.bubble_begin(bubble_id, duration, FREE, ready=event)
             t1 = time.perf_counter()
-            time.sleep(duration)
+            time.sleep(duration + getattr(event, "drain_s", 0.0))  # the GPU drains, then idles `duration`
             t2 = time.perf_counter()
             client.bubble_end(bubble_id)
             calls += [t1 - t0, time.perf_counter() - t2]
-            windows.append(bubble_id)
             time.sleep(compute_s)
     elapsed = time.perf_counter() - start
-    planned = rounds * (sum(durations.values()) + compute_s * len(durations))
+    drains = sum(getattr(e, "drain_s", 0.0) for e in (ready or {}).values())
+    planned = rounds * (sum(durations.values()) + drains + compute_s * len(durations))
     return {"calls": calls, "elapsed": elapsed, "planned": planned}
 
 
 def _assert_main_job_on_time(main: dict) -> None:
-    assert max(main["calls"]) < CALL_LIMIT_S, f"slowest bubble call {max(main['calls']) * 1e3:.2f} ms"
+    calls = sorted(main["calls"])
+    assert calls[len(calls) // 2] < CALL_MEDIAN_LIMIT_S, f"median bubble call {calls[len(calls) // 2] * 1e3:.3f} ms"
+    assert calls[-1] < CALL_MAX_LIMIT_S, f"slowest bubble call {calls[-1] * 1e3:.2f} ms"
     assert main["elapsed"] < main["planned"] * 1.1 + 0.1, (main["elapsed"], main["planned"])
 
 
@@ -135,25 +143,43 @@ def test_no_fill_for_the_rank_starts_nothing() -> None:
     assert FillClient.start(plan.model_copy(update={"fill": None}), 0, 0, "cpu") is None
 
 
+def test_chunks_of_unknown_jobs_are_refused() -> None:
+    plan = _plan([_job("mlp", MLP, MLP_ARGS, "train", 4)], {0: "mlp", 1: "ghost"}, {0: 0.2, 1: 0.2}, 0.1)
+    with pytest.raises(ValueError, match=r"name jobs \['ghost'\]"):
+        FillClient.start(plan, 0, 0, "cpu")
+
+
 # ---- real executors --------------------------------------------------------------------------------
+
+class SlowEvent:
+    """Stands in for the CUDA event the main job records before a bubble: the GPU drains for 50 ms."""
+
+    drain_s = 0.05
+
+    def synchronize(self) -> None:
+        time.sleep(self.drain_s)
+
 
 def test_training_and_inference_fill_jobs_run_only_inside_bubbles() -> None:
     durations = {0: 0.3, 1: 0.2}
     jobs = [_job("mlp", MLP, MLP_ARGS, "train", 4), _job("bert", BERT, {"preset": "tiny"}, "infer", 4)]
     client = _start(_plan(jobs, {0: "mlp", 1: "bert"}, durations, margin=0.25))
-    try:
-        main = _fake_main(client, rounds=4, durations=durations)
+    try:  # bubble 1 comes with a ready event: it starts when that event's synchronize() returns
+        main = _fake_main(client, rounds=4, durations=durations, ready={1: SlowEvent()})
         report = client.report()
     finally:
         client.close()
     _assert_main_job_on_time(main)
+    assert json.loads(json.dumps(report)) == report  # plain data, ready for metrics.json
     assert report["kills"] == [] and report["errors"] == [], report["kills"] + report["errors"]
     bubbles = report["bubbles"]
     assert [b["bubble_id"] for b in bubbles] == [0, 1] * 4
     for b in bubbles:
-        assert b["main_begin"] <= b["gpu_idle"] < b["deadline"] <= b["main_end"] + 0.05
+        assert b["main_begin"] <= b["gpu_idle"] < b["deadline"] <= b["main_end"] + 0.1
+        if b["bubble_id"] == 1:  # the caller returned at once; the bubble started when the event fired
+            assert b["gpu_idle"] - b["main_begin"] >= 0.045
         for step in b["steps"]:
-            assert b["main_begin"] <= step["start"] <= step["end"] <= b["main_end"], (b["bubble_id"], step)
+            assert b["gpu_idle"] <= step["start"] <= step["end"] <= b["main_end"], (b["bubble_id"], step)
         assert {s["job"] for s in b["steps"]} <= set(b["jobs"])
     jobs_done = {j["name"]: j for j in report["jobs"]}
     mlp, bert = jobs_done["mlp"], jobs_done["bert"]
@@ -172,12 +198,14 @@ def test_training_and_inference_fill_jobs_run_only_inside_bubbles() -> None:
 
 
 def test_overrun_is_killed_after_grace_and_failures_are_recorded() -> None:
-    durations = {0: 0.25, 1: 0.2, 2: 0.2}
+    durations = {0: 0.25, 1: 0.2, 2: 0.15, 3: 0.15}
     jobs = [_job("slow", FAULTY, {"mode": "slow", "after": 1, "seconds": 2.0}, "train", 3),
             _job("raising", FAULTY, {"mode": "raise", "after": 2}, "train", 3),
-            _job("broken", BROKEN, {}, "infer", 1)]
+            _job("broken", FAULTY, {"mode": "build"}, "infer", 3),
+            _job("crashing", FAULTY, {"mode": "crash", "after": 1}, "infer", 3)]
     grace = 0.05
-    client = _start(_plan(jobs, {0: "slow", 1: "raising", 2: "broken"}, durations, margin=0.1), grace_s=grace)
+    client = _start(_plan(jobs, {0: "slow", 1: "raising", 2: "broken", 3: "crashing"}, durations, margin=0.1),
+                    grace_s=grace)
     try:
         main = _fake_main(client, rounds=3, durations=durations)
         report = client.report()
@@ -192,7 +220,7 @@ def test_overrun_is_killed_after_grace_and_failures_are_recorded() -> None:
     assert kill["job"] == "slow" and kill["what"] == "step" and kill["unit"] == "fwd:blocks.0"
     occ = next(b for b in report["bubbles"] if b["kills"])
     assert kill["limit"] == pytest.approx(min(occ["deadline"], occ["main_end"]) + grace, abs=0.01)
-    assert 0 <= kill["killed_at"] - kill["limit"] < 0.05  # killed as soon as the grace period ran out
+    assert 0 <= kill["killed_at"] - kill["limit"] < 0.1  # killed as soon as the grace period ran out
     assert occ["overruns"][0]["killed"] and occ["overruns"][0]["unit"] == "fwd:blocks.0"
     assert state["slow"]["iterations_done"] == 1
     # the raising job ran two good iterations, then its error was recorded in the bubble it happened in
@@ -204,7 +232,10 @@ def test_overrun_is_killed_after_grace_and_failures_are_recorded() -> None:
     assert state["broken"]["stop_reason"] == "failed" and "weights file missing" in state["broken"]["error"]
     assert [t["transition"] for t in report["transitions"] if t["job"] == "broken"] == \
         ["CreateSideTask", "StopSideTask"]
-    assert {e["job"] for e in report["errors"]} == {"raising", "broken"}
+    # the job whose process died in the middle of a step
+    assert state["crashing"]["stop_reason"] == "failed" and state["crashing"]["iterations_done"] == 1
+    assert "exited with code 3" in state["crashing"]["error"]
+    assert {e["job"] for e in report["errors"]} == {"raising", "broken", "crashing"}
     # nothing ran after its job stopped
     for name in ("slow", "raising"):
         stopped = next(t["t"] for t in report["transitions"] if t["job"] == name and t["to"] == "STOPPED")
@@ -253,24 +284,39 @@ def test_a_dead_executor_never_stops_the_main_job() -> None:
     assert "exited" in report["error"] and report["bubbles"] == []
 
 
-def test_ready_event_delays_the_bubble_start_not_the_caller() -> None:
-    """The CUDA path with a stand-in event: bubble_begin returns at once; the bubble starts when the
-    (here: sleeping) synchronize returns, in the client's sender thread."""
-
-    class SlowEvent:
-        def synchronize(self) -> None:
-            time.sleep(0.1)
-
-    durations = {0: 0.3}
-    plan = _plan([_job("mlp", MLP, MLP_ARGS, "train", 4)], {0: "mlp"}, durations, margin=0.2)
-    client = _start(plan)
+def test_imperative_task_that_does_not_stop_is_killed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The executor driven directly over its pipes (in a thread of this process), with the check for
+    SIGSTOP having taken effect forced to fail: the task is SIGKILLed at deadline + grace. The
+    measured duration (0.15 s) caps the one the main job announces (0.25 s)."""
+    monkeypatch.setattr(fill_executor, "_is_stopped", lambda pid: False)
+    plan = _plan([_job("loop", MLP, MLP_ARGS, "train", 4)], {0: "loop"}, {0: 0.25}, margin=0.2)
+    cmd_r, cmd_w = mp.Pipe(duplex=False)
+    out_r, out_w = mp.Pipe(duplex=False)
+    grace = 0.05
+    executor = Executor(plan, 0, 0, "cpu", {0: 0.15}, grace, ExecutorOptions(default_interface="imperative"),
+                        cmd_r, out_w)
+    thread = threading.Thread(target=executor.run, daemon=True)
+    thread.start()
     try:
-        main = _fake_main(client, rounds=2, durations=durations, ready=SlowEvent())
-        report = client.report()
+        assert out_r.poll(120.0) and out_r.recv()[0] == "ready"
+        wall, mono = time.time(), time.monotonic()
+        cmd_w.send(BubbleBegin(seq=1, bubble_id=0, duration_s=0.25, free_bytes=FREE, called_at=wall,
+                               start_wall=wall, start_mono=mono))
+        time.sleep(0.25)
+        cmd_w.send(BubbleEnd(seq=1, bubble_id=0, wall=time.time(), mono=time.monotonic()))
+        time.sleep(0.1)
+        cmd_w.send(Request(kind="report"))
+        tag, report = out_r.recv()
     finally:
-        client.close()
-    _assert_main_job_on_time(main)
-    for b in report["bubbles"]:
-        assert b["gpu_idle"] - b["main_begin"] >= 0.095
-        assert all(s["start"] >= b["gpu_idle"] for s in b["steps"])
-    assert report["jobs"][0]["units_done"] > 0
+        cmd_w.send(Request(kind="close"))
+        thread.join(timeout=10.0)
+    assert tag == "report" and not thread.is_alive()
+    (job,) = report["jobs"]
+    assert job["stop_reason"] == "killed" and job["units_done"] > 0
+    (kill,) = report["kills"]
+    assert kill["what"] == "run" and kill["job"] == "loop"
+    assert kill["limit"] == pytest.approx(wall + 0.15 + grace, abs=0.01)
+    assert 0 <= kill["killed_at"] - kill["limit"] < 0.1
+    assert [t["transition"] for t in report["transitions"]] == \
+        ["CreateSideTask", "InitSideTask", "StartSideTask", "StopSideTask"]
+    assert report["bubbles"][0]["kills"] == [kill]

@@ -1,0 +1,76 @@
+"""Shared pieces of the runtime tests: plans, torchrun, the single-process reference."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from passes.load import load_model_file
+from planner.api import make_plan
+from planner.plan import Plan, save_plan
+from planner.runtime import child_env
+from planner.search import Pins
+
+ROOT = Path(__file__).resolve().parents[2]
+GPT = ROOT / "examples" / "gpt.py"
+SKIPNET = Path(__file__).resolve().parent / "skipnet.py"
+
+
+def gpt_args(layers: int = 4) -> dict[str, Any]:
+    return {"preset": "tiny", "layers": layers, "dropout": 0}
+
+
+def plan_file(path: Path, model: Path, model_args: dict[str, Any], *, gpus: int, global_batch: int,
+              t: int, p: int, d: int, b: int, v: int, schedule: str, recompute: str = "none") -> Plan:
+    plan, _ = make_plan(str(model), gpus=gpus, global_batch=global_batch, target="a100-80gb", gpus_per_node=gpus,
+                        model_args=model_args, dtype="fp32",
+                        pins=Pins(t=t, p=p, d=d, b=b, v=v, schedule=schedule, recompute=recompute))
+    c = plan.config
+    assert (c.tp, c.pp, c.dp, c.microbatch, c.vp, c.schedule) == (t, p, d, b, v, schedule)
+    save_plan(plan, path)
+    return plan
+
+
+def torchrun(nproc: int, args: list[str], *, cwd: Path, timeout: float = 240) -> subprocess.CompletedProcess:
+    """Real torchrun on CPU: --standalone picks a free rendezvous port; --tee prefixes each rank's lines."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+           "--nproc-per-node", str(nproc), "--tee", "3", "-m", "planner.runtime", *args]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=child_env())
+
+
+def rank_lines(text: str, rank: int) -> list[str]:
+    """Lines a rank printed (torchrun --tee prefixes them with [default<rank>]:)."""
+    prefix = f"[default{rank}]:"
+    return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+
+
+_FAILURE = re.compile(r"rank\s*:\s*(\d+) \(local_rank: \d+\)\s*\n\s*exitcode\s*:\s*(-?\d+)")
+
+
+def exit_codes(text: str) -> dict[int, int]:
+    """Per-rank exit codes from torchrun's failure summary."""
+    return {int(r): int(code) for r, code in _FAILURE.findall(text)}
+
+
+def reference(model: Path, model_args: dict[str, Any], *, global_batch: int, steps: int, optimizer: str,
+              lr: float, seed: int = 0) -> dict[str, Any]:
+    """Single-process training on the full global batch: losses, final parameters and gradients."""
+    mf = load_model_file(model, model_args)
+    torch.manual_seed(seed)
+    net = mf.build("cpu", torch.float32)
+    net.train()
+    opt = (torch.optim.Adam if optimizer == "adam" else torch.optim.SGD)(net.parameters(), lr=lr)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        inputs, targets = mf.call("sample_batch", global_batch, step)
+        loss = mf.module.loss_fn(net(*inputs), targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"loss": losses, "params": {n: p.detach().clone() for n, p in net.named_parameters()},
+            "grads": {n: p.grad.clone() for n, p in net.named_parameters()}}

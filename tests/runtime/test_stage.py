@@ -1,0 +1,138 @@
+"""Stage building without processes: split programs, routing of skip values, tied weights, checks."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from passes.errors import UserError
+from passes.load import load_model_file
+from planner.plan import Plan, load_plan
+from planner.runtime import check_plan, summarize
+from planner.runtime.executor import ActionError, failure_text
+from planner.runtime.stage import StageModule, TensorSpec, boundary_specs, build_split
+from planner.schedule import Action
+
+from ._util import GPT, SKIPNET, gpt_args, plan_file
+
+
+@pytest.fixture(scope="module")
+def gpt_plan(tmp_path_factory) -> Plan:
+    path = tmp_path_factory.mktemp("stage") / "gpt.json"
+    return plan_file(path, GPT, gpt_args(4), gpus=2, global_batch=4, t=1, p=2, d=1, b=1, v=2,
+                     schedule="interleaved", recompute="full")
+
+
+@pytest.fixture(scope="module")
+def skip_plan(tmp_path_factory) -> Plan:
+    path = tmp_path_factory.mktemp("stage") / "skip.json"
+    return plan_file(path, SKIPNET, {}, gpus=4, global_batch=8, t=1, p=4, d=1, b=2, v=1, schedule="1f1b")
+
+
+def _pipeline(plan: Plan, model_path: Path, model_args: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run every stage in order in this process (no p2p): the pipeline's output and the model's."""
+    mf = load_model_file(model_path, model_args)
+    torch.manual_seed(0)
+    model = mf.build("cpu", torch.float32)
+    split = build_split(model, plan)
+    specs = boundary_specs(mf, plan)
+    consts = {k: v for k, v in specs.items() if not isinstance(v, TensorSpec)}
+    stages = [StageModule(split, k, consts) for k in range(len(plan.partition))]
+    inputs, _ = mf.call("sample_batch", plan.config.microbatch, 0)
+    received: dict = {}
+    out = None
+    for st in stages:
+        assert set(received) == set(st.program.recv)
+        for name, value in received.items():
+            assert isinstance(specs[name], TensorSpec) and tuple(value.shape) == specs[name].shape
+        sends, out = st.run(received, inputs)
+        received = dict(zip(st.program.send, sends))
+    return out, model(*inputs)
+
+
+def test_stages_in_sequence_equal_the_model(gpt_plan: Plan) -> None:
+    got, want = _pipeline(gpt_plan, GPT, gpt_args(4))
+    assert torch.equal(got, want)
+
+
+def test_skip_value_travels_through_middle_stages(skip_plan: Plan) -> None:
+    mf = load_model_file(SKIPNET)
+    split = build_split(mf.build("cpu", torch.float32), skip_plan)
+    # the stem's output, read again by the head on the last stage, crosses every boundary
+    crossing = set.intersection(*(set(p.recv) for p in split.programs[1:]))
+    assert len(crossing) == 1 and all(crossing <= set(p.send) for p in split.programs[:-1])
+    assert all(len(p.send) == 2 for p in split.programs[:-1])
+    got, want = _pipeline(skip_plan, SKIPNET, {})
+    assert torch.equal(got, want)
+
+
+def test_tied_weight_has_both_end_ranks_as_holders(gpt_plan: Plan) -> None:
+    split = build_split(load_model_file(GPT, gpt_args(4)).build("cpu", torch.float32), gpt_plan)
+    assert split.holders["embedding.tok.weight"] == {0, 1}  # stage 0 on rank 0, stage 3 on rank 1
+    assert all(len(r) == 1 for n, r in split.holders.items() if n != "embedding.tok.weight")
+    assert [p.rank for p in split.programs] == [0, 1, 0, 1]
+    # recompute 'full': every block unit is its own checkpointed piece
+    assert sum(pc.checkpoint for pc in split.pieces) == 4
+
+
+def test_boundary_specs_are_microbatch_shaped(gpt_plan: Plan) -> None:
+    specs = boundary_specs(load_model_file(GPT, gpt_args(4)), gpt_plan)
+    split = build_split(load_model_file(GPT, gpt_args(4)).build("meta", torch.float32), gpt_plan)
+    for prog in split.programs[:-1]:
+        assert [specs[n] for n in prog.send] == [TensorSpec(shape=(1, 32, 64), dtype=torch.float32)]
+
+
+def test_failure_shows_grid_with_mark(gpt_plan: Plan) -> None:
+    acts = gpt_plan.actions[1]
+    step = next(i for i, a in enumerate(acts) if a.endswith("B0") and "SEND" not in a and "RECV" not in a)
+    text = failure_text(gpt_plan, ActionError(1, step, Action.parse(acts[step]), ValueError("boom")))
+    assert "pipeline rank 1" in text and "ValueError: boom" in text
+    assert f"> rank 1, step {step}: {acts[step]}" in text
+    assert any(line.startswith("rank 1") and ">" + acts[step] in line for line in text.splitlines())
+
+
+# ---------------------------------------------------------------------------------------------
+# Checks before any collective (no processes needed)
+
+
+def test_check_plan_accepts_good_plan(small_plan: Path) -> None:
+    checked = check_plan(small_plan, 2)
+    assert checked.plan.config.pp == 2 and checked.model_file == GPT
+
+
+@pytest.mark.parametrize("edit, world, message", [
+    (lambda d: d["source"].update(model_sha256="0" * 64), 2, "has sha256"),
+    (lambda d: d.update(schema="fxplanner.plan/v0"), 2, "has schema 'fxplanner.plan/v0'"),
+    (lambda d: None, 4, "needs tp*pp*dp = 1*2*1 = 2 processes, but this launch has WORLD_SIZE=4"),
+    (lambda d: d["source"].update(model_file="/nonexistent/model.py"), 2, "does not exist here"),
+    (lambda d: d["source"].update(global_batch=5), 2, "global batch 5 is not d*b*m"),
+])
+def test_check_plan_rejects(small_plan: Path, tmp_path: Path, edit, world: int, message: str) -> None:
+    data = json.loads(small_plan.read_text())
+    edit(data)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(data))
+    with pytest.raises(UserError, match=message.replace("*", r"\*").replace("(", r"\(")):
+        check_plan(bad, world)
+
+
+def test_model_path_relative_to_plan(small_plan: Path, tmp_path: Path) -> None:
+    shutil.copy(GPT, tmp_path / "gpt.py")
+    data = json.loads(small_plan.read_text())
+    data["source"]["model_file"] = "gpt.py"
+    (tmp_path / "plan.json").write_text(json.dumps(data))
+    assert check_plan(tmp_path / "plan.json", 2).model_file == tmp_path / "gpt.py"
+    assert load_plan(tmp_path / "plan.json").source.model_file == "gpt.py"
+
+
+def test_summarize() -> None:
+    step = lambda t, loss: {"iteration_s": t, "loss": loss, "fill": False,  # noqa: E731
+                            "bubbles": [{"id": 0, "start_s": 0.0, "duration_s": 0.01}]}
+    doc = {"runs": [{"plan": "p.json", "loss": [2.0, 1.0],
+                     "ranks": [{"steps": [step(0.5, None), step(0.2, None)]}, {"steps": [step(0.4, 2.0), step(0.3, 1.0)]}]}]}
+    rows = summarize(doc)
+    assert [(r["step"], r["loss"], r["iteration_s"], r["bubbles"]) for r in rows] == [(0, 2.0, 0.5, 2), (1, 1.0, 0.3, 2)]
+    assert rows[0]["bubble_s"] == pytest.approx(0.01)
