@@ -13,7 +13,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from passes.errors import UserError
+from passes.errors import UserError, invalid_file
 from targets.specs import ClusterSpec, Target
 
 from .compute import Efficiency
@@ -59,8 +59,7 @@ def load_calibration(path: str | Path) -> Calibration:
     except json.JSONDecodeError as exc:
         raise UserError(f"calibration file {path} is not valid JSON (line {exc.lineno})") from None
     except ValidationError as exc:
-        err = exc.errors()[0]
-        raise UserError(f"calibration file {path}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+        raise invalid_file("calibration file", path, exc) from None
 
 
 def apply_calibration(cal: Calibration, eff: Efficiency, target: Target) -> tuple[Efficiency, Target]:

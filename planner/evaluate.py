@@ -101,15 +101,17 @@ class Evaluator:
 
     def model_flops(self) -> float:
         """FLOPs of one iteration as the thesis counts them (eq. 4.2): forward + backward of every
-        unit plus one more forward of every block (activation recomputation)."""
-        per_sample = sum(u.fwd_flops(1) + u.bwd_flops(1) + (u.fwd_flops(1) if u.kind == "block" else 0)
-                         for u in self.units)
-        return per_sample * self.global_batch
+        unit plus one more forward of every block (activation recomputation assumed)."""
+        return self.executed_flops("full")
 
     def executed_flops(self, recompute: str) -> float:
-        extra = {"none": lambda u: 0.0, "full": lambda u: u.fwd_flops(1) if u.kind == "block" else 0.0,
-                 "selective": lambda u: u.sharded.selective_flops(1) + u.replicated.selective_flops(1)}[recompute]
-        return sum(u.fwd_flops(1) + u.bwd_flops(1) + extra(u) for u in self.units) * self.global_batch
+        """FLOPs one iteration executes: forward + backward, plus what the recomputation redoes."""
+        key = ("flops", recompute)
+        if key not in self._cache:
+            extra = {"none": lambda u: 0.0, "full": lambda u: u.fwd_flops(1) if u.kind == "block" else 0.0,
+                     "selective": lambda u: u.sharded.selective_flops(1) + u.replicated.selective_flops(1)}[recompute]
+            self._cache[key] = sum(u.fwd_flops(1) + u.bwd_flops(1) + extra(u) for u in self.units) * self.global_batch
+        return self._cache[key]
 
     def memory_lower_bound(self, c: Config) -> float:
         """No rank can need less than the average rank (the last rank holds the fewest activations)."""

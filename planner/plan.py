@@ -11,7 +11,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from passes.errors import UserError
+from passes.errors import UserError, invalid_file
 
 __all__ = ["SCHEMA", "Plan", "load_plan", "save_plan", "json_schema", "plan_target"]
 
@@ -206,6 +206,4 @@ def load_plan(path: str | Path) -> Plan:
     try:
         return Plan.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise UserError(f"plan file {path}: field {where}: {err['msg']} ({len(exc.errors())} problem(s) in all)") from None
+        raise invalid_file("plan file", path, exc) from None

@@ -20,7 +20,7 @@ from typing import Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from passes.errors import UserError
+from passes.errors import UserError, invalid_file
 
 __all__ = ["FillJobSpec", "FillSpec", "load_fill_spec"]
 
@@ -94,9 +94,7 @@ def load_fill_spec(path: str | Path) -> FillSpec:
     try:
         spec = FillSpec.model_validate(data)
     except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(x) for x in err["loc"])
-        raise UserError(f"fill file {path}: {where}: {err['msg']}") from None
+        raise invalid_file("fill file", path, exc) from None
     for job in spec.jobs:
         model = Path(job.model)
         job.model = str(model if model.is_absolute() else (path.parent / model).resolve())
