@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -132,6 +132,8 @@ class FillJob(_Model):
     units: list[str] = Field(description="the job's linearized units: forward units, then backward, then optimizer")
     unit_time_s: list[float] = Field(description="predicted time of each linearized unit on the target")
     resident: bool = Field(description="kept on the device between bubbles, else loaded per bubble")
+    leaves: list[str] = Field(default_factory=list, description="modules traced as leaves")
+    iterations: Optional[int] = Field(None, description="work: iterations after which the job is done")
 
 
 class FillChunk(_Model):

@@ -23,7 +23,8 @@ def fill_section(joint: JointChoice, spec: FillSpec) -> Fill:
             jobs[key] = FillJob(name=key, model_file=js.model, model_sha256=prof.sha256, model_args=js.model_args,
                                 kind=prof.kind, batch_size=prof.batch_size, config=prof.config,
                                 units=[u.name for u in prof.units], unit_time_s=[u.time_s for u in prof.units],
-                                resident=rf.resident)
+                                resident=rf.resident, leaves=list(js.leaves),
+                                iterations=js.iterations(prof.batch_size))
         first_cycle = [ch for ch in rf.packing.chunks if ch.cycle == 0]
         chunks.extend(FillChunk(job=key, rank=rf.rank, bubble_id=ch.bubble_id, first_unit=ch.first_unit,
                                 units=ch.num_units, expected_s=ch.time_s, memory_bytes=ch.mem_bytes)
