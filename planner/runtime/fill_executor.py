@@ -8,17 +8,20 @@ PipeFill's bubble signals (§4.2-4.3). Each fill job is a side task with its own
     RUNNING -RunNextStep-> RUNNING;  CREATED | PAUSED | RUNNING -StopSideTask-> STOPPED
 
 CreateSideTask starts the task process, which builds the model with real weights (and its optimizer)
-in host memory; InitSideTask, run at the start of a bubble (A.2), moves it to the device and times
-every linearized unit; StartSideTask and PauseSideTask follow the bubbles; StopSideTask ends it when
-its work is done, it raised, or it was killed.
+in host memory; InitSideTask, the first thing done in a bubble (A.2), moves it to the device and
+times every linearized unit (the task is started in the same bubble if time is left);
+StartSideTask and PauseSideTask follow the bubbles; StopSideTask ends it when its work is done, it
+raised or its process died, it was killed, or at shutdown.
 
 Two interfaces (A.1). *iterative*: the manager sends one linearized unit at a time ("step") and
 starts it only if the bubble's usable time (duration x (1 - safety margin)) still covers the unit's
-profiled duration (the program-directed limit, §3.2.3). *imperative*: the task loops over its units
-on its own; the manager resumes it with SIGCONT and pauses it with SIGSTOP. Framework-enforced limit:
-a task that is not paused by the pause point (bubble end or deadline, whichever is first) plus the
-grace period is SIGKILLed (for the iterative interface that is the process running the late step)
-and recorded; the job is STOPPED, the main job never waits.
+profiled (or recently observed, if longer) duration: the program-directed limit of §3.2.3.
+*imperative*: the task loops over its units on its own; the manager resumes it with SIGCONT and
+stops it with SIGSTOP at the end of the usable time, and counts it paused once /proc shows it
+stopped. Framework-enforced limit: a task not paused by the pause point (bubble end or deadline,
+whichever is first) plus the grace period is SIGKILLed (for the iterative interface that is the
+process running the late step; InitSideTask is protected the same way) and recorded; its job is
+STOPPED. The main job never waits for any of it.
 
 Protocols (all over one-way pipes; writes below PIPE_BUF are atomic, so a stopped or killed task
 never leaves half a message):
@@ -46,7 +49,8 @@ from typing import Any, Literal
 from planner.plan import FillJob, Plan
 
 __all__ = ["State", "Transition", "TRANSITIONS", "IllegalTransition", "SideTaskState", "ExecutorOptions",
-           "TaskSpec", "BubbleBegin", "BubbleEnd", "Request", "Executor", "executor_main"]
+           "TaskSpec", "BubbleBegin", "BubbleEnd", "Request", "Occurrence", "TaskHandle", "Executor",
+           "executor_main"]
 
 Interface = Literal["iterative", "imperative"]
 
@@ -114,7 +118,8 @@ class ExecutorOptions:
     """Fill job name -> side-task interface; jobs not named use `default_interface`."""
     default_interface: Interface = "iterative"
     iterations: dict[str, int] = field(default_factory=dict)
-    """Fill job name -> iterations after which its work is done (STOPPED); absent: runs until shutdown."""
+    """Fill job name -> iterations after which its work is done (STOPPED); absent: the plan's
+    FillJob.iterations (the fill spec's amount of work), else it runs until shutdown."""
     profile_reps: int = 2
     """Timed passes over the linearized units during InitSideTask (after one warm-up pass)."""
     step_safety: float = 1.25
@@ -151,6 +156,7 @@ class TaskSpec:
     device: str
     interface: Interface
     iterations: int | None
+    leaves: tuple[str, ...] = ()
     profile_reps: int = 2
     cpu_threads: int = 1
     seed: int = 0
@@ -385,7 +391,8 @@ class Executor:
         return TaskSpec(job=job.name, model_file=job.model_file, model_sha256=job.model_sha256,
                         model_args=dict(job.model_args), kind=job.kind, batch_size=job.batch_size,
                         units=tuple(job.units), device=self.device, interface=o.interface_of(job.name),
-                        iterations=o.iterations.get(job.name), profile_reps=o.profile_reps,
+                        iterations=o.iterations.get(job.name, job.iterations), leaves=tuple(job.leaves),
+                        profile_reps=o.profile_reps,
                         cpu_threads=o.cpu_threads, seed=o.seed)
 
     def wall(self, mono: float) -> float:

@@ -37,9 +37,10 @@ __all__ = ["linearize", "UnitRunner", "cap_memory", "task_main"]
 
 
 def linearize(unit_names: list[str], kind: str) -> list[str]:
-    """The linearized units of a fill job: 'fwd:U' for each unit, then 'bwd:U' reversed, 'optimizer'."""
-    fwd = [f"fwd:{u}" for u in unit_names]
-    return fwd if kind == "infer" else fwd + [f"bwd:{u}" for u in reversed(unit_names)] + ["optimizer"]
+    """A fill job's linearized units, named as planner.fill.profiles names them: 'F:U' per unit, then
+    (train) 'B:U' in reverse and 'OPT'."""
+    fwd = [f"F:{u}" for u in unit_names]
+    return fwd if kind == "infer" else fwd + [f"B:{u}" for u in reversed(unit_names)] + ["OPT"]
 
 
 class UnitRunner:
@@ -54,7 +55,7 @@ class UnitRunner:
         self.mf = load_model_file(path, spec.model_args)
         torch.manual_seed(spec.seed)
         root = self.mf.build("cpu")
-        gm = trace_model(root)
+        gm = trace_model(root, spec.leaves)
         part = unit_of_nodes(gm, root)
         names = [name for name, _, _ in group_nodes(gm, root)]
         self.module = split_by(gm, root, part.__getitem__)

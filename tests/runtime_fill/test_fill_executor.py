@@ -36,16 +36,16 @@ CALL_MEDIAN_LIMIT_S, CALL_MAX_LIMIT_S = 0.0005, 0.015
 
 
 def _job(name: str, path: str, args: dict, kind: str, units: int, batch: int = 4) -> FillJob:
-    names = [f"fwd:{i}" for i in range(units)]
+    names = [f"F:{i}" for i in range(units)]
     if kind == "train":
-        names += [f"bwd:{i}" for i in reversed(range(units))] + ["optimizer"]
+        names += [f"B:{i}" for i in reversed(range(units))] + ["OPT"]
     return FillJob(name=name, model_file=path, model_sha256=file_sha256(path), model_args=args, kind=kind,
                    batch_size=batch, config="plain", units=names, unit_time_s=[1e-3] * len(names), resident=True)
 
 
 def _plan(jobs: list[FillJob], placement: dict[int, str], durations: dict[int, float], margin: float) -> Plan:
-    """A 2-rank GPipe plan (as make_plan would give for examples/gpt.py preset=tiny layers=2) whose
-    rank 0 has the given bubbles, each assigned to one fill job."""
+    """A hand-built 2-rank GPipe plan of examples/gpt.py (preset=tiny, layers=2) whose rank 0 has the
+    given bubbles, each assigned to one fill job (the parts the fill executor does not read are stubs)."""
     fill = Fill(safety_margin=margin, jobs=jobs,
                 chunks=[FillChunk(job=job, rank=0, bubble_id=b, first_unit=0, units=2, expected_s=0.01,
                                   memory_bytes=1 << 20) for b, job in placement.items()],
@@ -112,7 +112,7 @@ def test_linearized_units_give_the_whole_models_gradients(path: str, args: dict)
                     batch_size=3, units=(), device="cpu", interface="iterative", iterations=None)
     runner = UnitRunner(spec)
     n = len(runner.unit_names)
-    assert runner.linearized[:n] == [f"fwd:{u}" for u in runner.unit_names] and runner.linearized[-1] == "optimizer"
+    assert runner.linearized[:n] == [f"F:{u}" for u in runner.unit_names] and runner.linearized[-1] == "OPT"
     profile = runner.profile(1)
     assert len(profile) == 2 * n + 1 and all(t > 0 for t in profile)
     mf = load_model_file(path, args)
@@ -186,7 +186,7 @@ def test_training_and_inference_fill_jobs_run_only_inside_bubbles() -> None:
     assert sum(1 for b in bubbles if b["bubble_id"] == 0 and b["units_done"] > 0) >= 3
     assert sum(1 for b in bubbles if b["bubble_id"] == 1 and b["samples_done"] > 0) >= 3
     assert mlp["iterations_done"] >= 2 and mlp["samples_done"] == 4 * mlp["iterations_done"]
-    assert bert["iterations_done"] >= 3 and bert["units"][0] == "fwd:tok+pos+ln"
+    assert bert["iterations_done"] >= 3 and bert["units"][0] == "F:tok+pos+ln"
     assert mlp["profile_s"] is not None and set(mlp["profile_s"]) == set(mlp["units"])
     # the stream is contiguous: each step is the next unit of its job
     for name in ("mlp", "bert"):
@@ -217,11 +217,11 @@ def test_overrun_is_killed_after_grace_and_failures_are_recorded() -> None:
     # the slow job: iteration 1's first forward unit sleeps 2 s, it was still running at the deadline
     assert state["slow"]["stop_reason"] == "killed"
     (kill,) = report["kills"]
-    assert kill["job"] == "slow" and kill["what"] == "step" and kill["unit"] == "fwd:blocks.0"
+    assert kill["job"] == "slow" and kill["what"] == "step" and kill["unit"] == "F:blocks.0"
     occ = next(b for b in report["bubbles"] if b["kills"])
     assert kill["limit"] == pytest.approx(min(occ["deadline"], occ["main_end"]) + grace, abs=0.01)
     assert 0 <= kill["killed_at"] - kill["limit"] < 0.1  # killed as soon as the grace period ran out
-    assert occ["overruns"][0]["killed"] and occ["overruns"][0]["unit"] == "fwd:blocks.0"
+    assert occ["overruns"][0]["killed"] and occ["overruns"][0]["unit"] == "F:blocks.0"
     assert state["slow"]["iterations_done"] == 1
     # the raising job ran two good iterations, then its error was recorded in the bubble it happened in
     assert state["raising"]["stop_reason"] == "failed" and state["raising"]["iterations_done"] == 2
