@@ -97,5 +97,10 @@ def _print_fill(run: dict[str, Any]) -> None:
         if not rep:
             continue
         units = sum(b.get("units_done", 0) or 0 for b in rep.get("bubbles", []))
+        errors = len(rep.get("errors", [])) + sum(1 for j in rep.get("jobs", []) if j.get("error"))
         out.print(f"rank {rank['rank']}: fill {len(rep.get('bubbles', []))} bubble(s) used, {units} unit(s) done, "
-                  f"{len(rep.get('overruns', []))} overrun(s), {len(rep.get('kills', []))} kill(s)", highlight=False)
+                  f"{len(rep.get('overruns', []))} overrun(s), {len(rep.get('kills', []))} kill(s), "
+                  f"{errors} error(s)", highlight=False)
+        for job in rep.get("jobs", []):
+            if job.get("error"):
+                out.print(f"  fill job {job.get('name')}: {job['error']}", highlight=False, soft_wrap=True)

@@ -74,7 +74,20 @@ def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
     if len(plan.actions) != c.pp or len(plan.partition) != c.pp * c.vp:
         raise UserError(f"plan {path} has {len(plan.actions)} action lists and {len(plan.partition)} stages for "
                         f"pp={c.pp}, vp={c.vp}; the plan is inconsistent - re-run `planner plan`")
+    _check_schedule(plan, path)
     return CheckedPlan(path=path, plan=plan, model_file=model)
+
+
+def _check_schedule(plan: Plan, path: Path) -> None:
+    """The action lists parse and pass the schedule validator (complete, ordered, deadlock-free)."""
+    from ..schedule import Action, Schedule, ScheduleError, validate
+
+    c = plan.config
+    try:
+        validate(Schedule(kind=c.schedule, p=c.pp, v=c.vp, m=c.microbatches,
+                          ranks=tuple(tuple(Action.parse(a) for a in acts) for acts in plan.actions)))
+    except (ValueError, ScheduleError) as exc:
+        raise UserError(f"plan {path}: the action lists cannot run: {exc}") from None
 
 
 # ---------------------------------------------------------------------------------------------

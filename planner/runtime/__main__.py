@@ -24,7 +24,8 @@ from . import METRICS_SCHEMA, CheckedPlan, check_plan
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m planner.runtime", description="Run an fxplanner plan (under torchrun).")
+    ap = argparse.ArgumentParser(prog="python -m planner.runtime",
+                                 description="Run an fxplanner plan (under torchrun).")
     ap.add_argument("plans", nargs="+", metavar="PLAN", help="plan.json; several run in turn (same world size)")
     ap.add_argument("--steps", type=int, default=3, help="training iterations (default 3)")
     ap.add_argument("--no-fill", action="store_true", help="never hand bubbles to fill jobs")
@@ -132,7 +133,11 @@ def _run(args: argparse.Namespace, checked: list[CheckedPlan], files: list[Any],
     device = _device(args.device)
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group("nccl" if device.startswith("cuda") else "gloo", timeout=timedelta(seconds=args.timeout))
+    backend, timeout = ("nccl" if device.startswith("cuda") else "gloo"), timedelta(seconds=args.timeout)
+    if "MASTER_ADDR" in os.environ:  # torchrun (or a launcher setting its environment)
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # plain `python -m planner.runtime` of a one-process plan
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     runs = []
     try:
         for i, (c, mf) in enumerate(zip(checked, files)):

@@ -15,11 +15,19 @@ own action strings run here, one at a time, in order:
 - ``OPT``: optimizer step. ``BUBBLE<id>``: the rank would idle here; hand the time to the fill client.
 
 Every step ends with a barrier over all ranks, so that a step's wall time (and a trailing bubble)
-is measured the same way on every rank.
+is measured the same way on every rank. A bubble lasts from its BUBBLE action to the start of the
+next F/B/ALLREDUCE/OPT (a RECV waited on in between is part of it) or the end of the step. Step 0
+runs without fill and measures every bubble; later steps hand the fill client that measured
+duration, not the plan's (which is for the target GPU).
+
+Precision: weights, activations and gradients are float32 on every device; the plan's
+``source.dtype`` is the planning precision only. CUDA-only, untested here: nccl, the ``ready``
+event passed to ``bubble_begin``, per-step peak memory, a synchronize after each F/B for timing.
 """
 from __future__ import annotations
 
 import importlib.util
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,12 +92,17 @@ class NullFill:
 
 
 def load_fill_client() -> Any:
-    """``planner.runtime.fill_client.FillClient`` if that module exists, else None."""
+    """``planner.runtime.fill_client.FillClient`` if that module exists and imports, else None (the
+    main job then runs without fill; a broken fill client is reported, never fatal)."""
     if importlib.util.find_spec("planner.runtime.fill_client") is None:
         return None
-    from . import fill_client  # noqa: PLC0415 - optional, written separately
-
-    return getattr(fill_client, "FillClient", None)
+    try:
+        from .fill_client import FillClient  # noqa: PLC0415 - optional, written separately
+    except Exception as exc:  # noqa: BLE001
+        print(f"warning: fill client unavailable ({type(exc).__name__}: {exc}); running without fill",
+              file=sys.stderr, flush=True)
+        return None
+    return FillClient
 
 
 class ActionError(RuntimeError):
@@ -150,7 +163,7 @@ class Executor:
         self.params = dict(sorted(self.params.items()))
         unique = list({id(p): p for p in self.params.values()}.values())
         opt = torch.optim.Adam if options.optimizer == "adam" else torch.optim.SGD
-        self.optimizer = opt(unique, lr=options.lr)
+        self.optimizer = opt(unique, lr=options.lr) if unique else None  # a stage may hold no weights
         self.bubble_info = {b.id: b for b in plan.bubbles if b.rank == self.c.pp}
         self.measured: dict[int, float] = {}
         """Bubble id -> duration observed in step 0 (seconds, this rank)."""
@@ -163,7 +176,8 @@ class Executor:
     # -- one step ------------------------------------------------------------------------------
 
     def run_step(self, index: int) -> dict[str, Any]:
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
         inputs, targets = self._microbatches(index)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -205,8 +219,9 @@ class Executor:
             self._reduce_gradients()
         elif op is Op.OPT:
             self._end_bubble(st)
-            with implicit_replication(self.tp):
-                self.optimizer.step()
+            if self.optimizer is not None:
+                with implicit_replication(self.tp):
+                    self.optimizer.step()
         elif op is Op.BUBBLE:
             self._begin_bubble(st, a.mb)
 
@@ -398,7 +413,12 @@ class Executor:
                 "fill_client": type(self.fill).__name__}
 
     def _start_fill(self, client: Any) -> Any:
-        started = client.start(self.plan, self.c.pp, self.c.rank, self.options.device, dict(self.measured))
+        try:
+            started = client.start(self.plan, self.c.pp, self.c.rank, self.options.device, dict(self.measured))
+        except Exception as exc:  # noqa: BLE001 - fill is best effort; the main job goes on
+            print(f"warning: rank {self.c.rank}: fill client did not start ({type(exc).__name__}: {exc})",
+                  file=sys.stderr, flush=True)
+            return NullFill()
         if started is None:
             return NullFill()
         if hasattr(started, "wait_ready"):  # fill models load once, outside the timed steps

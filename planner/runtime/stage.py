@@ -103,7 +103,8 @@ class SplitModel:
 def _pieces(gm: fx.GraphModule, root: nn.Module, plan: Plan) -> tuple[dict[str, int], list[Piece]]:
     """Node name -> piece index, and the pieces in graph order."""
     stage_of = {name: s.stage for s in plan.partition for name in s.nodes}
-    recompute = plan.config.recompute != "none"  # 'selective' runs as 'full' (see README of runtime)
+    # 'selective' runs as 'full': checkpointing whole blocks is the memory-safe superset of the plan
+    recompute = plan.config.recompute != "none"
     unit_of: dict[str, tuple[int, str]] = {}
     if recompute:
         for i, (_, kind, nodes) in enumerate(group_nodes(gm, root)):
@@ -368,8 +369,12 @@ def _key(target: Any) -> str:
 
 
 def stage_modules(split: SplitModel, pipeline_rank: int, constants: dict[str, Any]) -> list[StageModule]:
-    """The stages this pipeline rank runs (stage j runs on rank j % p), in stage order."""
-    return [StageModule(split, prog.stage, constants) for prog in split.programs if prog.rank == pipeline_rank]
+    """The stages this pipeline rank runs (stage j runs on rank j % p), in stage order. The split
+    drops every other piece, so that only this rank's weights stay referenced."""
+    stages = [StageModule(split, prog.stage, constants) for prog in split.programs if prog.rank == pipeline_rank]
+    for name, _ in list(split.split.named_children()):
+        delattr(split.split, name)  # own pieces and top-level weights live on in the StageModules
+    return stages
 
 
 # ---------------------------------------------------------------------------------------------
