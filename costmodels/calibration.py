@@ -48,6 +48,8 @@ class Calibration(_Model):
     batch: int
     unit_factors: dict[str, UnitFactor]
     comm: Optional[CommFit] = None
+    action_overhead_s: float = Field(0.0, ge=0, description="runtime cost of one F or B action beyond its units "
+                                     "(framework, autograd, messaging), fitted from a measured run")
 
 
 def load_calibration(path: str | Path) -> Calibration:
@@ -67,7 +69,7 @@ def apply_calibration(cal: Calibration, eff: Efficiency, target: Target) -> tupl
         raise UserError(f"calibration was measured for target {cal.target!r}, not {target.name!r}; "
                         "calibrate on this target or pass the matching --target")
     factors = tuple((kind, f.fwd, f.bwd) for kind, f in sorted(cal.unit_factors.items()))
-    eff = replace(eff, unit_factors=factors)
+    eff = replace(eff, unit_factors=factors, action_overhead_s=cal.action_overhead_s)
     if cal.comm is not None:  # measured figures are achieved ones: no further link efficiency
         c = target.cluster
         cluster = ClusterSpec(gpus_per_node=c.gpus_per_node, nvlink_bw=cal.comm.bandwidth / eff.link,

@@ -22,6 +22,9 @@ def calibrate(
     repeats: int = typer.Option(5, help="timed repetitions per unit"),
     comm: bool = typer.Option(True, help="fit gloo latency/bandwidth with a two-process ping-pong"),
     target_out: str = typer.Option("local-cpu.yaml", help="where to write this machine's target (no --target)"),
+    from_run: Optional[str] = typer.Option(None, "--from-run", help="metrics of a run of --plan: fit the "
+                                           "runtime's per-action overhead into the existing calibration (-o)"),
+    plan_file: Optional[str] = typer.Option(None, "--plan", help="the plan that --from-run measured"),
     output: str = typer.Option("calibration.json", "-o", "--output", help="calibration file to write"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
 ) -> None:
@@ -31,6 +34,9 @@ def calibrate(
     from .api import parse_model_args
     from .calibrate import calibrate as run, fit_comm, machine_target
 
+    if from_run:
+        _fit_from_run(from_run, plan_file, output)
+        return
     with user_errors():
         if not measure:
             raise UserError("calibration measures this machine: pass --measure")
@@ -56,3 +62,26 @@ def calibrate(
     where = "" if target else f"; target {target_out}"
     out.print(f"written {output}{where}; use: planner plan MODEL.py --target {target or target_out} "
               f"--calibration {output}", highlight=False)
+
+
+def _fit_from_run(metrics: str, plan_file: Optional[str], output: str) -> None:
+    from pathlib import Path
+
+    from costmodels.calibration import load_calibration
+
+    from .plan import load_plan
+    from .runtime import mean_iteration_s
+    from .validate import fit_action_overhead
+
+    with user_errors():
+        if not plan_file:
+            raise UserError("--from-run needs --plan, the plan that was run")
+        cal = load_calibration(output)
+        plan = load_plan(plan_file)
+        doc = json.loads(Path(metrics).read_text())
+        measured = mean_iteration_s(doc)
+        extra = fit_action_overhead(plan, measured)
+        cal = cal.model_copy(update={"action_overhead_s": cal.action_overhead_s + extra})
+        Path(output).write_text(cal.model_dump_json(by_alias=True, indent=1) + "\n")
+    out.print(f"measured iteration {_ms(measured)} against {_ms(plan.predictions.iteration_s)} predicted: "
+              f"per-action overhead now {_ms(cal.action_overhead_s)}; written {output}", highlight=False)

@@ -131,8 +131,9 @@ class Evaluator:
             raise Rejected("units", f"{k} stages but only {len(self.units)} units")
         part = self._partition(c, fwd, bwd, act)
         stages = [range(a, b) for a, b in zip(part.bounds, part.bounds[1:])]
-        f_s = tuple(sum(fwd[i] for i in st) for st in stages)
-        b_s = tuple(sum(bwd[i] for i in st) for st in stages)
+        extra = self.eff.action_overhead_s
+        f_s = tuple(sum(fwd[i] for i in st) + extra for st in stages)
+        b_s = tuple(sum(bwd[i] for i in st) + extra for st in stages)
         a_s = tuple(sum(act[i] for i in st) for st in stages)
         mems = self._rank_memory(c, stages)
         worst = max(m.total for m in mems)

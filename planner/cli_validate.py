@@ -1,0 +1,91 @@
+"""`planner validate` (predicted against measured) and `planner refit` (measured bubbles into a plan)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.table import Table
+
+from passes.errors import UserError
+
+from .cli import _ms, app, err, out, user_errors
+
+GiB = 2**30
+
+
+def _fmt(what: str, x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x / GiB:.2f} GiB" if what == "peak memory" else (f"{x:.1f}" if what.startswith("fill") else _ms(x))
+
+
+@app.command()
+def validate(
+    plan_file: str = typer.Argument("plan.json", help="plan written by `planner plan`"),
+    steps: int = typer.Option(5, "--steps", help="iterations to run (the first is left out: warm-up)"),
+    no_fill: bool = typer.Option(False, "--no-fill", help="run without fill jobs"),
+    metrics: Optional[str] = typer.Option(None, "--metrics", help="use these metrics instead of launching"),
+    output: str = typer.Option("validation.json", "-o", "--output", help="where to write the comparison JSON"),
+    show_bubbles: int = typer.Option(8, help="bubbles shown per rank in the table (all are in the JSON)"),
+) -> None:
+    """Launch PLAN locally (as `planner launch --local`), then print predicted against measured."""
+    from .plan import load_plan
+    from .runtime import launch_local
+    from .validate import compare
+
+    with user_errors():
+        plan = load_plan(plan_file)
+        if metrics:
+            doc = json.loads(Path(metrics).read_text())
+        else:
+            if steps < 2:
+                raise UserError(f"--steps must be at least 2 (step 0 is warm-up), got {steps}")
+            run = launch_local(plan_file, steps=steps, fill=not no_fill, on_line=lambda line: err.print(line, highlight=False))
+            if run.returncode != 0 or run.metrics is None:
+                raise UserError(f"the run failed (exit code {run.returncode}); see the rank logs above")
+            doc = run.metrics
+        result = compare(plan, doc)
+        Path(output).write_text(json.dumps(result, indent=1) + "\n")
+    for rank in result["ranks"]:
+        table = Table(title=f"pipeline rank {rank['rank']}: predicted vs measured")
+        for col in ("what", "predicted", "measured", "error"):
+            table.add_column(col, justify="left" if col == "what" else "right")
+        shown = 0
+        for row in rank["rows"]:
+            if row["what"].startswith("bubble"):
+                shown += 1
+                if shown > 2 * show_bubbles:
+                    continue
+            e = row["error"]
+            table.add_row(row["what"], _fmt(row["what"], row["predicted"]), _fmt(row["what"], row["measured"]),
+                          "-" if e is None else f"{e:+.1%}")
+        out.print(table)
+    it = result["iteration"]
+    out.print(f"iteration (slowest rank): predicted {_ms(it['predicted'])}, measured {_ms(it['measured'])}, "
+              f"error {it['error']:+.1%}; written {output}", highlight=False)
+
+
+@app.command()
+def refit(
+    plan_file: str = typer.Argument(..., help="plan to update"),
+    measured: str = typer.Option(..., "--measured", help="metrics JSON of a run of this plan"),
+    output: Optional[str] = typer.Option(None, "-o", "--output", help="new plan (default: overwrite)"),
+) -> None:
+    """Write the measured bubble durations back into the plan, so fill packing uses them."""
+    from .plan import load_plan, save_plan
+    from .validate import refit as do_refit
+
+    with user_errors():
+        plan = load_plan(plan_file)
+        try:
+            doc = json.loads(Path(measured).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UserError(f"cannot read metrics {measured}: {exc}") from None
+        if doc.get("schema") != "fxplanner.metrics/v1" or not doc.get("runs"):
+            raise UserError(f"{measured} is not a metrics file from `planner launch --metrics`")
+        new = do_refit(plan, doc)
+        save_plan(new, output or plan_file)
+    changed = sum(1 for a, b in zip(plan.bubbles, new.bubbles) if a.duration_s != b.duration_s)
+    out.print(f"{changed} of {len(plan.bubbles)} bubbles now carry measured durations; written {output or plan_file}")

@@ -1,0 +1,124 @@
+"""Predicted against measured: what `planner validate` prints and writes.
+
+From a plan and the metrics of a run of it (`planner launch --metrics`), per pipeline rank:
+forward and backward time of each stage over one iteration, each bubble's start and duration,
+the iteration time, peak memory (CUDA) and fill work per bubble — each with its error
+(measured / predicted - 1). Step 0 is left out (it warms up and measures bubbles without fill).
+`refit` writes measured bubble durations back into a plan so fill packing uses them.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from .plan import Plan
+
+__all__ = ["compare", "refit", "error", "fit_action_overhead"]
+
+
+def error(measured: float | None, predicted: float | None) -> float | None:
+    if measured is None or not predicted:
+        return None
+    return measured / predicted - 1
+
+
+def _row(what: str, predicted: float | None, measured: float | None, **extra: Any) -> dict[str, Any]:
+    return {"what": what, "predicted": predicted, "measured": measured, "error": error(measured, predicted), **extra}
+
+
+def _steps(run: dict[str, Any], pp_rank: int, skip: int) -> list[dict[str, Any]]:
+    """Steps of every instance (dp x tp) of a pipeline rank, warm-up steps left out."""
+    out = [s for r in run["ranks"] if r["pp"] == pp_rank for s in r["steps"][skip:]]
+    return out or [s for r in run["ranks"] if r["pp"] == pp_rank for s in r["steps"]]
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def _bubble_rows(plan: Plan, steps: list[dict[str, Any]], rank: int) -> list[dict[str, Any]]:
+    rows = []
+    for b in (b for b in plan.bubbles if b.rank == rank):
+        seen = [x for s in steps for x in s["bubbles"] if x["id"] == b.id]
+        rows.append(_row(f"bubble {b.id} start", b.start_s, _mean([x["start_s"] for x in seen]), rank=rank))
+        rows.append(_row(f"bubble {b.id} duration", b.duration_s, _mean([x["duration_s"] for x in seen]), rank=rank,
+                         kind=b.kind))
+    return rows
+
+
+def _fill_rows(plan: Plan, run: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+    if plan.fill is None:
+        return []
+    planned: dict[int, float] = {}
+    for ch in plan.fill.chunks:
+        if ch.rank == rank:
+            planned[ch.bubble_id] = planned.get(ch.bubble_id, 0.0) + ch.units
+    done: dict[int, list[float]] = {}
+    for r in run["ranks"]:
+        if r["pp"] != rank or not r.get("fill_report"):
+            continue
+        for occ in r["fill_report"].get("bubbles", []):
+            units = sum(st.get("units", 1) for st in occ.get("steps", []))
+            done.setdefault(occ.get("bubble_id", -1), []).append(units)
+    return [_row(f"fill units in bubble {bid}", planned.get(bid), _mean(done.get(bid, [])), rank=rank)
+            for bid in sorted(set(planned) | set(done)) if bid >= 0]
+
+
+def compare(plan: Plan, metrics: dict[str, Any], skip: int = 1) -> dict[str, Any]:
+    run = metrics["runs"][0]
+    c = plan.config
+    ranks = []
+    for r in range(c.pp):
+        steps = _steps(run, r, skip)
+        rows = []
+        for st in (s for s in plan.partition if s.rank == r):
+            key = str(st.stage)
+            fwd = _mean([s["stages"][key]["forward_s"] for s in steps if key in s["stages"]])
+            bwd = _mean([s["stages"][key]["backward_s"] for s in steps if key in s["stages"]])
+            rows.append(_row(f"stage {st.stage} forward", st.forward_s * c.microbatches, fwd, rank=r))
+            rows.append(_row(f"stage {st.stage} backward", st.backward_s * c.microbatches, bwd, rank=r))
+        rows.extend(_bubble_rows(plan, steps, r))
+        rows.append(_row("iteration", plan.predictions.iteration_s, _mean([s["iteration_s"] for s in steps]), rank=r))
+        peaks = [s["peak_memory_bytes"] for s in steps if s.get("peak_memory_bytes") is not None]
+        rows.append(_row("peak memory", plan.predictions.memory[r].total, max(peaks) if peaks else None, rank=r))
+        rows.extend(_fill_rows(plan, run, r))
+        ranks.append({"rank": r, "rows": rows})
+    slowest = [max(s["iteration_s"] for s in step_set)
+               for step_set in zip(*[r["steps"][skip:] for r in run["ranks"]])]
+    it = _row("iteration (slowest rank)", plan.predictions.iteration_s, _mean(slowest))
+    return {"schema": "fxplanner.validation/v1", "plan": run["plan"], "device": run.get("device"),
+            "steps": run["steps"], "iteration": it, "ranks": ranks}
+
+
+def refit(plan: Plan, metrics: dict[str, Any], skip: int = 1) -> Plan:
+    """The plan with each bubble's duration (and start) replaced by the measured mean."""
+    run = metrics["runs"][0]
+    bubbles = []
+    for b in plan.bubbles:
+        seen = [x for s in _steps(run, b.rank, skip) for x in s["bubbles"] if x["id"] == b.id]
+        if seen:
+            b = b.model_copy(update={"duration_s": statistics.fmean(x["duration_s"] for x in seen),
+                                     "start_s": statistics.fmean(x["start_s"] for x in seen)})
+        bubbles.append(b)
+    return plan.model_copy(update={"bubbles": bubbles})
+
+
+def fit_action_overhead(plan: Plan, measured_iteration_s: float, *, hi: float = 1.0, rounds: int = 40) -> float:
+    """The per-action overhead that, added to every stage's forward and backward, makes the plan's
+    simulated iteration equal the measured one (bisection on the simulator; 0 if already slower)."""
+    from .chart import plan_simulation
+
+    def simulated(extra: float) -> float:
+        parts = [s.model_copy(update={"forward_s": s.forward_s + extra, "backward_s": s.backward_s + extra})
+                 for s in plan.partition]
+        return plan_simulation(plan.model_copy(update={"partition": parts})).iteration_s
+
+    if simulated(0.0) >= measured_iteration_s:
+        return 0.0
+    lo = 0.0
+    while simulated(hi) < measured_iteration_s:
+        hi *= 2
+    for _ in range(rounds):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if simulated(mid) < measured_iteration_s else (lo, mid)
+    return (lo + hi) / 2
