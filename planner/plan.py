@@ -96,6 +96,7 @@ class Predictions(_Model):
     allreduce_s: list[float]
     optimizer_s: list[float]
     memory: list[RankMemory]
+    action_overhead_s: float = Field(0.0, description="calibrated runtime cost per F/B action, inside forward_s/backward_s")
 
 
 class Alternative(_Model):

@@ -71,12 +71,13 @@ def compare(plan: Plan, metrics: dict[str, Any], skip: int = 1) -> dict[str, Any
     for r in range(c.pp):
         steps = _steps(run, r, skip)
         rows = []
+        extra = plan.predictions.action_overhead_s  # framework time: not inside the measured compute
         for st in (s for s in plan.partition if s.rank == r):
             key = str(st.stage)
             fwd = _mean([s["stages"][key]["forward_s"] for s in steps if key in s["stages"]])
             bwd = _mean([s["stages"][key]["backward_s"] for s in steps if key in s["stages"]])
-            rows.append(_row(f"stage {st.stage} forward", st.forward_s * c.microbatches, fwd, rank=r))
-            rows.append(_row(f"stage {st.stage} backward", st.backward_s * c.microbatches, bwd, rank=r))
+            rows.append(_row(f"stage {st.stage} forward", (st.forward_s - extra) * c.microbatches, fwd, rank=r))
+            rows.append(_row(f"stage {st.stage} backward", (st.backward_s - extra) * c.microbatches, bwd, rank=r))
         rows.extend(_bubble_rows(plan, steps, r))
         rows.append(_row("iteration", plan.predictions.iteration_s, _mean([s["iteration_s"] for s in steps]), rank=r))
         peaks = [s["peak_memory_bytes"] for s in steps if s.get("peak_memory_bytes") is not None]
