@@ -89,3 +89,36 @@ def refit(
         save_plan(new, output or plan_file)
     changed = sum(1 for a, b in zip(plan.bubbles, new.bubbles) if a.duration_s != b.duration_s)
     out.print(f"{changed} of {len(plan.bubbles)} bubbles now carry measured durations; written {output or plan_file}")
+
+
+@app.command()
+def characterize(
+    plan_file: str = typer.Argument("plan.json", help="plan written by `planner plan`"),
+    rank: int = typer.Option(..., "--rank", help="pipeline rank of the bubble"),
+    bubble: int = typer.Option(..., "--bubble", help="bubble id on that rank (see `planner show`)"),
+    write: bool = typer.Option(False, "--write", help="store the measured duration in the plan"),
+) -> None:
+    """Measure one bubble as PipeFill does: wait inside it, doubling, until the step slows down."""
+    from .plan import load_plan, save_plan
+    from .runtime import launch_local
+
+    with user_errors():
+        plan = load_plan(plan_file)
+        match = [b for b in plan.bubbles if b.rank == rank and b.id == bubble]
+        if not match:
+            raise UserError(f"the plan has no bubble {bubble} on pipeline rank {rank}; `planner show {plan_file}` lists them")
+        run = launch_local(plan_file, steps=2, fill=False, extra=["--characterize", f"{rank}:{bubble}"],
+                           on_line=lambda line: err.print(line, highlight=False))
+        if run.returncode != 0 or run.metrics is None:
+            raise UserError(f"the run failed (exit code {run.returncode}); see the rank logs above")
+        found = run.metrics["runs"][0]["ranks"][0]["characterization"]
+        observed = [b["duration_s"] for r in run.metrics["runs"][0]["ranks"] if r["pp"] == rank
+                    for s in r["steps"][1:] for b in s["bubbles"] if b["id"] == bubble]
+        if write:
+            bubbles = [b.model_copy(update={"duration_s": found["duration_s"]}) if b in match else b
+                       for b in plan.bubbles]
+            save_plan(plan.model_copy(update={"bubbles": bubbles}), plan_file)
+    out.print(f"bubble {bubble} on rank {rank}: largest harmless wait {_ms(found['duration_s'])} "
+              f"({len(found['probes'])} probe steps, baseline step {_ms(found['baseline_s'])}); observed idle "
+              f"{_ms(sum(observed) / max(len(observed), 1))}; predicted {_ms(match[0].duration_s)}"
+              + ("; written to the plan" if write else ""), highlight=False)

@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="torch.manual_seed before build_model on every rank")
     ap.add_argument("--device", default="auto", help="auto (cuda:LOCAL_RANK if CUDA is available, else cpu), cpu, cuda")
     ap.add_argument("--timeout", type=float, default=600.0, help="process-group timeout in seconds")
+    ap.add_argument("--characterize", metavar="RANK:BUBBLE", help="after the steps, measure that bubble by "
+                    "doubling waits inside it until the step slows (PipeFill 4.2); result in the metrics")
     ap.add_argument("--dump-params", metavar="DIR", help=argparse.SUPPRESS)  # debug: DIR/<plan#>/rank<R>.pt
     args = ap.parse_args(argv)
     if args.steps < 1:
@@ -74,6 +76,15 @@ def _linger() -> None:
     until = time.monotonic() + LINGER_S
     while not _TERM and time.monotonic() < until:
         time.sleep(0.02)
+
+
+def _rank_bubble(text: str | None) -> tuple[int, int] | None:
+    if text is None:
+        return None
+    rank, _, bubble = text.partition(":")
+    if not (rank.isdigit() and bubble.isdigit()):
+        raise SystemExit(f"error: --characterize takes RANK:BUBBLE (e.g. 0:3), got {text!r}")
+    return int(rank), int(bubble)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,7 +154,8 @@ def _run(args: argparse.Namespace, checked: list[CheckedPlan], files: list[Any],
         for i, (c, mf) in enumerate(zip(checked, files)):
             opts = RunOptions(steps=args.steps, fill=not args.no_fill, optimizer=args.optimizer, lr=args.lr,
                               seed=args.seed, device=device,
-                              dump_dir=Path(args.dump_params) / str(i) if args.dump_params else None)
+                              dump_dir=Path(args.dump_params) / str(i) if args.dump_params else None,
+                              characterize=_rank_bubble(args.characterize))
             ex = prepare(c.plan, mf, opts)
             log = lambda text: print(f"[rank {rank}] {c.path.name}: {text}", flush=True)  # noqa: E731
             try:

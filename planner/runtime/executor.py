@@ -60,6 +60,8 @@ class RunOptions:
     device: str = "cpu"
     dump_dir: Path | None = None
     """Debug: write each rank's parameters and gradients (canonical names) after the last step."""
+    characterize: tuple[int, int] | None = None
+    """(pipeline rank, bubble id): after the steps, measure that bubble by doubling waits (PipeFill 4.2)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1:
@@ -172,6 +174,7 @@ class Executor:
         self.cuda = options.device.startswith("cuda")
         self._slots = slots  # tags must agree between sender and receiver: from all stages' programs
         self._mail: dict[int, torch.Tensor] = {}
+        self.hold: tuple[tuple[int, int], float] | None = None  # ((pp rank, bubble id), seconds) to occupy
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -352,6 +355,11 @@ class Executor:
 
     def _begin_bubble(self, st: _Step, bubble_id: int) -> None:
         self._end_bubble(st)
+        if self.hold is not None and self.hold[0] == (self.c.pp, bubble_id):
+            self._sync()
+            until = time.perf_counter() + self.hold[1]  # occupy the device inside the bubble, as fill would
+            while time.perf_counter() < until:
+                pass
         now = time.perf_counter()
         st.bubble = (bubble_id, now)
         info = self.bubble_info.get(bubble_id)
@@ -408,9 +416,31 @@ class Executor:
                 log(f"step {index}: loss {record['loss']:.6f}, iteration {record['iteration_s'] * 1e3:.1f} ms")
         report = self.fill.report()
         self.fill.close()
+        found = self._characterize(len(steps)) if self.options.characterize else None
         return {"rank": self.c.rank, "pp": self.c.pp, "dp": self.c.dp, "tp": self.c.tp,
                 "stages": sorted(self.stages), "steps": steps, "fill_report": report,
-                "fill_client": type(self.fill).__name__}
+                "fill_client": type(self.fill).__name__, "characterization": found}
+
+    def _characterize(self, first_step: int) -> dict[str, Any]:
+        """Every rank runs the same probe sequence: each probe is a training step whose slowest-rank
+        time (all-reduced) drives the doubling search, so all ranks take the same decisions."""
+        from ..characterize import characterize
+
+        target, counter = self.options.characterize, [first_step]
+
+        def step(wait: float) -> float:
+            self.hold = (target, wait)
+            record = self.run_step(counter[0])
+            counter[0] += 1
+            slowest = torch.tensor([record["iteration_s"]], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            return float(slowest.item())
+
+        self.fill = NullFill()
+        found = characterize(step, start_s=1e-3, min_slowdown_s=2e-3, tolerance=0.02, repeats=2, refine=5)
+        self.hold = None
+        return {"rank": target[0], "bubble": target[1], "duration_s": found.duration_s,
+                "baseline_s": found.baseline_s, "probes": [list(p) for p in found.probes]}
 
     def _start_fill(self, client: Any) -> Any:
         try:

@@ -1,0 +1,29 @@
+"""Bubble characterization in a real pipeline finds a planted bubble (a known sleep) within 20%."""
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.api import make_plan
+from planner.cli import app
+from planner.plan import load_plan, save_plan
+from planner.search import Pins
+
+from ._util import ROOT
+
+pytestmark = pytest.mark.multiprocess
+SLEEPY = ROOT / "tests" / "runtime" / "fixtures" / "sleepy.py"
+
+
+def test_characterize_finds_the_planted_sleep(tmp_path):
+    planted = 0.1  # rank 1's forward of each microbatch sleeps this long; rank 0 waits for it
+    plan, _ = make_plan(str(SLEEPY), gpus=2, gpus_per_node=2, global_batch=2, target="a100-80gb",
+                        model_args={"sleep_s": planted}, leaves=("Sleep",), dtype="fp32",
+                        pins=Pins(t=1, p=2, d=1, b=1, schedule="1f1b", recompute="none"))
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    last = max(b.id for b in plan.bubbles if b.rank == 0)  # rank 0's last wait: nothing later absorbs a delay
+    res = CliRunner().invoke(app, ["characterize", str(path), "--rank", "0", "--bubble", str(last), "--write"])
+    assert res.exit_code == 0, res.stdout
+    measured = next(b for b in load_plan(path).bubbles if b.rank == 0 and b.id == last).duration_s
+    assert measured == pytest.approx(planted, rel=0.2)
