@@ -437,7 +437,7 @@ class Executor:
             return float(slowest.item())
 
         self.fill = NullFill()
-        found = characterize(step, start_s=1e-3, min_slowdown_s=2e-3, tolerance=0.02, repeats=2, refine=5)
+        found = characterize(step, start_s=1e-3, min_slowdown_s=3e-3, tolerance=0.05, repeats=3, refine=5)
         self.hold = None
         return {"rank": target[0], "bubble": target[1], "duration_s": found.duration_s,
                 "baseline_s": found.baseline_s, "probes": [list(p) for p in found.probes]}

@@ -97,7 +97,8 @@ class FillClient:
     # ---- shutdown ----------------------------------------------------------------------------------
 
     def wait_ready(self, timeout_s: float = 120.0) -> bool:
-        """Block until every fill job of the rank has built its model (or failed); for setup time only."""
+        """Block until every fill job of the rank has built its model and been initialized on the device
+        (InitSideTask, done while this waits: the device is idle), or failed; for setup time only."""
         if self._ready is None:
             self._await("ready", timeout_s)
         return self._ready is not None

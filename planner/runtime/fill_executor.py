@@ -8,19 +8,23 @@ PipeFill's bubble signals (§4.2-4.3). Each fill job is a side task with its own
     RUNNING -RunNextStep-> RUNNING;  CREATED | PAUSED | RUNNING -StopSideTask-> STOPPED
 
 CreateSideTask starts the task process, which builds the model with real weights (and its optimizer)
-in host memory; InitSideTask, the first thing done in a bubble (A.2), moves it to the device and
-times every linearized unit (the task is started in the same bubble if time is left);
+in host memory; InitSideTask moves it to the device and times every linearized unit. It runs at
+setup, while the main job waits for "ready" between its steps with the device idle: run in a bubble
+(A.2), a move-and-profile longer than the bubble plus the grace period, as it is for a bubble that
+holds a few chunks, would get the task killed before it did any work. Only a task not initialized
+by its first bubble (the main job stopped waiting) is initialized there, under a step's limit.
 StartSideTask and PauseSideTask follow the bubbles; StopSideTask ends it when its work is done, it
 raised or its process died, it was killed, or at shutdown.
 
 Two interfaces (A.1). *iterative*: the manager sends one linearized unit at a time ("step") and
 starts it only if the bubble's usable time (duration x (1 - safety margin)) still covers the unit's
-profiled (or recently observed, if longer) duration: the program-directed limit of §3.2.3.
+profiled (or recently observed, if longer) duration: the program-directed limit of §3.2.3. An
+observation's excess over the profile halves with every bubble the unit is not started in.
 *imperative*: the task loops over its units on its own; the manager resumes it with SIGCONT and
 stops it with SIGSTOP at the end of the usable time, and counts it paused once /proc shows it
 stopped. Framework-enforced limit: a task not paused by the pause point (bubble end or deadline,
 whichever is first) plus the grace period is SIGKILLed (for the iterative interface that is the
-process running the late step; InitSideTask is protected the same way) and recorded; its job is
+process running the late step; an InitSideTask run in a bubble is protected the same way) and recorded; its job is
 STOPPED. The main job never waits for any of it.
 
 Protocols (all over one-way pipes; writes below PIPE_BUF are atomic, so a stopped or killed task
@@ -338,12 +342,22 @@ class TaskHandle:
         base = max(self.profile[k] if self.profile else 0.0, self.observed.get(k, 0.0))
         return base * opts.step_safety + opts.step_overhead_s
 
+    def relax(self, pos: int) -> None:
+        """The unit at `pos` was not started in a bubble: halve its observed time's excess over the
+        profile. One slow observation (the machine was busy) then holds the unit back a few bubbles,
+        not - with the whole stream behind it - for good: it is only observed again when it runs."""
+        k = pos % len(self.linearized)
+        if k in self.observed:
+            floor = self.profile[k] if self.profile else 0.0
+            self.observed[k] = floor + 0.5 * max(0.0, self.observed[k] - floor)
+
     def to_dict(self) -> dict[str, Any]:
         return {"name": self.name, "kind": self.spec.kind, "interface": self.spec.interface,
                 "batch_size": self.spec.batch_size, "state": self.sm.state.value, "stop_reason": self.stop_reason,
                 "error": self.error, "units_done": self.pos, "iterations_done": self.iterations,
                 "samples_done": self.samples, "units": self.linearized,
                 "profile_s": dict(zip(self.linearized, self.profile)) if self.profile else None,
+                "observed_s": {self.linearized[k]: v for k, v in sorted(self.observed.items())},
                 "predicted_s": dict(zip(self.job.units, self.job.unit_time_s))}
 
 
@@ -574,6 +588,7 @@ class Executor:
                              "finished_at": None, "killed": False}
                 cur.overruns.append(t.overrun)
             elif t.iterative and t.sm.state is State.RUNNING:
+                t.relax(t.pos)
                 t.sm.apply(Transition.PAUSE, reason=f"bubble {cur.bubble_id} {cause}")
 
     def _check_pending(self, now: float) -> None:
@@ -607,6 +622,7 @@ class Executor:
         kind = msg[0]
         if kind == "created":
             t.loaded, t.linearized = True, list(msg[1]["units"])
+            self._init_at_setup(t)
             self._maybe_ready()
         elif kind == "inited":
             self._inited(t, msg[1])
@@ -616,6 +632,11 @@ class Executor:
             self._stop(t, "done", f"{t.iterations} iterations done")
         elif kind == "failed":
             self._failed(t, msg[1])
+
+    def _init_at_setup(self, t: TaskHandle) -> None:
+        """InitSideTask before any bubble, while the main job waits for 'ready' (see the module doc)."""
+        if not self.ready_sent and self.cur is None and t.send(("init", self.job_free[t.name])):
+            t.busy = {"what": "init", "pos": None, "sent": time.monotonic(), "occ": None}
 
     def _late_finished(self, t: TaskHandle) -> None:
         if t.overrun is not None:
@@ -628,6 +649,7 @@ class Executor:
             self._late_finished(t)
         what = f"profiled {len(profile)} units, {sum(profile) * 1e3:.1f} ms per iteration" if profile else "on device"
         t.sm.apply(Transition.INIT, reason=what)
+        self._maybe_ready()
 
     def _progress(self, t: TaskHandle, pos: int, start: float, end: float, start_mono: float, end_mono: float,
                   iteration_done: bool) -> None:
@@ -705,7 +727,8 @@ class Executor:
                 t.proc.join(timeout=1.0)
 
     def _maybe_ready(self) -> None:
-        if not self.ready_sent and all(t.loaded or not t.live for t in self.tasks.values()):
+        """'ready' once every live task is built and initialized (or its setup init failed to send)."""
+        if not self.ready_sent and all(not t.live or (t.loaded and t.busy is None) for t in self.tasks.values()):
             self.ready_sent = True
             self._send(("ready", {t.name: t.sm.state.value for t in self.tasks.values()}))
 
