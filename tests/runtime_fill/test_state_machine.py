@@ -100,3 +100,24 @@ def test_options_are_checked() -> None:
         ExecutorOptions(interface={"a": "threaded"})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="step_safety=0.5"):
         ExecutorOptions(step_safety=0.5)
+
+
+def test_a_slow_observation_relaxes_back_to_the_profile():
+    """One inflated timing must not hold a unit (and the stream behind it) out of every bubble."""
+    from planner.plan import FillJob
+    from planner.runtime.fill_executor import TaskHandle, TaskSpec
+
+    job = FillJob(name="j", model_file="m.py", model_sha256="", model_args={}, kind="infer", batch_size=1,
+                  config="plain", units=["F:a", "F:b"], unit_time_s=[1e-3, 2e-3], resident=True)
+    spec = TaskSpec(job="j", model_file="m.py", model_sha256="", model_args={}, kind="infer", batch_size=1,
+                    units=("F:a", "F:b"), device="cpu", interface="iterative", iterations=None)
+    handle = TaskHandle(spec, job, [])
+    handle.profile = [1e-3, 2e-3]
+    handle.observed = {0: 9e-3}
+    handle.relax(2)  # position 2 is unit 0 of the second iteration
+    assert handle.observed[0] == pytest.approx(5e-3)
+    for _ in range(20):
+        handle.relax(0)
+    assert handle.observed[0] == pytest.approx(1e-3, rel=1e-3)
+    handle.relax(1)  # never observed: nothing to relax
+    assert 1 not in handle.observed
