@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.api import make_plan  # noqa: E402
-from planner.fill.spec import FillSpec  # noqa: E402
+from planner.fill.spec import load_fill_spec  # noqa: E402
 from planner.plan import Plan, save_plan  # noqa: E402
 from planner.runtime import child_env  # noqa: E402
 from planner.search import Pins  # noqa: E402
@@ -33,25 +33,14 @@ from planner.search import Pins  # noqa: E402
 GPT = {"preset": "tiny", "layers": 4, "dropout": 0.0}
 PINS = Pins(t=1, p=2, d=1, b=2, v=1, schedule="gpipe", recompute="none")
 GLOBAL_BATCH = 16
-FILL = {"jobs": [{"name": "mlp", "model": str(ROOT / "examples" / "mlp.py"), "kind": "train",
-                  "model_args": {"features": 32, "width": 64, "depth": 2}, "batch_sizes": [8],
-                  "work": {"iterations": 100000}}]}
-CPU_TARGET = """\
-schema_version: 1
-name: cpu-core
-description: one CPU core described as a GPU, so that the tiny models' bubbles last milliseconds
-gpu: {name: CPU core, peak_flops: {fp32: 20e9, bf16: 20e9, fp16: 20e9}, hbm_bytes: 8GiB, hbm_bw: 10GB/s,
-      pcie_bw: 10GB/s}
-cluster: {gpus_per_node: 2, nvlink_bw: 2GB/s, nvlink_latency_s: 20us, internode_bw: 2GB/s,
-          internode_latency_s: 20us}
-"""
+CPU_TARGET = ROOT / "examples" / "targets" / "cpu-core.yaml"
+FILL = ROOT / "examples" / "fill" / "tiny-mlp.yaml"
 
 
 def make(out: Path) -> tuple[Plan, Path]:
-    (out / "cpu-core.yaml").write_text(CPU_TARGET)
     plan, _ = make_plan(str(ROOT / "examples" / "gpt.py"), gpus=2, gpus_per_node=2, global_batch=GLOBAL_BATCH,
-                        target=str(out / "cpu-core.yaml"), model_args=GPT, pins=PINS, dtype="fp32",
-                        fill=FillSpec.model_validate(FILL))
+                        target=str(CPU_TARGET), model_args=GPT, pins=PINS, dtype="fp32",
+                        fill=load_fill_spec(FILL))
     if plan.fill is None or not plan.fill.chunks:
         raise SystemExit(f"the planner placed no fill chunks: {plan.fill.predictions.unplaceable if plan.fill else ''}")
     path = out / "plan.json"

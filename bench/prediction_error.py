@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.api import make_plan  # noqa: E402
-from planner.fill.spec import FillSpec  # noqa: E402
+from planner.fill.spec import load_fill_spec  # noqa: E402
 from planner.plan import load_plan, save_plan  # noqa: E402
 from planner.runtime import launch_local  # noqa: E402
 from planner.search import Pins  # noqa: E402
@@ -36,9 +36,7 @@ GPT = {"preset": "tiny", "layers": 4, "dropout": 0.0}
 CASES = {"gpipe": Pins(t=1, p=2, d=1, b=1, schedule="gpipe", recompute="none"),
          "1f1b": Pins(t=1, p=2, d=1, b=1, schedule="1f1b", recompute="none"),
          "interleaved": Pins(t=1, p=2, d=1, b=1, v=2, schedule="interleaved", recompute="none")}
-FILL = {"jobs": [{"name": "mlp", "model": str(ROOT / "examples" / "mlp.py"), "kind": "train",
-                  "model_args": {"features": 32, "width": 64, "depth": 2}, "batch_sizes": [8],
-                  "work": {"iterations": 100000}}]}
+FILL = ROOT / "examples" / "fill" / "tiny-mlp.yaml"
 
 
 def planner(*args: str) -> None:
@@ -48,7 +46,7 @@ def planner(*args: str) -> None:
 def plan(case: str, tmp: Path, cal: Path, fill: bool = False) -> Path:
     p, _ = make_plan(str(ROOT / "examples" / "gpt.py"), gpus=2, gpus_per_node=2, global_batch=8,
                      target=str(tmp / "local-cpu.yaml"), model_args=GPT, pins=CASES[case], dtype="fp32",
-                     calibration=load_calibration(cal), fill=FillSpec.model_validate(FILL) if fill else None)
+                     calibration=load_calibration(cal), fill=load_fill_spec(FILL) if fill else None)
     out = tmp / f"{case}{'-fill' if fill else ''}.json"
     save_plan(p, out)
     return out

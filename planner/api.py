@@ -125,8 +125,7 @@ def _to_plan(profile: ModelProfile, tg: Target, ev: Evaluator, best: Evaluation,
                       reserve=m.reserve, total=m.total, capacity=ev.capacity) for i, m in enumerate(best.rank_memory)]
     tokens = _tokens_per_sample(profile)
     nnodes, nproc, cmds = torchrun_commands(plan_path, ev.n_gpus, tg.cluster.gpus_per_node)
-    gpu = asdict(tg.gpu) if hasattr(tg.gpu, "__dataclass_fields__") else {}
-    gpu["peak_flops"] = dict(tg.gpu.peak_flops)
+    gpu = asdict(tg.gpu) | {"peak_flops": dict(tg.gpu.peak_flops)}
     return Plan(
         source=Source(model_file=profile.path, model_sha256=profile.sha256, model_args=profile.kwargs,
                       leaves=list(leaves), dtype=profile.dtype, target=tg.name, gpu=gpu, cluster=asdict(tg.cluster),

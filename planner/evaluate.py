@@ -159,7 +159,7 @@ class Evaluator:
     def _partition(self, c: Config, fwd, bwd, act):
         k = c.p * c.v
         static = [unit_param_count(u, c.t) * self._bytes_per_param(c.d) for u in self.units]
-        work = max((a for a in act), default=0.0) if c.recompute == "full" else 0.0
+        work = max(act, default=0.0) if c.recompute == "full" else 0.0
         fl = [inflight(c.schedule, c.p, c.v, c.m, j % c.p) for j in range(k)]
         room = (self.capacity - self.mem.reserve_bytes - work) / c.v
         inp = PartitionInput(time_s=tuple(f + b for f, b in zip(fwd, bwd)), static_bytes=tuple(static),

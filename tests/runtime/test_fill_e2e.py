@@ -33,23 +33,14 @@ LOSS_TOL = 1e-7
 MLP = ROOT / "examples" / "mlp.py"
 FAULTY = ROOT / "tests" / "runtime_fill" / "fixtures" / "faulty.py"
 STALL_S = 30.0  # the stalling unit's sleep: far longer than any bubble, so only a kill ends it
-CPU_TARGET = """\
-schema_version: 1
-name: cpu-core
-description: one CPU core described as a GPU, so that the tiny models' bubbles last milliseconds
-gpu: {name: CPU core, peak_flops: {fp32: 20e9, bf16: 20e9, fp16: 20e9}, hbm_bytes: 8GiB, hbm_bw: 10GB/s,
-      pcie_bw: 10GB/s}
-cluster: {gpus_per_node: 2, nvlink_bw: 2GB/s, nvlink_latency_s: 20us, internode_bw: 2GB/s,
-          internode_latency_s: 20us}
-"""
+CPU_TARGET = ROOT / "examples" / "targets" / "cpu-core.yaml"
 PLANS = ("planned", "stall", "raise")
 
 
 def _planned(tmp: Path) -> Plan:
-    (tmp / "cpu.yaml").write_text(CPU_TARGET)
     job = FillJobSpec(name="mlp", model=str(MLP), model_args={"features": 32, "width": 64, "depth": 2},
                       kind="train", batch_sizes=[8], work=Work(iterations=100_000))
-    plan, _ = make_plan(str(GPT), gpus=2, global_batch=16, target=str(tmp / "cpu.yaml"), gpus_per_node=2,
+    plan, _ = make_plan(str(GPT), gpus=2, global_batch=16, target=str(CPU_TARGET), gpus_per_node=2,
                         model_args=gpt_args(), dtype="fp32", fill=FillSpec(jobs=[job]),
                         pins=Pins(t=1, p=2, d=1, b=2, v=1, schedule="gpipe", recompute="none"))
     return plan
