@@ -246,7 +246,9 @@ def test_imperative_tasks_are_paused_by_signals() -> None:
     durations = {0: 0.25, 1: 0.15}
     jobs = [_job("loop", MLP, {"features": 64, "width": 256, "depth": 4}, "train", 6, batch=64),
             _job("short", BERT, {"preset": "tiny"}, "infer", 4)]
-    client = _start(_plan(jobs, {0: "loop", 1: "short"}, durations, margin=0.2), grace_s=0.1,
+    # grace generous enough that a loaded CI machine's scheduling delay is not mistaken for a task
+    # that ignored SIGSTOP (the kill path has its own tests)
+    client = _start(_plan(jobs, {0: "loop", 1: "short"}, durations, margin=0.2), grace_s=0.4,
                     default_interface="imperative", iterations={"short": 3})
     try:
         main = _fake_main(client, rounds=4, durations=durations, compute_s=0.1)
