@@ -26,12 +26,13 @@ sys.path.insert(0, str(ROOT))
 
 from planner.api import make_plan  # noqa: E402
 from planner.fill.spec import load_fill_spec  # noqa: E402
+from planner.metrics import MetricsDocument  # noqa: E402
 from planner.plan import Plan, save_plan  # noqa: E402
 from planner.runtime import child_env  # noqa: E402
 from planner.search import Pins  # noqa: E402
 
 GPT = {"preset": "tiny", "layers": 4, "dropout": 0.0}
-PINS = Pins(t=1, p=2, d=1, b=2, v=1, schedule="gpipe", recompute="none")
+PINS = Pins(tp=1, pp=2, dp=1, b=2, v=1, schedule="gpipe", recompute="none", precision="fp32")
 GLOBAL_BATCH = 16
 CPU_TARGET = ROOT / "examples" / "targets" / "cpu-core.yaml"
 FILL = ROOT / "examples" / "fill" / "tiny-mlp.yaml"
@@ -39,7 +40,7 @@ FILL = ROOT / "examples" / "fill" / "tiny-mlp.yaml"
 
 def make(out: Path) -> tuple[Plan, Path]:
     plan, _ = make_plan(str(ROOT / "examples" / "gpt.py"), gpus=2, gpus_per_node=2, global_batch=GLOBAL_BATCH,
-                        target=str(CPU_TARGET), model_args=GPT, pins=PINS, dtype="fp32",
+                        target=str(CPU_TARGET), model_args=GPT, pins=PINS,
                         fill=load_fill_spec(FILL))
     if plan.fill is None or not plan.fill.chunks:
         raise SystemExit(f"the planner placed no fill chunks: {plan.fill.predictions.unplaceable if plan.fill else ''}")
@@ -58,21 +59,23 @@ def launch(path: Path, steps: int, metrics: Path) -> dict[str, Any]:
     return json.loads(proc.stdout)
 
 
-def fill_figures(metrics: dict[str, Any]) -> dict[str, Any]:
+def fill_figures(metrics: MetricsDocument) -> dict[str, Any]:
     """Fill work and the share of bubble time it used (steps after the first, every rank; a fill step
     counts only inside its bubble's main_begin..main_end)."""
-    run = metrics["runs"][0]
-    bubble_s = sum(b["duration_s"] for r in run["ranks"] for s in r["steps"][1:] for b in s["bubbles"])
+    run = metrics.runs[0]
+    bubble_s = sum(b.duration_s for r in run.ranks for s in r.steps[1:] for b in s.bubbles)
     used_s, units, iterations, kills, errors = 0.0, 0, 0, 0, 0
-    for rank in run["ranks"]:
-        rep = rank.get("fill_report") or {}
-        for occ in rep.get("bubbles", []):
-            end = occ["main_end"] if occ["main_end"] is not None else float("inf")
-            used_s += sum(max(0.0, min(s["end"], end) - max(s["start"], occ["main_begin"])) for s in occ["steps"])
-        units += sum(j["units_done"] for j in rep.get("jobs", []))
-        iterations += sum(j["iterations_done"] for j in rep.get("jobs", []))
-        kills += len(rep.get("kills", []))
-        errors += len(rep.get("errors", []))
+    for rank in run.ranks:
+        rep = rank.fill_report
+        if rep is None:
+            continue
+        for occ in rep.bubbles:
+            end = occ.main_end if occ.main_end is not None else float("inf")
+            used_s += sum(max(0.0, min(s.end, end) - max(s.start, occ.main_begin)) for s in occ.steps)
+        units += sum(j.units_done for j in rep.jobs)
+        iterations += sum(j.iterations_done for j in rep.jobs)
+        kills += len(rep.kills)
+        errors += len(rep.errors)
     return {"fill_units_done": units, "fill_iterations_done": iterations, "fill_kills": kills,
             "fill_errors": errors, "bubble_s": bubble_s, "fill_in_bubbles_s": used_s,
             "bubble_time_used": used_s / bubble_s if bubble_s > 0 else 0.0}
@@ -94,7 +97,8 @@ def main() -> None:
     cmp = doc["comparison"]
     row = {"steps": args.steps, "cpus": os.cpu_count(), "config": plan.config.model_dump(),
            "with_fill_s": cmp["with_fill_s"], "without_fill_s": cmp["without_fill_s"], "slowdown": cmp["slowdown"],
-           **fill_figures(doc["metrics"]), "planned_bubble_time_used": plan.fill.predictions.bubble_time_used}
+           **fill_figures(MetricsDocument.model_validate(doc["metrics"])),
+           "planned_bubble_time_used": plan.fill.predictions.bubble_time_used}
     if args.json:
         print(json.dumps(row, indent=1))
         return

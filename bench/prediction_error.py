@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT))
 
 from planner.api import make_plan  # noqa: E402
 from planner.fill.spec import load_fill_spec  # noqa: E402
+from planner.metrics import save_metrics  # noqa: E402
 from planner.plan import load_plan, save_plan  # noqa: E402
 from planner.runtime import launch_local  # noqa: E402
 from planner.search import Pins  # noqa: E402
@@ -33,9 +34,9 @@ from planner.validate import compare  # noqa: E402
 from costmodels.calibration import load_calibration  # noqa: E402
 
 GPT = {"preset": "tiny", "layers": 4, "dropout": 0.0}
-CASES = {"gpipe": Pins(t=1, p=2, d=1, b=1, schedule="gpipe", recompute="none"),
-         "1f1b": Pins(t=1, p=2, d=1, b=1, schedule="1f1b", recompute="none"),
-         "interleaved": Pins(t=1, p=2, d=1, b=1, v=2, schedule="interleaved", recompute="none")}
+CASES = {"gpipe": Pins(tp=1, pp=2, dp=1, b=1, schedule="gpipe", recompute="none", precision="fp32"),
+         "1f1b": Pins(tp=1, pp=2, dp=1, b=1, schedule="1f1b", recompute="none", precision="fp32"),
+         "interleaved": Pins(tp=1, pp=2, dp=1, b=1, v=2, schedule="interleaved", recompute="none", precision="fp32")}
 FILL = ROOT / "examples" / "fill" / "tiny-mlp.yaml"
 
 
@@ -45,7 +46,7 @@ def planner(*args: str) -> None:
 
 def plan(case: str, tmp: Path, cal: Path, fill: bool = False) -> Path:
     p, _ = make_plan(str(ROOT / "examples" / "gpt.py"), gpus=2, gpus_per_node=2, global_batch=8,
-                     target=str(tmp / "local-cpu.yaml"), model_args=GPT, pins=CASES[case], dtype="fp32",
+                     target=str(tmp / "local-cpu.yaml"), model_args=GPT, pins=CASES[case],
                      calibration=load_calibration(cal), fill=load_fill_spec(FILL) if fill else None)
     out = tmp / f"{case}{'-fill' if fill else ''}.json"
     save_plan(p, out)
@@ -54,20 +55,20 @@ def plan(case: str, tmp: Path, cal: Path, fill: bool = False) -> Path:
 
 def measure(path: Path, steps: int, fill: bool) -> dict:
     run = launch_local(path, steps=steps, fill=fill, on_line=lambda line: None)
-    if run.returncode != 0:
+    if run.returncode != 0 or run.metrics is None:
         raise SystemExit(f"run of {path} failed with exit code {run.returncode}")
     v = compare(load_plan(path), run.metrics)
-    rows = [r for rank in v["ranks"] for r in rank["rows"] if r["error"] is not None]
-    stage = [abs(r["error"]) for r in rows if r["what"].startswith("stage")]
-    bubbles = [r for r in rows if r["what"].endswith("duration")]
-    return {"iteration_predicted_s": v["iteration"]["predicted"], "iteration_measured_s": v["iteration"]["measured"],
-            "iteration_error": v["iteration"]["error"], "stage_mean_abs_error": statistics.fmean(stage),
+    rows = [r for rank in v.ranks for r in rank.rows if r.error is not None]
+    stage = [abs(r.error) for r in rows if r.what.startswith("stage")]
+    bubbles = [r for r in rows if r.what.endswith("duration")]
+    return {"iteration_predicted_s": v.iteration.predicted, "iteration_measured_s": v.iteration.measured,
+            "iteration_error": v.iteration.error, "stage_mean_abs_error": statistics.fmean(stage),
             # bubbles: summed |measured - predicted| over summed measured (tiny predicted bubbles would
             # dominate a mean of relative errors)
-            "bubble_abs_error": (sum(abs(r["measured"] - r["predicted"]) for r in bubbles) /
-                                 sum(r["measured"] for r in bubbles)) if bubbles else None,
-            "bubble_measured_s": sum(r["measured"] for r in bubbles), "bubble_predicted_s":
-                sum(r["predicted"] for r in bubbles), "metrics": run.metrics}
+            "bubble_abs_error": (sum(abs(r.measured - r.predicted) for r in bubbles) /
+                                 sum(r.measured for r in bubbles)) if bubbles else None,
+            "bubble_measured_s": sum(r.measured for r in bubbles), "bubble_predicted_s":
+                sum(r.predicted for r in bubbles), "metrics": run.metrics}
 
 
 def main() -> None:
@@ -88,7 +89,7 @@ def main() -> None:
             for case in CASES:
                 r = measure(plan(case, tmp, cal), args.steps, fill=False)
                 if case == "1f1b" and phase == "before":
-                    (tmp / "1f1b-metrics.json").write_text(json.dumps(r["metrics"]))
+                    save_metrics(r["metrics"], tmp / "1f1b-metrics.json")
                 rows.append({"phase": phase, "case": case, "fill": False, **r})
         rows.append({"phase": "after", "case": "1f1b", "fill": True,
                      **measure(plan("1f1b", tmp, cal, fill=True), args.steps, fill=True)})

@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 from passes.pipeline import analyze  # noqa: E402
 from planner.evaluate import Evaluator  # noqa: E402
 from planner.search import search  # noqa: E402
+from costmodels.hardware import Hardware  # noqa: E402
 from targets.registry import get_target  # noqa: E402
 
 CASES = [("1t", 3072, 3072), ("175b", 1024, 1536)]
@@ -32,7 +33,7 @@ def main() -> None:
         t0 = time.perf_counter()
         prof, _ = analyze(ROOT / "examples" / "gpt.py", {"preset": preset})
         t1 = time.perf_counter()
-        ev = Evaluator(units=prof.units, target=get_target("a100-80gb"), global_batch=B, n_gpus=n)
+        ev = Evaluator(units=prof.units, hw=Hardware(target=get_target("a100-80gb")), global_batch=B, n_gpus=n)
         r = search(ev)
         t2 = time.perf_counter()
         rows.append({"model": preset, "gpus": n, "batch": B, "trace_s": t1 - t0, "search_s": t2 - t1,

@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT))
 from passes.pipeline import analyze  # noqa: E402
 from planner.evaluate import Evaluator  # noqa: E402
 from planner.search import Pins, search  # noqa: E402
+from costmodels.hardware import Hardware  # noqa: E402
 from targets.registry import get_target  # noqa: E402
 
 # (preset, n GPUs, global batch, t, p, microbatch or None, published TFLOP/s per GPU)
@@ -36,14 +37,14 @@ TABLE_4_2 = [
 
 
 def published_pins(t: int, p: int, n: int, b: int | None) -> Pins:
-    return Pins(t=t, p=p, d=n // (t * p), b=b, recompute="full", schedule="interleaved" if p > 1 else None)
+    return Pins(tp=t, pp=p, dp=n // (t * p), b=b, recompute="full", schedule="interleaved" if p > 1 else None)
 
 
 def run_row(row, profiles: dict) -> dict:
     preset, n, B, t, p, b, published = row
     if preset not in profiles:
         profiles[preset] = analyze(ROOT / "examples" / "gpt.py", {"preset": preset})[0]
-    ev = Evaluator(units=profiles[preset].units, target=get_target("a100-80gb"), global_batch=B, n_gpus=n)
+    ev = Evaluator(units=profiles[preset].units, hw=Hardware(target=get_target("a100-80gb")), global_batch=B, n_gpus=n)
     pinned = search(ev, published_pins(t, p, n, b), simulate_top=1).best
     chosen = search(ev, simulate_top=1).best
     return {"model": preset, "gpus": n, "batch": B, "published_tflops": published,

@@ -16,6 +16,8 @@ sys.path.insert(0, str(ROOT))
 
 from planner.api import profile_rows  # noqa: E402
 from passes.pipeline import analyze  # noqa: E402
+from costmodels.hardware import Hardware  # noqa: E402
+from planner.config import ParallelConfig  # noqa: E402
 from targets.registry import get_target  # noqa: E402
 
 
@@ -27,7 +29,7 @@ def main() -> None:
     start = time.perf_counter()
     prof, _ = analyze(ROOT / "examples" / "gpt.py", {"preset": args.preset})
     traced = time.perf_counter()
-    rows = profile_rows(prof, get_target("a100-80gb"), b=1, t=8)
+    rows = profile_rows(prof, Hardware(target=get_target("a100-80gb")), ParallelConfig(tp=8, pp=1, dp=1, b=1, m=1))
     end = time.perf_counter()
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     out = {"preset": args.preset, "params": prof.total_params, "units": len(prof.units),

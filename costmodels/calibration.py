@@ -14,9 +14,9 @@ from typing import Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from passes.errors import UserError, invalid_file
-from targets.specs import ClusterSpec, Target
+from targets.specs import ClusterSpec
 
-from .compute import Efficiency
+from .hardware import Hardware
 
 __all__ = ["Calibration", "UnitFactor", "CommFit", "load_calibration", "apply_calibration"]
 
@@ -64,16 +64,17 @@ def load_calibration(path: str | Path) -> Calibration:
         raise invalid_file("calibration file", path, exc) from None
 
 
-def apply_calibration(cal: Calibration, eff: Efficiency, target: Target) -> tuple[Efficiency, Target]:
-    if cal.target != target.name:
-        raise UserError(f"calibration was measured for target {cal.target!r}, not {target.name!r}; "
+def apply_calibration(cal: Calibration, hw: Hardware) -> Hardware:
+    """The hardware with the calibration's unit factors, per-action overhead and measured links."""
+    if cal.target != hw.name:
+        raise UserError(f"calibration was measured for target {cal.target!r}, not {hw.name!r}; "
                         "calibrate on this target or pass the matching --target")
     factors = tuple((kind, f.fwd, f.bwd) for kind, f in sorted(cal.unit_factors.items()))
-    eff = replace(eff, unit_factors=factors, action_overhead_s=cal.action_overhead_s)
+    hw = hw.with_eff(unit_factors=factors, action_overhead_s=cal.action_overhead_s)
     if cal.comm is not None:  # measured figures are achieved ones: no further link efficiency
-        c = target.cluster
-        cluster = ClusterSpec(gpus_per_node=c.gpus_per_node, nvlink_bw=cal.comm.bandwidth / eff.link,
-                              nvlink_latency_s=cal.comm.latency_s, internode_bw=cal.comm.bandwidth / eff.link,
+        c, link = hw.cluster, hw.eff.link
+        cluster = ClusterSpec(gpus_per_node=c.gpus_per_node, nvlink_bw=cal.comm.bandwidth / link,
+                              nvlink_latency_s=cal.comm.latency_s, internode_bw=cal.comm.bandwidth / link,
                               internode_latency_s=cal.comm.latency_s)
-        target = replace(target, cluster=cluster)
-    return eff, target
+        hw = replace(hw, target=replace(hw.target, cluster=cluster))
+    return hw

@@ -6,19 +6,19 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 from costmodels.calibration import Calibration, apply_calibration
-from costmodels.compute import Efficiency, unit_time
-from costmodels.memory import MemoryConfig, unit_activation_bytes
+from costmodels.compute import unit_time
+from costmodels.hardware import Hardware
+from costmodels.memory import activation_bytes
 from passes.errors import UserError
 from passes.pipeline import ModelProfile, analyze
 from targets.registry import get_target
-from targets.specs import Target
 
 from . import __version__
+from .config import ParallelConfig
 from .evaluate import Evaluation, Evaluator
 from .launch import launch_script, torchrun_commands
 from .plan import (Alternative, Bubble, ConfigModel, Launch, Plan, Predictions, RankMemory, SearchInfo, Source,
                    Stage)
-from .schedule import generate
 from .fill.joint import choose_joint
 from .fill.profiles import profile_job
 from .fill.section import fill_section
@@ -51,13 +51,13 @@ def _typed(raw: str) -> Any:
     return raw
 
 
-def profile_rows(profile: ModelProfile, target: Target, b: int, t: int = 1, eff: Efficiency = Efficiency(),
-                 dtype: str = "bf16") -> list[dict[str, Any]]:
+def profile_rows(profile: ModelProfile, hw: Hardware, cfg: ParallelConfig) -> list[dict[str, Any]]:
+    """One row per unit at cfg's microbatch and tensor-parallel degree (no recomputation)."""
     rows = []
     for u in profile.units:
-        ut = unit_time(u, b, t, target, eff=eff, dtype=dtype)
-        rows.append({"unit": u.name, "kind": u.kind, "params": u.params, "fwd_flops": u.fwd_flops(b),
-                     "bwd_flops": u.bwd_flops(b), "activation_bytes": unit_activation_bytes(u, b, t, "none"),
+        ut = unit_time(u, hw, cfg)
+        rows.append({"unit": u.name, "kind": u.kind, "params": u.params, "fwd_flops": u.fwd_flops(cfg.b),
+                     "bwd_flops": u.bwd_flops(cfg.b), "activation_bytes": activation_bytes(u, cfg),
                      "fwd_s": ut.fwd_s, "bwd_s": ut.bwd_s})
     return rows
 
@@ -71,17 +71,14 @@ def _tokens_per_sample(profile: ModelProfile) -> int:
 
 def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per_node: int | None = None,
               model_args: dict[str, Any] | None = None, pins: Pins = Pins(), leaves: tuple[str, ...] = (),
-              dtype: str = "bf16", plan_path: str = "plan.json", memory: MemoryConfig = MemoryConfig(),
-              fill: FillSpec | None = None, main_slack: float = 0.0, offload: str = "auto",
+              plan_path: str = "plan.json", fill: FillSpec | None = None, main_slack: float = 0.0, offload: str = "auto",
               fill_solver: str = "greedy", calibration: Calibration | None = None, progress: Callable[[str], None] | None = None,
               search_progress: Callable[[int, int], None] | None = None) -> tuple[Plan, SearchResult]:
-    tg = get_target(target, gpus_per_node)
-    eff = Efficiency()
+    hw = Hardware(target=get_target(target, gpus_per_node))
     if calibration is not None:
-        eff, tg = apply_calibration(calibration, eff, tg)
-    profile, _ = analyze(model, model_args, leaves=leaves, dtype=dtype, progress=progress)
-    ev = Evaluator(units=profile.units, target=tg, global_batch=global_batch, n_gpus=gpus, dtype=dtype, mem=memory,
-                   eff=eff)
+        hw = apply_calibration(calibration, hw)
+    profile, _ = analyze(model, model_args, leaves=leaves, dtype=pins.precision, progress=progress)
+    ev = Evaluator(units=profile.units, hw=hw, global_batch=global_batch, n_gpus=gpus)
     start = time.perf_counter()
     if main_slack < 0:
         raise UserError(f"--main-slack must be >= 0, got {main_slack}")
@@ -91,48 +88,44 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     if fill is not None:
         if progress:
             progress("fill")
-        jobs = {j.name: profile_job(j, tg, dtype=dtype) for j in fill.jobs}
+        jobs = {j.name: profile_job(j, hw, pins.precision) for j in fill.jobs}
         joint = choose_joint(ev, [result.best, *result.runners_up], jobs, main_slack=main_slack, offload=offload,
                              safety_margin=fill.safety_margin, solver=fill_solver)
         best, sim = joint.evaluation, joint.simulation
     seconds = time.perf_counter() - start
     runners = [e for e in (result.best, *result.runners_up) if e.config != best.config]
-    plan = _to_plan(profile, tg, ev, best, sim, runners, result, seconds, pins, plan_path, leaves)
+    plan = _to_plan(profile, ev, best, sim, runners, result, seconds, pins, plan_path, leaves)
     if joint is not None:
         plan = plan.model_copy(update={"fill": fill_section(joint, fill)})
     return plan, result
 
 
-def _config(e: Evaluation) -> ConfigModel:
-    c = e.config
-    return ConfigModel(tp=c.t, pp=c.p, dp=c.d, microbatch=c.b, microbatches=c.m, vp=c.v,
-                       recompute=c.recompute, schedule=c.schedule)
-
-
-def _to_plan(profile: ModelProfile, tg: Target, ev: Evaluator, best: Evaluation, sim: SimResult,
+def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimResult,
              runners: list[Evaluation], r: SearchResult, seconds: float, pins: Pins, plan_path: str,
              leaves: tuple[str, ...]) -> Plan:
     c = best.config
     stages = []
     for j, (a, b) in enumerate(zip(best.bounds, best.bounds[1:])):
         units = profile.units[a:b]
-        stages.append(Stage(stage=j, rank=j % c.p, units=[u.name for u in units],
+        stages.append(Stage(stage=j, rank=j % c.pp, units=[u.name for u in units],
                             nodes=[n for u in units for n in u.nodes], forward_s=best.forward_s[j],
                             backward_s=best.backward_s[j], activation_bytes=best.activation_bytes[j],
-                            tensor_parallel=dict(pair for u in units for pair in u.tp_layout) if c.t > 1 else {}))
-    sched = with_bubbles(generate(c.schedule, c.p, c.m, c.v), sim)
+                            tensor_parallel=dict(pair for u in units for pair in u.tp_layout) if c.tp > 1 else {}))
+    sched = with_bubbles(c.schedule_kind.generate(c.pp, c.m, c.v), sim)
     mem = [RankMemory(rank=i, weights=m.weights, grads=m.grads, optimizer=m.optimizer, activations=m.activations,
                       reserve=m.reserve, total=m.total, capacity=ev.capacity) for i, m in enumerate(best.rank_memory)]
     tokens = _tokens_per_sample(profile)
-    nnodes, nproc, cmds = torchrun_commands(plan_path, ev.n_gpus, tg.cluster.gpus_per_node)
-    gpu = asdict(tg.gpu) | {"peak_flops": dict(tg.gpu.peak_flops)}
+    hw = ev.hw
+    nnodes, nproc, cmds = torchrun_commands(plan_path, ev.n_gpus, hw.cluster.gpus_per_node)
+    gpu = asdict(hw.gpu) | {"peak_flops": dict(hw.gpu.peak_flops)}
     return Plan(
         source=Source(model_file=profile.path, model_sha256=profile.sha256, model_args=profile.kwargs,
-                      leaves=list(leaves), dtype=profile.dtype, target=tg.name, gpu=gpu, cluster=asdict(tg.cluster),
-                      gpus=ev.n_gpus, gpus_per_node=tg.cluster.gpus_per_node, global_batch=ev.global_batch,
+                      leaves=list(leaves), target=hw.name, gpu=gpu, cluster=asdict(hw.cluster),
+                      efficiency=asdict(hw.eff), reserve_bytes=hw.reserve_bytes, gpus=ev.n_gpus,
+                      gpus_per_node=hw.cluster.gpus_per_node, global_batch=ev.global_batch,
                       tool_version=__version__),
-        config=_config(best),
-        alternatives=[Alternative(config=_config(e), iteration_s=e.iteration_s, tflops_per_gpu=e.tflops_per_gpu,
+        config=ConfigModel.of(c),
+        alternatives=[Alternative(config=ConfigModel.of(e.config), iteration_s=e.iteration_s, tflops_per_gpu=e.tflops_per_gpu,
                                   mfu=e.mfu, peak_memory=max(m.total for m in e.rank_memory), simulated=e.simulated)
                       for e in runners],
         partition=stages,
@@ -145,10 +138,8 @@ def _to_plan(profile: ModelProfile, tg: Target, ev: Evaluator, best: Evaluation,
                                 bubble_fraction=best.bubble_fraction, p2p_s=best.p2p_s,
                                 tp_comm_s=best.tp_comm_s, allreduce_s=list(best.allreduce_s),
                                 optimizer_s=list(best.optimizer_s), memory=mem,
-                                action_overhead_s=ev.eff.action_overhead_s),
+                                action_overhead_s=hw.eff.action_overhead_s),
         launch=Launch(nnodes=nnodes, nproc_per_node=nproc, commands=cmds,
-                      script=launch_script(plan_path, ev.n_gpus, tg.cluster.gpus_per_node)),
-        search=SearchInfo(evaluated=r.evaluated, rejected=r.rejected, seconds=seconds,
-                          pinned=[k for k in ("t", "p", "d", "b", "v", "recompute", "schedule")
-                                  if getattr(pins, k) is not None]),
+                      script=launch_script(plan_path, ev.n_gpus, hw.cluster.gpus_per_node)),
+        search=SearchInfo(evaluated=r.evaluated, rejected=r.rejected, seconds=seconds, pinned=pins.pinned()),
     )

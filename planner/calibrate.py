@@ -22,8 +22,10 @@ import torch.multiprocessing as mp
 import yaml
 
 from costmodels.calibration import Calibration, CommFit, UnitFactor
-from costmodels.compute import Efficiency, unit_time
+from costmodels.compute import unit_time
+from costmodels.hardware import Hardware
 from passes.pipeline import analyze
+from planner.config import ParallelConfig
 from passes.profile import measure_units
 from targets.registry import load_target_yaml
 from targets.specs import Target
@@ -121,8 +123,9 @@ def calibrate(model: str, kwargs: dict[str, Any], *, batch: int, target: Target,
     finally:
         torch.set_num_threads(old)
     rows, sums = [], {}
+    hw, cfg = Hardware(target=target), ParallelConfig(tp=1, pp=1, dp=1, b=batch, m=1, precision=dtype)
     for u, m in zip(prof.units, measured):
-        pred = unit_time(u, batch, 1, target, eff=Efficiency(), dtype=dtype)
+        pred = unit_time(u, hw, cfg)
         rows.append({"unit": u.name, "kind": u.kind, "pred_fwd_s": pred.fwd_s, "pred_bwd_s": pred.bwd_s,
                      "fwd_s": m.fwd_median_s, "bwd_s": m.bwd_median_s})
         acc = sums.setdefault(u.kind, [0.0, 0.0, 0.0, 0.0, 0])

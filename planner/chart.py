@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from passes.errors import UserError
 
-from .plan import Plan
-from .schedule import generate
+from .plan import Plan, plan_schedule
 from .simulate import SimCosts, SimResult, simulate
 
 __all__ = ["plan_simulation", "draw_plan"]
@@ -14,15 +13,15 @@ COLORS = {"F": "#4c78a8", "B": "#f58518", "comm": "#54a24b", "OPT": "#b279a2", "
 
 
 def plan_simulation(plan: Plan) -> SimResult:
-    """Re-run the plan's simulation from the figures stored in it (no model needed)."""
-    c, pr = plan.config, plan.predictions
+    """Re-run the plan's simulation of its own action lists from the figures stored in it (no model needed)."""
+    pr = plan.predictions
     costs = SimCosts(forward_s=tuple(s.forward_s for s in plan.partition),
                      backward_s=tuple(s.backward_s for s in plan.partition), p2p_s=pr.p2p_s,
                      allreduce_s=tuple(pr.allreduce_s), optimizer_s=tuple(pr.optimizer_s),
                      static_bytes=tuple(int(m.total - m.activations) for m in pr.memory),
                      activation_bytes=tuple(int(s.activation_bytes) for s in plan.partition),
                      capacity_bytes=int(pr.memory[0].capacity))
-    return simulate(generate(c.schedule, c.pp, c.microbatches, c.vp), costs)
+    return simulate(plan_schedule(plan), costs)
 
 
 def _color(action: str, kind: str) -> str:
@@ -76,9 +75,7 @@ def draw_plan(plan: Plan, path: str, max_labels: int = 200) -> None:
     ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
     ax.invert_yaxis()
     ax.set_xlabel(f"time in iteration ({unit})")
-    c = plan.config
-    ax.set_title(f"{plan.source.model_file}: t={c.tp} p={c.pp} d={c.dp} b={c.microbatch} m={c.microbatches} "
-                 f"v={c.vp} {c.schedule}; bubble fraction {sim.bubble_fraction:.1%}")
+    ax.set_title(f"{plan.source.model_file}: {plan.config.to_config()}; bubble fraction {sim.bubble_fraction:.1%}")
     ax.legend(handles=[Patch(color=v, label=k) for k, v in COLORS.items()], loc="upper right", fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=130)

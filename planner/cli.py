@@ -10,6 +10,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from costmodels.precision import PRECISIONS
 from passes.errors import UserError
 from targets.builtin import DEFAULT_TARGET
 from targets.specs import TargetError
@@ -89,7 +90,7 @@ def profile(
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree to price"),
     model_arg: List[str] = typer.Option([], "--model-arg", help="key=value passed to build_model"),
     leaf: List[str] = typer.Option([], "--leaf", help="module class or name to trace as one node"),
-    dtype: str = typer.Option("bf16", "--dtype", help="precision to price: bf16, fp16 or fp32"),
+    dtype: str = typer.Option("bf16", "--dtype", help=f"precision to price: {', '.join(PRECISIONS)}"),
     measure: bool = typer.Option(False, "--measure", help="also time each unit on this machine"),
     repeats: int = typer.Option(5, help="timed repetitions per unit with --measure"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
@@ -98,17 +99,21 @@ def profile(
     from passes.pipeline import analyze
     from targets.registry import get_target
 
+    from costmodels.hardware import Hardware
+
     from .api import parse_model_args, profile_rows
+    from .config import ParallelConfig
 
     with user_errors():
         if batch < 1:
             raise UserError(f"--batch must be positive, got {batch}")
         kwargs = parse_model_args(model_arg)
         tg = get_target(target)
+        cfg = ParallelConfig(tp=tp, pp=1, dp=1, b=batch, m=1, precision=dtype)
         with status(not as_json, "tracing") as st:
             prof, _ = analyze(model, kwargs, leaves=tuple(leaf), dtype=dtype,
                               progress=(lambda name: st.update(f"pass: {name}")) if st else None)
-        rows = profile_rows(prof, tg, batch, tp, dtype=dtype)
+        rows = profile_rows(prof, Hardware(target=tg), cfg)
         if measure:
             from passes.profile import measure_units
 

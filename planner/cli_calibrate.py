@@ -69,6 +69,7 @@ def _fit_from_run(metrics: str, plan_file: Optional[str], output: str) -> None:
 
     from costmodels.calibration import load_calibration
 
+    from .metrics import load_metrics
     from .plan import load_plan
     from .runtime import mean_iteration_s
     from .validate import fit_action_overhead
@@ -78,8 +79,7 @@ def _fit_from_run(metrics: str, plan_file: Optional[str], output: str) -> None:
             raise UserError("--from-run needs --plan, the plan that was run")
         cal = load_calibration(output)
         plan = load_plan(plan_file)
-        doc = json.loads(Path(metrics).read_text())
-        measured = mean_iteration_s(doc)
+        measured = mean_iteration_s(load_metrics(metrics))
         extra = fit_action_overhead(plan, measured)
         cal = cal.model_copy(update={"action_overhead_s": cal.action_overhead_s + extra})
         Path(output).write_text(cal.model_dump_json(by_alias=True, indent=1) + "\n")

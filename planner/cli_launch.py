@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 import typer
 from rich.table import Table
@@ -11,6 +11,9 @@ from rich.table import Table
 from passes.errors import UserError
 
 from .cli import _fail, _ms, app, out, user_errors
+
+if TYPE_CHECKING:
+    from .metrics import MetricsDocument, RunEntry
 
 
 @app.command()
@@ -53,7 +56,9 @@ def launch(
             second = launch_local(plan_file, steps=steps, fill=False, metrics=base_out, extra=extra, on_line=echo)
             _check(second.returncode)
             baseline = second.metrics
-    _report(first.metrics or {}, baseline, as_json)
+    if first.metrics is None:
+        _fail("the run exited 0 but wrote no metrics", 1)
+    _report(first.metrics, baseline, as_json)
 
 
 def _check(returncode: int) -> None:
@@ -61,7 +66,7 @@ def _check(returncode: int) -> None:
         _fail(f"the run failed (torchrun exit code {returncode}); the rank logs above say why", returncode)
 
 
-def _report(metrics: dict[str, Any], baseline: dict[str, Any] | None, as_json: bool) -> None:
+def _report(metrics: MetricsDocument, baseline: MetricsDocument | None, as_json: bool) -> None:
     from .runtime import mean_iteration_s, summarize
 
     slowdown = None
@@ -70,7 +75,8 @@ def _report(metrics: dict[str, Any], baseline: dict[str, Any] | None, as_json: b
         slowdown = {"with_fill_s": with_fill, "without_fill_s": without,
                     "slowdown": with_fill / without - 1 if without > 0 else None}
     if as_json:
-        out.print_json(json.dumps({"metrics": metrics, "no_fill": baseline, "comparison": slowdown}))
+        dump = lambda doc: None if doc is None else doc.model_dump(mode="json", by_alias=True)  # noqa: E731
+        out.print_json(json.dumps({"metrics": dump(metrics), "no_fill": dump(baseline), "comparison": slowdown}))
         return
     rows = summarize(metrics)
     table = Table(title="main job per step (slowest rank)")
@@ -80,10 +86,11 @@ def _report(metrics: dict[str, Any], baseline: dict[str, Any] | None, as_json: b
         table.add_row(str(r["step"]), "-" if r["loss"] is None else f"{r['loss']:.5f}", _ms(r["iteration_s"]),
                       _ms(r["bubble_s"]), str(r["bubbles"]), "yes" if r["fill"] else "no")
     out.print(table)
-    for run in metrics.get("runs", []):
-        out.print(f"predicted iteration on {run['config']['pp']}x{run['config']['dp']}x{run['config']['tp']} "
-                  f"(pp x dp x tp) target GPUs: {_ms(run['predicted_iteration_s'])}; measured here: "
-                  f"{_ms(mean_iteration_s({'runs': [run]}))}", highlight=False)
+    for run in metrics.runs:
+        c = run.config
+        out.print(f"predicted iteration on {c.pp}x{c.dp}x{c.tp} (pp x dp x tp) target GPUs: "
+                  f"{_ms(run.predicted_iteration_s)}; measured here: "
+                  f"{_ms(mean_iteration_s(metrics.model_copy(update={'runs': [run]})))}", highlight=False)
         _print_fill(run)
     if slowdown is not None:
         pct = "n/a" if slowdown["slowdown"] is None else f"{slowdown['slowdown']:+.1%}"
@@ -91,16 +98,15 @@ def _report(metrics: dict[str, Any], baseline: dict[str, Any] | None, as_json: b
                   f"{_ms(slowdown['without_fill_s'])} without; steps after the first)", highlight=False)
 
 
-def _print_fill(run: dict[str, Any]) -> None:
-    for rank in run["ranks"]:
-        rep = rank.get("fill_report") or {}
-        if not rep:
+def _print_fill(run: RunEntry) -> None:
+    for rank in run.ranks:
+        rep = rank.fill_report
+        if rep is None:
             continue
-        units = sum(b.get("units_done", 0) or 0 for b in rep.get("bubbles", []))
-        errors = len(rep.get("errors", [])) + sum(1 for j in rep.get("jobs", []) if j.get("error"))
-        out.print(f"rank {rank['rank']}: fill {len(rep.get('bubbles', []))} bubble(s) used, {units} unit(s) done, "
-                  f"{len(rep.get('overruns', []))} overrun(s), {len(rep.get('kills', []))} kill(s), "
-                  f"{errors} error(s)", highlight=False)
-        for job in rep.get("jobs", []):
-            if job.get("error"):
-                out.print(f"  fill job {job.get('name')}: {job['error']}", highlight=False, soft_wrap=True)
+        units = sum(b.units_done for b in rep.bubbles)
+        errors = len(rep.errors) + sum(1 for j in rep.jobs if j.error)
+        out.print(f"rank {rank.rank}: fill {len(rep.bubbles)} bubble(s) used, {units} unit(s) done, "
+                  f"{len(rep.overruns)} overrun(s), {len(rep.kills)} kill(s), {errors} error(s)", highlight=False)
+        for job in rep.jobs:
+            if job.error:
+                out.print(f"  fill job {job.name}: {job.error}", highlight=False, soft_wrap=True)

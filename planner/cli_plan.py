@@ -9,11 +9,19 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
+from costmodels.precision import PRECISIONS
+from costmodels.recompute import RECOMPUTE
 from passes.errors import UserError
 from targets.builtin import DEFAULT_TARGET
 
 from .cli import GiB, TARGET_HELP, _ms, app, err, out, user_errors
+from .fill.assign import PACKERS
 from .plan import Plan, load_plan, save_plan
+from .schedules import SCHEDULES
+
+
+def _choices(registry: dict) -> str:
+    return ", ".join(registry)
 
 
 @app.command()
@@ -30,22 +38,21 @@ def plan(
     dp: Optional[int] = typer.Option(None, "--dp", help="pin the data-parallel degree"),
     microbatch: Optional[int] = typer.Option(None, "--microbatch", help="pin the microbatch size"),
     vp: Optional[int] = typer.Option(None, "--vp", help="pin model chunks per rank (interleaving)"),
-    recompute: Optional[str] = typer.Option(None, "--recompute", help="pin: none, selective or full"),
-    schedule: Optional[str] = typer.Option(None, "--schedule", help="pin: gpipe, 1f1b or interleaved"),
+    recompute: Optional[str] = typer.Option(None, "--recompute", help=f"pin: {_choices(RECOMPUTE)}"),
+    schedule: Optional[str] = typer.Option(None, "--schedule", help=f"pin: {_choices(SCHEDULES)}"),
     allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let t span nodes"),
-    shard_optimizer: bool = typer.Option(False, "--shard-optimizer", help="shard optimizer state over d"),
-    dtype: str = typer.Option("bf16", "--dtype", help="training precision: bf16, fp16 or fp32"),
+    shard_optimizer: bool = typer.Option(False, "--shard-optimizer", help="shard optimizer state over d (ZeRO-1)"),
+    dtype: str = typer.Option("bf16", "--dtype", help=f"training precision: {_choices(PRECISIONS)}"),
     calibration: Optional[str] = typer.Option(None, "--calibration", help="file from `planner calibrate`"),
     fill: Optional[str] = typer.Option(None, "--fill", help="fill-job YAML: pack these jobs into the bubbles"),
     main_slack: float = typer.Option(0.0, "--main-slack", help="main throughput the fill may cost (0.05 = 5%)"),
     offload: str = typer.Option("auto", "--offload", help="main-job optimizer offload to host: auto, on, off"),
-    fill_solver: str = typer.Option("greedy", "--fill-solver", help="greedy (PipeFill Alg. 1) or cpsat"),
+    fill_solver: str = typer.Option("greedy", "--fill-solver", help=f"fill packer: {_choices(PACKERS)}"),
     output: str = typer.Option("plan.json", "-o", "--output", help="where to write the plan"),
     as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of the summary"),
 ) -> None:
     """Choose the whole PTD-P configuration for MODEL on N GPUs (and the fill of its bubbles)."""
     from costmodels.calibration import load_calibration
-    from costmodels.memory import MemoryConfig
 
     from .api import make_plan, parse_model_args
     from .search import Pins
@@ -53,12 +60,14 @@ def plan(
     from .fill.spec import load_fill_spec
 
     with user_errors():
-        if offload not in ("auto", "on", "off") or fill_solver not in ("greedy", "cpsat"):
-            raise UserError("--offload takes auto, on or off and --fill-solver greedy or cpsat")
+        if offload not in ("auto", "on", "off"):
+            raise UserError(f"--offload takes auto, on or off, got {offload!r}")
+        if fill_solver not in PACKERS:
+            raise UserError(f"--fill-solver takes {_choices(PACKERS)}, got {fill_solver!r}")
         spec = load_fill_spec(fill) if fill else None
         cal = load_calibration(calibration) if calibration else None
-        pins = Pins(t=tp, p=pp, d=dp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
-                    allow_cross_node_tp=allow_cross_node_tp)
+        pins = Pins(tp=tp, pp=pp, dp=dp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
+                    zero=1 if shard_optimizer else 0, precision=dtype, allow_cross_node_tp=allow_cross_node_tp)
         if global_batch < 1:
             raise UserError(f"--global-batch must be positive, got {global_batch}")
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -66,8 +75,7 @@ def plan(
             task = bar.add_task("tracing", total=None)
             plan_, _ = make_plan(model, gpus=gpus, global_batch=global_batch, target=target,
                                  gpus_per_node=gpus_per_node, model_args=parse_model_args(model_arg), pins=pins,
-                                 leaves=tuple(leaf), plan_path=output, dtype=dtype,
-                                 memory=MemoryConfig(shard_optimizer=shard_optimizer), fill=spec,
+                                 leaves=tuple(leaf), plan_path=output, fill=spec,
                                  main_slack=main_slack, offload=offload, fill_solver=fill_solver, calibration=cal,
                                  progress=lambda name: bar.update(task, description=f"pass: {name}"),
                                  search_progress=lambda i, n: bar.update(task, description="searching",
@@ -84,16 +92,11 @@ def plan(
         out.print(f"  ... ({len(plan_.launch.commands)} nodes; --node-rank 0..{len(plan_.launch.commands) - 1})")
 
 
-def _cfg_text(c) -> str:
-    return (f"t={c.tp} p={c.pp} d={c.dp} b={c.microbatch} m={c.microbatches} v={c.vp} "
-            f"{c.schedule} recompute={c.recompute}")
-
-
 def print_summary(p: Plan) -> None:
     pr, s = p.predictions, p.source
     out.print(f"[bold]{Path(s.model_file).name}[/] on {s.gpus} x {s.target}, global batch {s.global_batch}",
               highlight=False)
-    out.print(f"chosen: [bold green]{_cfg_text(p.config)}[/]", highlight=False)
+    out.print(f"chosen: [bold green]{p.config.to_config()}[/]", highlight=False)
     out.print(f"predicted: {pr.tflops_per_gpu:.1f} TFLOP/s/GPU (eq. 4.2), MFU {pr.mfu:.1%}, iteration "
               f"{_ms(pr.iteration_s)}, {pr.tokens_per_s:,.0f} tokens/s, bubble fraction {pr.bubble_fraction:.1%} "
               f"(executed: {pr.hardware_tflops_per_gpu:.1f} TFLOP/s/GPU)", highlight=False)
@@ -110,7 +113,7 @@ def print_summary(p: Plan) -> None:
         for col in ("configuration", "TFLOP/s/GPU", "MFU", "iteration", "peak GiB", "simulated"):
             alt.add_column(col)
         for a in p.alternatives[:5]:
-            alt.add_row(_cfg_text(a.config), f"{a.tflops_per_gpu:.1f}", f"{a.mfu:.1%}", _ms(a.iteration_s),
+            alt.add_row(str(a.config.to_config()), f"{a.tflops_per_gpu:.1f}", f"{a.mfu:.1%}", _ms(a.iteration_s),
                         f"{a.peak_memory / GiB:.1f}", "yes" if a.simulated else "analytic")
         out.print(alt)
     if p.fill is not None:
@@ -147,7 +150,8 @@ def _print_fill(p: Plan) -> None:
 def show(plan_file: str = typer.Argument("plan.json"),
          as_json: bool = typer.Option(False, "--json", help="print the validated plan as JSON")) -> None:
     """Print a plan's summary, its schedule grid and its bubble table."""
-    from .schedule import Action, Schedule, grid
+    from .plan import plan_schedule
+    from .schedule import grid
 
     with user_errors():
         p = load_plan(plan_file)
@@ -155,9 +159,10 @@ def show(plan_file: str = typer.Argument("plan.json"),
             out.print_json(p.model_dump_json(by_alias=True))
             return
         print_summary(p)
-        c = p.config
-        sched = Schedule(kind=c.schedule, p=c.pp, v=c.vp, m=c.microbatches,
-                         ranks=tuple(tuple(Action.parse(a) for a in acts) for acts in p.actions))
+        try:
+            sched = plan_schedule(p)
+        except ValueError as exc:
+            raise UserError(f"plan {plan_file}: its action lists do not parse: {exc}") from None
     text = grid(sched)
     lines = text.splitlines()
     out.print("schedule (rank x step):", highlight=False)

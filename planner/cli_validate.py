@@ -1,7 +1,6 @@
 """`planner validate` (predicted against measured) and `planner refit` (measured bubbles into a plan)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Optional
 
@@ -31,6 +30,7 @@ def validate(
     show_bubbles: int = typer.Option(8, help="bubbles shown per rank in the table (all are in the JSON)"),
 ) -> None:
     """Launch PLAN locally (as `planner launch --local`), then print predicted against measured."""
+    from .metrics import load_metrics
     from .plan import load_plan
     from .runtime import launch_local
     from .validate import compare
@@ -38,7 +38,7 @@ def validate(
     with user_errors():
         plan = load_plan(plan_file)
         if metrics:
-            doc = json.loads(Path(metrics).read_text())
+            doc = load_metrics(metrics)
         else:
             if steps < 2:
                 raise UserError(f"--steps must be at least 2 (step 0 is warm-up), got {steps}")
@@ -47,24 +47,24 @@ def validate(
                 raise UserError(f"the run failed (exit code {run.returncode}); see the rank logs above")
             doc = run.metrics
         result = compare(plan, doc)
-        Path(output).write_text(json.dumps(result, indent=1) + "\n")
-    for rank in result["ranks"]:
-        table = Table(title=f"pipeline rank {rank['rank']}: predicted vs measured")
+        Path(output).write_text(result.model_dump_json(by_alias=True, indent=1) + "\n")
+    for rank in result.ranks:
+        table = Table(title=f"pipeline rank {rank.rank}: predicted vs measured")
         for col in ("what", "predicted", "measured", "error"):
             table.add_column(col, justify="left" if col == "what" else "right")
         shown = 0
-        for row in rank["rows"]:
-            if row["what"].startswith("bubble"):
+        for row in rank.rows:
+            if row.what.startswith("bubble"):
                 shown += 1
                 if shown > 2 * show_bubbles:
                     continue
-            e = row["error"]
-            table.add_row(row["what"], _fmt(row["what"], row["predicted"]), _fmt(row["what"], row["measured"]),
+            e = row.error
+            table.add_row(row.what, _fmt(row.what, row.predicted), _fmt(row.what, row.measured),
                           "-" if e is None else f"{e:+.1%}")
         out.print(table)
-    it = result["iteration"]
-    out.print(f"iteration (slowest rank): predicted {_ms(it['predicted'])}, measured {_ms(it['measured'])}, "
-              f"error {it['error']:+.1%}; written {output}", highlight=False)
+    it = result.iteration
+    out.print(f"iteration (slowest rank): predicted {_ms(it.predicted)}, measured {_ms(it.measured)}, "
+              f"error {it.error:+.1%}; written {output}", highlight=False)
 
 
 @app.command()
@@ -74,18 +74,13 @@ def refit(
     output: Optional[str] = typer.Option(None, "-o", "--output", help="new plan (default: overwrite)"),
 ) -> None:
     """Write the measured bubble durations back into the plan, so fill packing uses them."""
+    from .metrics import load_metrics
     from .plan import load_plan, save_plan
     from .validate import refit as do_refit
 
     with user_errors():
         plan = load_plan(plan_file)
-        try:
-            doc = json.loads(Path(measured).read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise UserError(f"cannot read metrics {measured}: {exc}") from None
-        if doc.get("schema") != "fxplanner.metrics/v1" or not doc.get("runs"):
-            raise UserError(f"{measured} is not a metrics file from `planner launch --metrics`")
-        new = do_refit(plan, doc)
+        new = do_refit(plan, load_metrics(measured))
         save_plan(new, output or plan_file)
     changed = sum(1 for a, b in zip(plan.bubbles, new.bubbles) if a.duration_s != b.duration_s)
     out.print(f"{changed} of {len(plan.bubbles)} bubbles now carry measured durations; written {output or plan_file}")
@@ -111,14 +106,17 @@ def characterize(
                            on_line=lambda line: err.print(line, highlight=False))
         if run.returncode != 0 or run.metrics is None:
             raise UserError(f"the run failed (exit code {run.returncode}); see the rank logs above")
-        found = run.metrics["runs"][0]["ranks"][0]["characterization"]
-        observed = [b["duration_s"] for r in run.metrics["runs"][0]["ranks"] if r["pp"] == rank
-                    for s in r["steps"][1:] for b in s["bubbles"] if b["id"] == bubble]
+        entry = run.metrics.runs[0]
+        found = entry.ranks[0].characterization
+        if found is None:
+            raise UserError("the run recorded no characterization; see the rank logs above")
+        observed = [b.duration_s for r in entry.ranks if r.pp == rank
+                    for s in r.steps[1:] for b in s.bubbles if b.id == bubble]
         if write:
-            bubbles = [b.model_copy(update={"duration_s": found["duration_s"]}) if b in match else b
+            bubbles = [b.model_copy(update={"duration_s": found.duration_s}) if b in match else b
                        for b in plan.bubbles]
             save_plan(plan.model_copy(update={"bubbles": bubbles}), plan_file)
-    out.print(f"bubble {bubble} on rank {rank}: largest harmless wait {_ms(found['duration_s'])} "
-              f"({len(found['probes'])} probe steps, baseline step {_ms(found['baseline_s'])}); observed idle "
+    out.print(f"bubble {bubble} on rank {rank}: largest harmless wait {_ms(found.duration_s)} "
+              f"({len(found.probes)} probe steps, baseline step {_ms(found.baseline_s)}); observed idle "
               f"{_ms(sum(observed) / max(len(observed), 1))}; predicted {_ms(match[0].duration_s)}"
               + ("; written to the plan" if write else ""), highlight=False)

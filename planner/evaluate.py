@@ -1,6 +1,6 @@
 """Price one training configuration: partition the units, time the pipeline, check memory.
 
-`Evaluator` caches per-unit costs by (b, t, recompute) so the search can price thousands of
+`Evaluator` caches per-unit costs by what they depend on (`ParallelConfig.unit_key`) so the search can price thousands of
 configurations; `evaluate` returns a plain `Evaluation` with an analytic iteration time, and
 `simulate_config` runs the discrete-event simulation of the same configuration for exact
 timelines and bubbles.
@@ -10,32 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from costmodels.comm import allreduce_time, p2p_time
-from costmodels.compute import Efficiency, achieved_links, unit_time
-from costmodels.memory import MemoryConfig, StageMemory, inflight, stage_memory, unit_activation_bytes, unit_param_count
+from costmodels.compute import unit_time
+from costmodels.hardware import Hardware
+from costmodels.memory import StageMemory, param_count, stage_memory, static_bytes_per_param
+from costmodels.recompute import recompute_mode
 from passes.units import Unit
-from targets.specs import Target
 
+from .config import ParallelConfig
 from .partition import NoFeasiblePartition, PartitionInput, partition
-from .schedule import generate
 from .simulate import SimCosts, SimResult, simulate
 
-__all__ = ["Config", "Evaluation", "Evaluator", "Rejected"]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Config:
-    t: int
-    p: int
-    d: int
-    b: int
-    v: int
-    m: int
-    recompute: str
-    schedule: str
-
-    def __str__(self) -> str:
-        return (f"t={self.t} p={self.p} d={self.d} b={self.b} m={self.m} v={self.v} "
-                f"{self.schedule} recompute={self.recompute}")
+__all__ = ["Evaluation", "Evaluator", "Rejected"]
 
 
 class Rejected(Exception):
@@ -46,7 +31,7 @@ class Rejected(Exception):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Evaluation:
-    config: Config
+    config: ParallelConfig
     bounds: tuple[int, ...]  # virtual stage j holds units bounds[j]..bounds[j+1]-1
     forward_s: tuple[float, ...]  # per virtual stage, per microbatch
     backward_s: tuple[float, ...]
@@ -76,26 +61,24 @@ class Evaluation:
 @dataclass(kw_only=True)
 class Evaluator:
     units: tuple[Unit, ...]
-    target: Target
+    hw: Hardware
     global_batch: int
     n_gpus: int
-    dtype: str = "bf16"
-    eff: Efficiency = Efficiency()
-    mem: MemoryConfig = MemoryConfig()
     _cache: dict = field(default_factory=dict)
 
     @property
     def capacity(self) -> float:
-        return float(self.target.gpu.hbm_bytes)
+        return self.hw.capacity
 
-    def unit_costs(self, b: int, t: int, rc: str) -> tuple[tuple[float, ...], ...]:
-        """(fwd_s, bwd_s, tp_comm_s, activation bytes) per unit, cached."""
-        key = (b, t, rc)
+    def unit_costs(self, c: ParallelConfig) -> tuple[tuple[float, ...], ...]:
+        """(fwd_s, bwd_s, tp_comm_s, activation bytes) per unit, cached by what they depend on."""
+        key = c.unit_key()
         if key not in self._cache:
             rows = []
+            kept = c.recompute_mode.kept_bytes
             for u in self.units:
-                ut = unit_time(u, b, t, self.target, recompute=rc, eff=self.eff, dtype=self.dtype)
-                rows.append((ut.fwd_s, ut.bwd_s, ut.tp_comm_s, unit_activation_bytes(u, b, t, rc)))
+                ut = unit_time(u, self.hw, c)
+                rows.append((ut.fwd_s, ut.bwd_s, ut.tp_comm_s, kept(u, c.b, c.tp)))
             self._cache[key] = tuple(zip(*rows))
         return self._cache[key]
 
@@ -108,30 +91,26 @@ class Evaluator:
         """FLOPs one iteration executes: forward + backward, plus what the recomputation redoes."""
         key = ("flops", recompute)
         if key not in self._cache:
-            extra = {"none": lambda u: 0.0, "full": lambda u: u.fwd_flops(1) if u.kind == "block" else 0.0,
-                     "selective": lambda u: u.sharded.selective_flops(1) + u.replicated.selective_flops(1)}[recompute]
+            extra = recompute_mode(recompute).extra_flops
             self._cache[key] = sum(u.fwd_flops(1) + u.bwd_flops(1) + extra(u) for u in self.units) * self.global_batch
         return self._cache[key]
 
-    def memory_lower_bound(self, c: Config) -> float:
+    def memory_lower_bound(self, c: ParallelConfig) -> float:
         """No rank can need less than the average rank (the last rank holds the fewest activations)."""
-        _, _, _, act = self.unit_costs(c.b, c.t, c.recompute)
-        static = sum(unit_param_count(u, c.t) for u in self.units) * self._bytes_per_param(c.d)
-        last = inflight(c.schedule, c.p, c.v, c.m, c.p - 1)
-        return (static + last * sum(act)) / c.p + self.mem.reserve_bytes
+        _, _, _, act = self.unit_costs(c)
+        static = sum(param_count(u, c) for u in self.units) * static_bytes_per_param(c)
+        return (static + c.inflight(c.pp - 1) * sum(act)) / c.pp + self.hw.reserve_bytes
 
-    def _bytes_per_param(self, d: int) -> float:
-        m = self.mem
-        return m.weight_bytes + m.grad_bytes + m.optimizer_bytes / (d if m.shard_optimizer else 1)
-
-    def evaluate(self, c: Config) -> Evaluation:
-        fwd, bwd, tpc, act = self.unit_costs(c.b, c.t, c.recompute)
-        k = c.p * c.v
+    def evaluate(self, c: ParallelConfig) -> Evaluation:
+        if c.cp > 1 or c.sp:
+            raise ValueError(f"{c}: context and sequence parallelism are not priced yet")
+        fwd, bwd, tpc, act = self.unit_costs(c)
+        k = c.stages
         if k > len(self.units):
             raise Rejected("units", f"{k} stages but only {len(self.units)} units")
         part = self._partition(c, fwd, bwd, act)
         stages = [range(a, b) for a, b in zip(part.bounds, part.bounds[1:])]
-        extra = self.eff.action_overhead_s
+        extra = self.hw.eff.action_overhead_s
         f_s = tuple(sum(fwd[i] for i in st) + extra for st in stages)
         b_s = tuple(sum(bwd[i] for i in st) + extra for st in stages)
         a_s = tuple(sum(act[i] for i in st) for st in stages)
@@ -141,27 +120,27 @@ class Evaluator:
             raise Rejected("memory", f"needs {worst / 2**30:.1f} GiB", worst)
         p2p = self._p2p_s(c, part.bounds)
         ar, opt = self._allreduce_opt(c, mems)
-        it = self._analytic_iteration(c, f_s, b_s, p2p) + max(a + o for a, o in zip(ar, opt))
+        it = c.schedule_kind.analytic_s(f_s, b_s, c.pp, c.v, c.m, p2p) + max(a + o for a, o in zip(ar, opt))
         return self._finish(c, part.bounds, f_s, b_s, a_s, mems, p2p, ar, opt, sum(tpc), it, None)
 
     def _finish(self, c, bounds, f_s, b_s, a_s, mems, p2p, ar, opt, tpc, it, bubble) -> Evaluation:
         flops = self.model_flops()
         per_gpu = flops / (self.n_gpus * it)
-        busy = [sum(f_s[j] + b_s[j] for j in range(r, c.p * c.v, c.p)) * c.m + ar[r] + opt[r] for r in range(c.p)]
-        frac = bubble if bubble is not None else max(0.0, 1 - sum(busy) / (c.p * it))
+        busy = [sum(f_s[j] + b_s[j] for j in range(r, c.stages, c.pp)) * c.m + ar[r] + opt[r] for r in range(c.pp)]
+        frac = bubble if bubble is not None else max(0.0, 1 - sum(busy) / (c.pp * it))
         return Evaluation(config=c, bounds=tuple(bounds), forward_s=f_s, backward_s=b_s, activation_bytes=a_s,
                           rank_memory=tuple(mems), p2p_s=p2p, allreduce_s=ar, optimizer_s=opt, tp_comm_s=tpc,
                           iteration_s=it, samples_per_s=self.global_batch / it, model_flops=flops,
-                          tflops_per_gpu=per_gpu / 1e12, mfu=per_gpu / self.target.gpu.peak(self.dtype),
+                          tflops_per_gpu=per_gpu / 1e12, mfu=per_gpu / self.hw.gpu.peak(c.precision),
                           hardware_tflops_per_gpu=self.executed_flops(c.recompute) / (self.n_gpus * it) / 1e12,
                           bubble_fraction=frac, simulated=bubble is not None)
 
-    def _partition(self, c: Config, fwd, bwd, act):
-        k = c.p * c.v
-        static = [unit_param_count(u, c.t) * self._bytes_per_param(c.d) for u in self.units]
-        work = max(act, default=0.0) if c.recompute == "full" else 0.0
-        fl = [inflight(c.schedule, c.p, c.v, c.m, j % c.p) for j in range(k)]
-        room = (self.capacity - self.mem.reserve_bytes - work) / c.v
+    def _partition(self, c: ParallelConfig, fwd, bwd, act):
+        k = c.stages
+        static = [param_count(u, c) * static_bytes_per_param(c) for u in self.units]
+        work = max(act, default=0.0) if c.recompute_mode.working_set else 0.0
+        fl = [c.inflight(j % c.pp) for j in range(k)]
+        room = (self.capacity - self.hw.reserve_bytes - work) / c.v
         inp = PartitionInput(time_s=tuple(f + b for f, b in zip(fwd, bwd)), static_bytes=tuple(static),
                              activation_bytes=tuple(act), inflight=tuple(fl), cap_bytes=(room,) * k)
         try:
@@ -170,53 +149,37 @@ class Evaluator:
             need = self.memory_lower_bound(c)
             raise Rejected("memory", "no partition fits", max(need, self.capacity * 1.0001)) from None
 
-    def _rank_memory(self, c: Config, stages: list[range]) -> list[StageMemory]:
-        out = []
-        for r in range(c.p):
-            units = [self.units[i] for j in range(r, c.p * c.v, c.p) for i in stages[j]]
-            out.append(stage_memory(units, b=c.b, t=c.t, d=c.d, recompute=c.recompute,
-                                    inflight_mb=inflight(c.schedule, c.p, c.v, c.m, r), cfg=self.mem))
-        return out
+    def _rank_memory(self, c: ParallelConfig, stages: list[range]) -> list[StageMemory]:
+        return [stage_memory([self.units[i] for j in range(r, c.stages, c.pp) for i in stages[j]], self.hw, c, r)
+                for r in range(c.pp)]
 
-    def _p2p_s(self, c: Config, bounds: tuple[int, ...]) -> float:
+    def _p2p_s(self, c: ParallelConfig, bounds: tuple[int, ...]) -> float:
         """Largest activation crossing a stage boundary, split over t (scatter/gather, thesis 4.4.1)."""
-        if c.p == 1:
+        if c.pp == 1:
             return 0.0
-        nbytes = max(self.units[i - 1].output_bytes(c.b) for i in bounds[1:-1]) / c.t
-        cl = self.target.cluster
+        nbytes = max(self.units[i - 1].output_bytes(c.b) for i in bounds[1:-1]) / c.tp
+        cl = self.hw.cluster
         # Megatron orders ranks tp, then dp, then pp: adjacent stages are t*d ranks apart.
-        same_node = c.t * c.d < cl.gpus_per_node
-        bw = (cl.nvlink_bw if same_node else cl.internode_bw) * self.eff.link
+        same_node = c.tp * c.dp < cl.gpus_per_node
+        bw = (cl.nvlink_bw if same_node else cl.internode_bw) * self.hw.eff.link
         lat = cl.nvlink_latency_s if same_node else cl.internode_latency_s
         return p2p_time(nbytes, bw, lat)
 
-    def _allreduce_opt(self, c: Config, mems: list[StageMemory]) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        cl, ar, opt = self.target.cluster, [], []
-        per_node = max(1, min(c.d, cl.gpus_per_node // c.t))
-        scaled = achieved_links(cl, self.eff.link)
+    def _allreduce_opt(self, c: ParallelConfig, mems: list[StageMemory]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        ar, opt, num = [], [], c.numerics
+        per_node = max(1, min(c.dp, self.hw.cluster.gpus_per_node // c.tp))
         for mem in mems:
-            params = mem.weights / self.mem.weight_bytes
-            ar.append(allreduce_time(params * self.mem.grad_bytes, per_node, c.d // per_node, scaled) if c.d > 1 else 0.0)
+            params = mem.weights / num.weight_bytes
+            ar.append(allreduce_time(params * num.grad_bytes, per_node, c.dp // per_node, self.hw.links)
+                      if c.dp > 1 else 0.0)
             # Adam reads and writes weights, grads, master weights and both moments once
-            opt.append(2 * params * self._bytes_per_param(c.d) / (self.target.gpu.hbm_bw * self.eff.hbm))
+            opt.append(2 * params * static_bytes_per_param(c) / (self.hw.gpu.hbm_bw * self.hw.eff.hbm))
         return tuple(ar), tuple(opt)
-
-    def _analytic_iteration(self, c: Config, f_s, b_s, p2p: float) -> float:
-        """Pipeline time of m microbatches (exact for uniform stages; the simulator refines it)."""
-        k = c.p * c.v
-        if c.schedule == "interleaved":
-            per_rank = [sum(f_s[j] + b_s[j] for j in range(r, k, c.p)) for r in range(c.p)]
-            slowest = max(per_rank)
-            return c.m * slowest + (c.p - 1) * slowest / c.v + 2 * (k - 1) * p2p
-        stage = [f + b for f, b in zip(f_s, b_s)]
-        return sum(stage) + (c.m - 1) * max(stage) + 2 * (c.p - 1) * p2p
 
     def simulate_config(self, ev: Evaluation) -> tuple[Evaluation, SimResult]:
         c = ev.config
-        sched = generate(c.schedule, c.p, c.m, c.v)
-        result = simulate(sched, ev.sim_costs(self.capacity))
+        result = simulate(c.schedule_kind.generate(c.pp, c.m, c.v), ev.sim_costs(self.capacity))
         out = self._finish(c, ev.bounds, ev.forward_s, ev.backward_s, ev.activation_bytes, list(ev.rank_memory),
                            ev.p2p_s, ev.allreduce_s, ev.optimizer_s, ev.tp_comm_s, result.iteration_s,
                            result.bubble_fraction)
         return out, result
-

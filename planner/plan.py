@@ -9,13 +9,16 @@ import json
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from passes.errors import UserError, invalid_file
 
-__all__ = ["SCHEMA", "Plan", "load_plan", "save_plan", "json_schema", "plan_target"]
+from .config import ParallelConfig
 
-SCHEMA = "fxplanner.plan/v1"
+__all__ = ["SCHEMA", "Plan", "ConfigModel", "load_plan", "save_plan", "json_schema", "plan_hardware",
+           "plan_schedule"]
+
+SCHEMA = "fxplanner.plan/v2"
 ArgValue = Union[bool, int, float, str]
 
 
@@ -30,10 +33,13 @@ class Source(_Model):
     model_sha256: str = Field(description="sha256 of the model file; the runtime refuses a different file")
     model_args: dict[str, ArgValue] = Field(description="keyword arguments of build_model / example_inputs")
     leaves: list[str] = Field(default_factory=list, description="modules traced as leaves")
-    dtype: str = Field(description="training precision of weights and activations")
     target: str = Field(description="target name")
     gpu: dict[str, float | str | dict[str, float]] = Field(description="GPU figures used")
     cluster: dict[str, float | int] = Field(description="cluster figures used")
+    efficiency: dict[str, float | list[tuple[str, float, float]]] = Field(
+        default_factory=dict, description="cost-model efficiencies used (defaults, or a calibration's)")
+    reserve_bytes: int = Field(3 << 30, description="device memory kept from the model (context, fragmentation, "
+                               "buffers)")
     gpus: int
     gpus_per_node: int
     global_batch: int
@@ -41,14 +47,35 @@ class Source(_Model):
 
 
 class ConfigModel(_Model):
+    """A `ParallelConfig` in the plan file (longer names for readers; `of` and `to_config` convert)."""
+
     tp: int = Field(description="tensor-parallel degree t")
     pp: int = Field(description="pipeline-parallel degree p")
     dp: int = Field(description="data-parallel degree d")
+    cp: int = Field(1, description="context-parallel degree")
+    sp: bool = Field(False, description="sequence parallelism within the tensor-parallel group")
+    zero: int = Field(0, description="optimizer sharding stage (1: optimizer state sharded over dp x cp)")
     microbatch: int = Field(description="microbatch size b")
     microbatches: int = Field(description="microbatches per iteration m = B / (d b)")
     vp: int = Field(description="model chunks per pipeline rank v (interleaving)")
-    recompute: Literal["none", "selective", "full"]
-    schedule: Literal["gpipe", "1f1b", "interleaved"]
+    recompute: str = Field(description="activation recomputation mode (costmodels.recompute: none, selective, full)")
+    schedule: str = Field(description="pipeline schedule kind (planner.schedules: gpipe, 1f1b, interleaved)")
+    precision: str = Field(description="training precision (costmodels.precision: bf16, fp16, fp32)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ConfigModel":
+        self.to_config()  # every rule of ParallelConfig, with its message
+        return self
+
+    @classmethod
+    def of(cls, c: ParallelConfig) -> "ConfigModel":
+        return cls(tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp, sp=c.sp, zero=c.zero, microbatch=c.b, microbatches=c.m,
+                   vp=c.v, recompute=c.recompute, schedule=c.schedule, precision=c.precision)
+
+    def to_config(self) -> ParallelConfig:
+        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, sp=self.sp, zero=self.zero,
+                              b=self.microbatch, m=self.microbatches, v=self.vp, recompute=self.recompute,
+                              schedule=self.schedule, precision=self.precision)
 
 
 class Stage(_Model):
@@ -163,7 +190,7 @@ class Fill(_Model):
 
 
 class Plan(_Model):
-    schema_version: Literal["fxplanner.plan/v1"] = Field(default=SCHEMA, alias="schema")
+    schema_version: Literal["fxplanner.plan/v2"] = Field(default=SCHEMA, alias="schema")
     source: Source
     config: ConfigModel
     alternatives: list[Alternative]
@@ -176,12 +203,25 @@ class Plan(_Model):
     fill: Fill | None = None
 
 
-def plan_target(plan: Plan):
-    """The target the plan was made for, rebuilt from the figures stored in it (no registry lookup)."""
+def plan_hardware(plan: Plan):
+    """What the plan was priced on, rebuilt from the figures stored in it (no registry lookup)."""
+    from costmodels.hardware import Efficiency, Hardware
     from targets.specs import ClusterSpec, GPUSpec, Target
 
-    gpu = GPUSpec(**plan.source.gpu)
-    return Target(name=plan.source.target, gpu=gpu, cluster=ClusterSpec(**plan.source.cluster))
+    src = plan.source
+    target = Target(name=src.target, gpu=GPUSpec(**src.gpu), cluster=ClusterSpec(**src.cluster))
+    eff = dict(src.efficiency)
+    eff["unit_factors"] = tuple(tuple(f) for f in eff.get("unit_factors", ()))
+    return Hardware(target=target, eff=Efficiency(**eff), reserve_bytes=src.reserve_bytes)
+
+
+def plan_schedule(plan: Plan):
+    """The plan's action lists as a Schedule (BUBBLE actions included): what the runtime executes."""
+    from .schedule import Action, Schedule
+
+    c = plan.config
+    return Schedule(kind=c.schedule, p=c.pp, v=c.vp, m=c.microbatches,
+                    ranks=tuple(tuple(Action.parse(a) for a in acts) for acts in plan.actions))
 
 
 def json_schema() -> dict:

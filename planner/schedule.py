@@ -1,4 +1,4 @@
-"""Per-rank pipeline schedules: IR, generators, validator and a text grid.
+"""Per-rank pipeline schedules: IR, validator and a text grid (the generators are in planner.schedules).
 
 A schedule is one list of small actions per pipeline rank. Actions print and parse like
 torch.distributed.pipelining's ``_Action`` (``1F0``, ``0B3``, ``2SEND_F1``, ``3RECV_B0``), plus
@@ -21,22 +21,19 @@ from enum import Enum
 from typing import Iterable, Iterator
 
 __all__ = [
-    "KINDS",
     "Action",
     "Op",
     "Schedule",
     "ScheduleError",
+    "check_shape",
     "gc_paused",
     "generate",
-    "gpipe",
     "grid",
-    "interleaved",
-    "one_f_one_b",
+    "one_f_one_b_order",
     "stage_rank",
     "validate",
+    "with_comm",
 ]
-
-KINDS = ("gpipe", "1f1b", "interleaved")
 
 
 class ScheduleError(ValueError):
@@ -130,7 +127,7 @@ class Schedule:
     """One action list per pipeline rank for one training iteration."""
 
     kind: str
-    """'gpipe', '1f1b' or 'interleaved'."""
+    """A registered schedule kind (planner.schedules): 'gpipe', '1f1b', 'interleaved', ..."""
     p: int
     """Pipeline ranks."""
     v: int
@@ -141,8 +138,9 @@ class Schedule:
     """ranks[r] is rank r's actions in execution order."""
 
     def __post_init__(self) -> None:
-        if self.kind not in KINDS:
-            raise ValueError(f"schedule kind {self.kind!r} is not one of {KINDS}")
+        from planner.schedules import get_schedule
+
+        get_schedule(self.kind)
         for name in ("p", "v", "m"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -179,10 +177,10 @@ def gc_paused() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Generators
+# Building blocks of the generators (planner.schedules)
 
 
-def _check_pm(p: int, m: int, v: int = 1) -> None:
+def check_shape(p: int, m: int, v: int = 1) -> None:
     for name, value in (("p", p), ("m", m), ("v", v)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -203,7 +201,7 @@ def _action(stage: int, op: Op, mb: int) -> Action:
     return obj
 
 
-def _with_comm(order: Iterable[tuple[Op, int, int]], last: int) -> tuple[Action, ...]:
+def with_comm(order: Iterable[tuple[Op, int, int]], last: int) -> tuple[Action, ...]:
     """Wrap each compute (op, stage, mb) with its RECV before and SEND after; end with ALLREDUCE, OPT."""
     out: list[Action] = []
     add = out.append
@@ -225,7 +223,7 @@ def _with_comm(order: Iterable[tuple[Op, int, int]], last: int) -> tuple[Action,
     return tuple(out)
 
 
-def _one_f_one_b_order(r: int, p: int, v: int, m: int) -> list[tuple[Op, int, int]]:
+def one_f_one_b_order(r: int, p: int, v: int, m: int) -> list[tuple[Op, int, int]]:
     """Rank r's compute order in 1F1B (v is 1; the argument keeps one signature for both)."""
     warmup = min(p - r - 1, m)
     steady = m - warmup
@@ -237,77 +235,11 @@ def _one_f_one_b_order(r: int, p: int, v: int, m: int) -> list[tuple[Op, int, in
     return order
 
 
-def gpipe(p: int, m: int) -> Schedule:
-    """GPipe: all forwards, then all backwards (in microbatch order)."""
-    _check_pm(p, m)
-    with gc_paused():
-        ranks = tuple(
-            _with_comm([(_F, r, mb) for mb in range(m)] + [(_B, r, mb) for mb in range(m)], p - 1)
-            for r in range(p)
-        )
-    return Schedule(kind="gpipe", p=p, v=1, m=m, ranks=ranks)
-
-
-def one_f_one_b(p: int, m: int) -> Schedule:
-    """PipeDream-Flush 1F1B: rank r runs min(p-r-1, m) warm-up forwards, then alternates F and B."""
-    _check_pm(p, m)
-    with gc_paused():
-        ranks = tuple(_with_comm(_one_f_one_b_order(r, p, 1, m), p - 1) for r in range(p))
-    return Schedule(kind="1f1b", p=p, v=1, m=m, ranks=ranks)
-
-
-def _virtual(k: int, r: int, p: int, v: int, forward: bool) -> tuple[int, int]:
-    """(stage, mb) of rank r's k-th forward (or backward) in Megatron's interleaved order."""
-    in_group = k % (p * v)
-    chunk = in_group // p
-    if not forward:
-        chunk = v - 1 - chunk
-    return chunk * p + r, (k // (p * v)) * p + k % p
-
-
-def _interleaved_order(r: int, p: int, v: int, m: int) -> list[tuple[Op, int, int]]:
-    total = m * v
-    if m == p:
-        warmup = total  # Megatron runs all forwards first when m == p
-    else:
-        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
-    fwd = [(_F, *_virtual(k, r, p, v, True)) for k in range(total)]
-    bwd = [(_B, *_virtual(k, r, p, v, False)) for k in range(total)]
-    steady = total - warmup
-    order = fwd[:warmup]
-    for i in range(steady):
-        order.append(fwd[warmup + i])
-        order.append(bwd[i])
-    order.extend(bwd[steady:])
-    return order
-
-
-def interleaved(p: int, v: int, m: int) -> Schedule:
-    """Megatron interleaved 1F1B with v chunks per rank; m must be a multiple of p.
-
-    With v == 1 this is plain 1F1B (Megatron only interleaves when v > 1).
-    """
-    _check_pm(p, m, v)
-    if m % p != 0:
-        raise ValueError(
-            f"interleaved schedule needs m to be a multiple of p: m={m} is not divisible by p={p}"
-        )
-    last = p * v - 1
-    order = _one_f_one_b_order if v == 1 else _interleaved_order
-    with gc_paused():
-        ranks = tuple(_with_comm(order(r, p, v, m), last) for r in range(p))
-    return Schedule(kind="interleaved", p=p, v=v, m=m, ranks=ranks)
-
-
 def generate(kind: str, p: int, m: int, v: int = 1) -> Schedule:
-    """Build a schedule by kind name: 'gpipe', '1f1b' or 'interleaved'."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown schedule kind {kind!r}; expected one of {KINDS}")
-    if kind == "interleaved":
-        return interleaved(p, v, m)
-    if v != 1:
-        raise ValueError(f"schedule kind {kind!r} has one chunk per rank; got v={v}")
-    return gpipe(p, m) if kind == "gpipe" else one_f_one_b(p, m)
+    """Build a schedule by kind name (see planner.schedules for the registered kinds)."""
+    from planner.schedules import get_schedule
+
+    return get_schedule(kind).generate(p, m, v)
 
 
 # ---------------------------------------------------------------------------------------------

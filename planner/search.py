@@ -11,11 +11,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from costmodels.compute import RECOMPUTE
+from costmodels.precision import PRECISIONS
+from costmodels.recompute import RECOMPUTE
 from passes.errors import UserError
 
-from .evaluate import Config, Evaluation, Evaluator, Rejected
-from .schedule import KINDS
+from .config import ZERO_STAGES, ParallelConfig
+from .evaluate import Evaluation, Evaluator, Rejected
+from .schedules import SCHEDULES
 from .simulate import SimResult
 
 __all__ = ["Pins", "SearchResult", "search", "divisors", "NoFeasibleConfig"]
@@ -27,15 +29,17 @@ class NoFeasibleConfig(UserError):
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Pins:
-    """Dimensions fixed by the user; None lets the search choose."""
+    """Dimensions fixed by the user; None lets the search choose. Names as in ParallelConfig."""
 
-    t: int | None = None
-    p: int | None = None
-    d: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    dp: int | None = None
     b: int | None = None
     v: int | None = None
     recompute: str | None = None
     schedule: str | None = None
+    zero: int = 0
+    precision: str = "bf16"
     max_microbatch: int = 16
     max_v: int = 8
     allow_cross_node_tp: bool = False
@@ -43,12 +47,19 @@ class Pins:
     def __post_init__(self) -> None:
         if self.recompute is not None and self.recompute not in RECOMPUTE:
             raise UserError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
-        if self.schedule is not None and self.schedule not in KINDS:
-            raise UserError(f"--schedule must be one of {', '.join(KINDS)}, got {self.schedule!r}")
-        for name in ("t", "p", "d", "b", "v"):
+        if self.schedule is not None and self.schedule not in SCHEDULES:
+            raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        if self.precision not in PRECISIONS:
+            raise UserError(f"--dtype must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.zero not in ZERO_STAGES:
+            raise UserError(f"optimizer sharding stage must be one of {ZERO_STAGES}, got {self.zero!r}")
+        for name in ("tp", "pp", "dp", "b", "v"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"a pinned {name} must be a positive integer, got {value}")
+
+    def pinned(self) -> list[str]:
+        return [k for k in ("tp", "pp", "dp", "b", "v", "recompute", "schedule") if getattr(self, k) is not None]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,14 +87,14 @@ def check_cluster(n_gpus: int, gpus_per_node: int) -> None:
 
 
 def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int, pins: Pins,
-               rejected: Counter) -> Iterator[Config]:
+               rejected: Counter) -> Iterator[ParallelConfig]:
     t_pool = divisors(n_gpus) if pins.allow_cross_node_tp else divisors(min(gpus_per_node, n_gpus))
     for t in t_pool:
-        if pins.t not in (None, t):
+        if pins.tp not in (None, t):
             continue
         for p in divisors(n_gpus // t):
             d = n_gpus // (t * p)
-            if pins.p not in (None, p) or pins.d not in (None, d):
+            if pins.pp not in (None, p) or pins.dp not in (None, d):
                 continue
             if p > n_units:
                 rejected["more stages than units"] += 1
@@ -95,52 +106,48 @@ def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int,
 
 
 def _per_replica(t: int, p: int, d: int, n_units: int, per_replica: int, pins: Pins,
-                 rejected: Counter) -> Iterator[Config]:
+                 rejected: Counter) -> Iterator[ParallelConfig]:
     for b in divisors(per_replica):
         if pins.b not in (None, b) or (pins.b is None and b > pins.max_microbatch):
             continue
         m = per_replica // b
-        for schedule in KINDS:
-            if pins.schedule not in (None, schedule):
+        for name, kind in SCHEDULES.items():
+            if pins.schedule not in (None, name):
                 continue
-            for v in _v_choices(schedule, p, pins):
-                if schedule == "interleaved" and m % p:
-                    rejected["interleaving needs m divisible by p"] += 1
+            for v in kind.v_choices(p, pins.max_v):
+                if pins.v not in (None, v):
+                    continue
+                why = kind.check(p, v, m)
+                if why is not None:
+                    rejected[why] += 1
                     continue
                 if p * v > n_units:
                     rejected["more stages than units"] += 1
                     continue
                 for rc in RECOMPUTE:
                     if pins.recompute in (None, rc):
-                        yield Config(t=t, p=p, d=d, b=b, v=v, m=m, recompute=rc, schedule=schedule)
+                        yield ParallelConfig(tp=t, pp=p, dp=d, b=b, m=m, v=v, zero=pins.zero, recompute=rc,
+                                             schedule=name, precision=pins.precision)
 
 
-def _v_choices(schedule: str, p: int, pins: Pins) -> list[int]:
-    if schedule != "interleaved":
-        return [1] if pins.v in (None, 1) else []
-    if p == 1:
-        return []
-    return [v for v in range(2, pins.max_v + 1) if pins.v in (None, v)]
-
-
-def _optimistic_iteration(ev: Evaluator, c: Config) -> float:
-    fwd, bwd, _, _ = ev.unit_costs(c.b, c.t, c.recompute)
+def _optimistic_iteration(ev: Evaluator, c: ParallelConfig) -> float:
+    """The schedule's own time with perfectly balanced stages and free p2p: no partition beats it."""
+    fwd, bwd, _, _ = ev.unit_costs(c)
     work = [f + b for f, b in zip(fwd, bwd)]
-    stage = max(sum(work) / (c.p * c.v), max(work))
-    if c.schedule == "interleaved":
-        return (c.m * c.v + c.p - 1) * stage
-    return (c.m + c.p - 1) * stage
+    k = c.stages
+    stage = max(sum(work) / k, max(work))
+    return c.schedule_kind.analytic_s((stage,) * k, (0.0,) * k, c.pp, c.v, c.m, 0.0)
 
 
 def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: int = 3,
            progress: Callable[[int, int], None] | None = None) -> SearchResult:
-    cl = ev.target.cluster
+    cl = ev.hw.cluster
     check_cluster(ev.n_gpus, cl.gpus_per_node)
     rejected: Counter = Counter()
     pool = list(candidates(len(ev.units), ev.n_gpus, cl.gpus_per_node, ev.global_batch, pins, rejected))
     if not pool:
         raise NoFeasibleConfig(_no_candidates_message(ev, pins, rejected))
-    leanest: tuple[float, Config] | None = None
+    leanest: tuple[float, ParallelConfig] | None = None
     bounded = []
     for c in pool:
         need = ev.memory_lower_bound(c)
@@ -179,18 +186,18 @@ def _no_candidates_message(ev: Evaluator, pins: Pins, rejected: Counter) -> str:
     why = "; ".join(f"{k}: {v}" for k, v in rejected.items()) or "the pins exclude every configuration"
     if "global batch not divisible by d" in rejected and len(rejected) == 1:
         return (f"global batch {ev.global_batch} is not divisible by d*b for any data-parallel degree d "
-                f"allowed here{' (d pinned to ' + str(pins.d) + ')' if pins.d else ''}; choose a global batch "
-                f"that is a multiple of {pins.d or ev.n_gpus}")
+                f"allowed here{' (d pinned to ' + str(pins.dp) + ')' if pins.dp else ''}; choose a global batch "
+                f"that is a multiple of {pins.dp or ev.n_gpus}")
     return f"no configuration of {ev.n_gpus} GPUs satisfies the constraints ({why})"
 
 
-def _no_fit_message(ev: Evaluator, leanest: tuple[float, Config] | None, rejected: Counter) -> str:
+def _no_fit_message(ev: Evaluator, leanest: tuple[float, ParallelConfig] | None, rejected: Counter) -> str:
     cap = ev.capacity / 2**30
     if leanest is None:
         why = "; ".join(f"{k}: {v}" for k, v in rejected.items())
         return f"no configuration of {ev.n_gpus} GPUs works ({why})"
     need, c = leanest
     more = int(-(-ev.n_gpus * need // ev.capacity))
-    return (f"the model fits no configuration on {ev.n_gpus} x {ev.target.name}: the leanest ({c}) needs "
+    return (f"the model fits no configuration on {ev.n_gpus} x {ev.hw.name}: the leanest ({c}) needs "
             f"{need / 2**30:.1f} GiB per GPU against {cap:.0f} GiB; use about {more} or more GPUs, a GPU "
             "with more memory (--target), a smaller microbatch or global batch, or sharded optimizer state")

@@ -4,6 +4,7 @@ From a plan and the metrics of a run of it (`planner launch --metrics`), per pip
 forward and backward time of each stage over one iteration, each bubble's start and duration,
 the iteration time, peak memory (CUDA) and fill work per bubble — each with its error
 (measured / predicted - 1). Step 0 is left out (it warms up and measures bubbles without fill).
+The report is a planner.metrics.ValidationReport (schema fxplanner.validation/v1).
 `refit` writes measured bubble durations back into a plan so fill packing uses them.
 """
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from .metrics import (Comparison, MetricsDocument, RankComparison, RankValidation, RunEntry, StepRecord,
+                      ValidationReport)
 from .plan import Plan
 
 __all__ = ["compare", "refit", "error", "fit_action_overhead"]
@@ -22,31 +25,32 @@ def error(measured: float | None, predicted: float | None) -> float | None:
     return measured / predicted - 1
 
 
-def _row(what: str, predicted: float | None, measured: float | None, **extra: Any) -> dict[str, Any]:
-    return {"what": what, "predicted": predicted, "measured": measured, "error": error(measured, predicted), **extra}
+def _row(what: str, predicted: float | None, measured: float | None, rank: int, **extra: Any) -> RankComparison:
+    return RankComparison(what=what, predicted=predicted, measured=measured, error=error(measured, predicted),
+                          rank=rank, **extra)
 
 
-def _steps(run: dict[str, Any], pp_rank: int, skip: int) -> list[dict[str, Any]]:
+def _steps(run: RunEntry, pp_rank: int, skip: int) -> list[StepRecord]:
     """Steps of every instance (dp x tp) of a pipeline rank, warm-up steps left out."""
-    out = [s for r in run["ranks"] if r["pp"] == pp_rank for s in r["steps"][skip:]]
-    return out or [s for r in run["ranks"] if r["pp"] == pp_rank for s in r["steps"]]
+    out = [s for r in run.ranks if r.pp == pp_rank for s in r.steps[skip:]]
+    return out or [s for r in run.ranks if r.pp == pp_rank for s in r.steps]
 
 
 def _mean(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def _bubble_rows(plan: Plan, steps: list[dict[str, Any]], rank: int) -> list[dict[str, Any]]:
+def _bubble_rows(plan: Plan, steps: list[StepRecord], rank: int) -> list[RankComparison]:
     rows = []
     for b in (b for b in plan.bubbles if b.rank == rank):
-        seen = [x for s in steps for x in s["bubbles"] if x["id"] == b.id]
-        rows.append(_row(f"bubble {b.id} start", b.start_s, _mean([x["start_s"] for x in seen]), rank=rank))
-        rows.append(_row(f"bubble {b.id} duration", b.duration_s, _mean([x["duration_s"] for x in seen]), rank=rank,
+        seen = [x for s in steps for x in s.bubbles if x.id == b.id]
+        rows.append(_row(f"bubble {b.id} start", b.start_s, _mean([x.start_s for x in seen]), rank=rank))
+        rows.append(_row(f"bubble {b.id} duration", b.duration_s, _mean([x.duration_s for x in seen]), rank=rank,
                          kind=b.kind))
     return rows
 
 
-def _fill_rows(plan: Plan, run: dict[str, Any], rank: int) -> list[dict[str, Any]]:
+def _fill_rows(plan: Plan, run: RunEntry, rank: int) -> list[RankComparison]:
     if plan.fill is None:
         return []
     planned: dict[int, float] = {}
@@ -54,18 +58,18 @@ def _fill_rows(plan: Plan, run: dict[str, Any], rank: int) -> list[dict[str, Any
         if ch.rank == rank:
             planned[ch.bubble_id] = planned.get(ch.bubble_id, 0.0) + ch.units
     done: dict[int, list[float]] = {}
-    for r in run["ranks"]:
-        if r["pp"] != rank or not r.get("fill_report"):
+    for r in run.ranks:
+        if r.pp != rank or r.fill_report is None:
             continue
-        for occ in r["fill_report"].get("bubbles", []):
-            units = sum(st.get("units", 1) for st in occ.get("steps", []))
-            done.setdefault(occ.get("bubble_id", -1), []).append(units)
+        for occ in r.fill_report.bubbles:
+            done.setdefault(occ.bubble_id, []).append(len(occ.steps))  # each step is one unit
     return [_row(f"fill units in bubble {bid}", planned.get(bid), _mean(done.get(bid, [])), rank=rank)
             for bid in sorted(set(planned) | set(done)) if bid >= 0]
 
 
-def compare(plan: Plan, metrics: dict[str, Any], skip: int = 1) -> dict[str, Any]:
-    run = metrics["runs"][0]
+def compare(plan: Plan, metrics: MetricsDocument, skip: int = 1) -> ValidationReport:
+    """Predicted against measured for the document's first run (a run of `plan`)."""
+    run = metrics.runs[0]
     c = plan.config
     ranks = []
     for r in range(c.pp):
@@ -74,32 +78,32 @@ def compare(plan: Plan, metrics: dict[str, Any], skip: int = 1) -> dict[str, Any
         extra = plan.predictions.action_overhead_s  # framework time: not inside the measured compute
         for st in (s for s in plan.partition if s.rank == r):
             key = str(st.stage)
-            fwd = _mean([s["stages"][key]["forward_s"] for s in steps if key in s["stages"]])
-            bwd = _mean([s["stages"][key]["backward_s"] for s in steps if key in s["stages"]])
+            fwd = _mean([s.stages[key].forward_s for s in steps if key in s.stages])
+            bwd = _mean([s.stages[key].backward_s for s in steps if key in s.stages])
             rows.append(_row(f"stage {st.stage} forward", (st.forward_s - extra) * c.microbatches, fwd, rank=r))
             rows.append(_row(f"stage {st.stage} backward", (st.backward_s - extra) * c.microbatches, bwd, rank=r))
         rows.extend(_bubble_rows(plan, steps, r))
-        rows.append(_row("iteration", plan.predictions.iteration_s, _mean([s["iteration_s"] for s in steps]), rank=r))
-        peaks = [s["peak_memory_bytes"] for s in steps if s.get("peak_memory_bytes") is not None]
+        rows.append(_row("iteration", plan.predictions.iteration_s, _mean([s.iteration_s for s in steps]), rank=r))
+        peaks = [s.peak_memory_bytes for s in steps if s.peak_memory_bytes is not None]
         rows.append(_row("peak memory", plan.predictions.memory[r].total, max(peaks) if peaks else None, rank=r))
         rows.extend(_fill_rows(plan, run, r))
-        ranks.append({"rank": r, "rows": rows})
-    slowest = [max(s["iteration_s"] for s in step_set)
-               for step_set in zip(*[r["steps"][skip:] for r in run["ranks"]])]
-    it = _row("iteration (slowest rank)", plan.predictions.iteration_s, _mean(slowest))
-    return {"schema": "fxplanner.validation/v1", "plan": run["plan"], "device": run.get("device"),
-            "steps": run["steps"], "iteration": it, "ranks": ranks}
+        ranks.append(RankValidation(rank=r, rows=rows))
+    slowest = [max(s.iteration_s for s in step_set) for step_set in zip(*[r.steps[skip:] for r in run.ranks])]
+    measured = _mean(slowest)
+    it = Comparison(what="iteration (slowest rank)", predicted=plan.predictions.iteration_s, measured=measured,
+                    error=error(measured, plan.predictions.iteration_s))
+    return ValidationReport(plan=run.plan, device=run.device, steps=run.steps, iteration=it, ranks=ranks)
 
 
-def refit(plan: Plan, metrics: dict[str, Any], skip: int = 1) -> Plan:
+def refit(plan: Plan, metrics: MetricsDocument, skip: int = 1) -> Plan:
     """The plan with each bubble's duration (and start) replaced by the measured mean."""
-    run = metrics["runs"][0]
+    run = metrics.runs[0]
     bubbles = []
     for b in plan.bubbles:
-        seen = [x for s in _steps(run, b.rank, skip) for x in s["bubbles"] if x["id"] == b.id]
+        seen = [x for s in _steps(run, b.rank, skip) for x in s.bubbles if x.id == b.id]
         if seen:
-            b = b.model_copy(update={"duration_s": statistics.fmean(x["duration_s"] for x in seen),
-                                     "start_s": statistics.fmean(x["start_s"] for x in seen)})
+            b = b.model_copy(update={"duration_s": statistics.fmean(x.duration_s for x in seen),
+                                     "start_s": statistics.fmean(x.start_s for x in seen)})
         bubbles.append(b)
     return plan.model_copy(update={"bubbles": bubbles})
 

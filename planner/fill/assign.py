@@ -3,8 +3,9 @@ residency that recover the most useful FLOPs per iteration.
 
 The default solver is PipeFill's greedy: with costs that do not depend on where a chunk ends (our
 model: activations stay on the device between bubbles, inside the chunk's memory), greedy is never
-behind any valid packing after any bubble, hence optimal (see planner/fill/packing.py). "cpsat"
-re-solves the chosen packing with CP-SAT (never worse; it only wins when chunk boundaries cost).
+behind any valid packing after any bubble, hence optimal (see planner/fill/packing.py). Packers are a
+registry (`PACKERS`): every option is screened with greedy, then the chosen one is re-packed by the
+requested packer; "cpsat" re-solves it with CP-SAT (never worse; it only wins when chunk boundaries cost).
 
 A job stays resident when its resident memory fits every bubble it uses; otherwise (inference
 jobs) its weights are loaded per bubble with PipeSwitch's pipelined transmission, whose
@@ -13,17 +14,40 @@ non-overlapped part is charged to every chunk as launch overhead.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Callable, Sequence
 
-from targets.specs import Target
+from costmodels.hardware import Hardware
 
-from .packing import DEFAULT_LAUNCH_OVERHEAD_S, BubbleSlot, Packing, cpsat_pack, greedy_pack
+from .packing import DEFAULT_LAUNCH_OVERHEAD_S, BubbleSlot, FillUnit, Packing, cpsat_pack, greedy_pack
 from .pipeswitch import TransferOverhead, dp_grouping
 from .profiles import FillProfile
 
-__all__ = ["RankFill", "FillAssignment", "assign_fill", "best_fill", "load_overhead_s"]
+__all__ = ["RankFill", "FillAssignment", "Packer", "PACKERS", "assign_fill", "best_fill", "load_overhead_s"]
 
 PCIE_CALL_S = 10e-6  # per transfer (PipeSwitch 4.2's fixed cost; assumption for the target)
 SYNC_S = 20e-6
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Packer:
+    name: str
+    help: str
+    repack: Callable[..., Packing]
+    """(units, cycle, *, greedy: Packing, time_limit_s) -> the packing of the chosen option, starting
+    from greedy's (its parameters: safety margin, launch overhead, resident bytes, cycles)."""
+
+
+def _cpsat(units: Sequence[FillUnit], cycle: list[BubbleSlot], *, greedy: Packing, time_limit_s: float) -> Packing:
+    p = greedy.params
+    return cpsat_pack(units, cycle, safety_margin=p.safety_margin, launch_overhead_s=p.launch_overhead_s,
+                      resident_bytes=p.resident_bytes, cycles=p.cycles, time_limit_s=time_limit_s, hint=greedy)
+
+
+PACKERS: dict[str, Packer] = {
+    "greedy": Packer(name="greedy", help="PipeFill Algorithm 1 (optimal when chunk boundaries cost nothing)",
+                     repack=lambda units, cycle, *, greedy, time_limit_s: greedy),
+    "cpsat": Packer(name="cpsat", help="CP-SAT from the greedy packing (never worse)", repack=_cpsat),
+}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -43,13 +67,13 @@ class FillAssignment:
     unplaceable: dict[str, str] = field(default_factory=dict)
 
 
-def load_overhead_s(profile: FillProfile, target: Target) -> float:
+def load_overhead_s(profile: FillProfile, hw: Hardware) -> float:
     """Transmission time PipeSwitch's optimal grouping cannot hide behind execution."""
-    g = dp_grouping(list(profile.layers), target.gpu.pcie_bw, TransferOverhead(pcie_call_s=PCIE_CALL_S, sync_s=SYNC_S))
+    g = dp_grouping(list(profile.layers), hw.gpu.pcie_bw, TransferOverhead(pcie_call_s=PCIE_CALL_S, sync_s=SYNC_S))
     return max(g.latency_s - sum(layer.exec_time_s for layer in profile.layers), 0.0)
 
 
-def _options(profiles: list[FillProfile], cycle: list[BubbleSlot], target: Target):
+def _options(profiles: list[FillProfile], cycle: list[BubbleSlot], hw: Hardware):
     """(profile, resident, launch overhead, resident bytes) choices for one rank."""
     min_free = min((s.free_bytes for s in cycle), default=0)
     for prof in profiles:
@@ -57,7 +81,7 @@ def _options(profiles: list[FillProfile], cycle: list[BubbleSlot], target: Targe
             yield prof, True, DEFAULT_LAUNCH_OVERHEAD_S, prof.resident_bytes
         elif prof.kind == "infer":  # weights streamed in per bubble; memory needed only while it runs
             units = tuple(replace(u, mem_bytes=u.mem_bytes + prof.resident_bytes) for u in prof.units)
-            yield replace(prof, units=units), False, DEFAULT_LAUNCH_OVERHEAD_S + load_overhead_s(prof, target), 0
+            yield replace(prof, units=units), False, DEFAULT_LAUNCH_OVERHEAD_S + load_overhead_s(prof, hw), 0
 
 
 def _stuck_unit(units, cycle: list[BubbleSlot], margin: float, overhead: float, resident: int):
@@ -86,40 +110,38 @@ def _why_not(profiles: list[FillProfile], cycles: list[list[BubbleSlot]], margin
     return "no configuration fits both the time and the memory of any bubble"
 
 
-def best_fill(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], target: Target, *,
+def best_fill(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], hw: Hardware, *,
               safety_margin: float = 0.1, solver: str = "greedy", time_limit_s: float = 1.0) -> RankFill | None:
     """The configuration and residency of one job that recovers the most FLOPs on one rank's cycle."""
     best: RankFill | None = None
-    for prof, resident, overhead, res_bytes in _options(profiles, cycle, target):
+    for prof, resident, overhead, res_bytes in _options(profiles, cycle, hw):
         if _stuck_unit(prof.units, cycle, safety_margin, overhead, res_bytes) is not None:
             continue
         pk = greedy_pack(prof.units, cycle, safety_margin=safety_margin, launch_overhead_s=overhead,
                          resident_bytes=res_bytes, cycles=2)
         if pk.units_completed and (best is None or pk.flops_per_cycle > best.packing.flops_per_cycle):
             best = RankFill(rank=rank, profile=prof, resident=resident, packing=pk)
-    if best is not None and solver == "cpsat":
-        p = best.packing.params
-        best = replace(best, packing=cpsat_pack(best.profile.units, cycle, safety_margin=safety_margin,
-                                                launch_overhead_s=p.launch_overhead_s, resident_bytes=p.resident_bytes,
-                                                cycles=2, time_limit_s=time_limit_s, hint=best.packing))
+    if best is not None:
+        best = replace(best, packing=PACKERS[solver].repack(best.profile.units, cycle, greedy=best.packing,
+                                                            time_limit_s=time_limit_s))
     return best
 
 
 def assign_fill(cycles: list[list[BubbleSlot]], iteration_s: float, jobs: dict[str, list[FillProfile]],
-                target: Target, *, safety_margin: float = 0.1, solver: str = "greedy",
+                hw: Hardware, *, safety_margin: float = 0.1, solver: str = "greedy",
                 time_limit_s: float = 1.0) -> FillAssignment:
     """cycles[r] is pipeline rank r's bubbles in one iteration (with the free memory of each); each
     rank runs the job that recovers the most FLOPs there."""
     per_rank: list[RankFill | None] = []
     feasible: set[str] = set()  # jobs that fit some bubble somewhere, chosen or not
     for r, cycle in enumerate(cycles):
-        options = [best_fill(r, cycle, profiles, target, safety_margin=safety_margin) for profiles in jobs.values()
+        options = [best_fill(r, cycle, profiles, hw, safety_margin=safety_margin) for profiles in jobs.values()
                    if cycle]
         feasible.update(o.profile.job for o in options if o is not None)
         best = max((o for o in options if o is not None), key=lambda o: o.packing.flops_per_cycle, default=None)
-        if best is not None and solver == "cpsat":
-            best = best_fill(r, cycle, jobs[best.profile.job], target, safety_margin=safety_margin,
-                             solver="cpsat", time_limit_s=time_limit_s)
+        if best is not None and solver != "greedy":
+            best = best_fill(r, cycle, jobs[best.profile.job], hw, safety_margin=safety_margin,
+                             solver=solver, time_limit_s=time_limit_s)
         per_rank.append(best)
     total_bubble = sum(s.duration_s for c in cycles for s in c)
     used = sum(sum(ch.time_s for ch in rf.packing.chunks) / rf.packing.params.cycles for rf in per_rank if rf)

@@ -33,10 +33,10 @@ def offload_bytes(ev: Evaluator, e: Evaluation) -> tuple[int, ...] | None:
     passes and back during the gradient all-reduce — as much as PCIe moves inside both phases
     (PipeFill offloads it all; with 12 bytes of Adam state per 2 bytes of all-reduced gradient the
     whole state rarely fits the all-reduce, so the part that fits is offloaded). None if nothing fits."""
-    pcie = ev.target.gpu.pcie_bw
+    pcie = ev.hw.gpu.pcie_bw
     c, out = e.config, []
     for r, mem in enumerate(e.rank_memory):
-        forward_phase = c.m * sum(e.forward_s[j] for j in range(r, c.p * c.v, c.p))
+        forward_phase = c.m * sum(e.forward_s[j] for j in range(r, c.stages, c.pp))
         out.append(int(min(mem.optimizer, pcie * min(forward_phase, e.allreduce_s[r]))))
     return tuple(out) if any(out) else None
 
@@ -67,7 +67,7 @@ def choose_joint(ev: Evaluator, candidates: list[Evaluation], jobs: dict[str, li
             if moved is not None:
                 extras = [moved] if offload == "on" else [None, moved]
         for extra in extras:
-            fa = assign_fill(bubble_cycles(sim, e.config.p, extra), e.iteration_s, jobs, ev.target,
+            fa = assign_fill(bubble_cycles(sim, e.config.pp, extra), e.iteration_s, jobs, ev.hw,
                              safety_margin=safety_margin, solver=solver)
             cand = JointChoice(evaluation=e, simulation=sim, fill=fa, offload=extra is not None,
                                main_useful_per_gpu=_main_useful(ev, e), considered=len(pool))

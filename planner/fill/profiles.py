@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from costmodels.compute import Efficiency, unit_time
-from costmodels.memory import unit_activation_bytes
+from costmodels.compute import unit_time
+from costmodels.hardware import Hardware
+from costmodels.precision import ADAM_HOST_BYTES, PRECISIONS
+from costmodels.recompute import RECOMPUTE
 from passes.pipeline import ModelProfile, analyze
-from targets.specs import Target
+from planner.config import ParallelConfig
 
 from .packing import FillUnit
 from .pipeswitch import Layer
@@ -18,7 +20,8 @@ from .spec import FillJobSpec
 
 __all__ = ["FillProfile", "profile_job", "linearize"]
 
-CONFIGS = ("plain", "checkpoint", "offload")
+CONFIGS = {"plain": "none", "checkpoint": "full", "offload": "none"}
+"""Fill-job configuration -> the recomputation mode it trains with."""
 HOST_ADAM_BYTES_PER_S = 20e9  # host-memory bandwidth an offloaded Adam step streams at (assumption)
 
 
@@ -43,20 +46,26 @@ class FillProfile:
         return sum(u.flops for u in self.units)
 
 
-def linearize(prof: ModelProfile, kind: str, config: str, b: int, target: Target,
-              eff: Efficiency) -> tuple[list[FillUnit], int]:
+def job_config(b: int, config: str, precision: str) -> ParallelConfig:
+    """A fill job runs on one GPU: no parallelism, one microbatch of b samples."""
+    return ParallelConfig(tp=1, pp=1, dp=1, b=b, m=1, recompute=CONFIGS[config], precision=precision)
+
+
+def linearize(prof: ModelProfile, kind: str, config: str, b: int, hw: Hardware,
+              precision: str) -> tuple[list[FillUnit], int]:
     """(units of one iteration, resident bytes) for a job configuration."""
-    rc = "full" if config == "checkpoint" else "none"
-    times = [unit_time(u, b, 1, target, recompute=rc, eff=eff) for u in prof.units]
+    cfg = job_config(b, config, precision)
+    num = cfg.numerics
+    times = [unit_time(u, hw, cfg) for u in prof.units]
     params = sum(u.params for u in prof.units)
+    plain = RECOMPUTE["none"].kept_bytes
     if kind == "infer":
         units = [FillUnit(name=f"F:{u.name}", time_s=t.fwd_s, flops=u.fwd_flops(b),
-                          mem_bytes=int(u.input_bytes(b) + u.output_bytes(b) + unit_activation_bytes(u, b, 1, "none")))
+                          mem_bytes=int(u.input_bytes(b) + u.output_bytes(b) + plain(u, b, 1)))
                  for u, t in zip(prof.units, times)]
-        return units, int(params * 2)
-    kept = [unit_activation_bytes(u, b, 1, "full" if config == "checkpoint" and u.kind == "block" else "none")
-            for u in prof.units]
-    working = [unit_activation_bytes(u, b, 1, "none") for u in prof.units]
+        return units, int(params * num.weight_bytes)
+    kept = [cfg.recompute_mode.kept_bytes(u, b, 1) if u.kind == "block" else plain(u, b, 1) for u in prof.units]
+    working = [plain(u, b, 1) for u in prof.units]
     units, live = [], 0.0
     for u, t, k in zip(prof.units, times, kept):
         live += k
@@ -67,30 +76,33 @@ def linearize(prof: ModelProfile, kind: str, config: str, b: int, target: Target
         units.append(FillUnit(name=f"B:{u.name}", time_s=t.bwd_s, flops=u.bwd_flops(b),
                               mem_bytes=int(live + working[i]), state_bytes=int(live - kept[i])))
         live -= kept[i]
-    units.append(_optimizer_unit(params, config, target, eff))
-    resident = params * (4 if config == "offload" else 16)  # bf16 weights+grads, + fp32 Adam on device
+    units.append(_optimizer_unit(params, config, hw, cfg))
+    offloaded = config == "offload"  # weights + grads on the device; Adam state on the host
+    resident = params * (num.weight_bytes + num.grad_bytes if offloaded else num.bytes_per_param())
     return units, int(resident)
 
 
-def _optimizer_unit(params: int, config: str, target: Target, eff: Efficiency) -> FillUnit:
+def _optimizer_unit(params: int, config: str, hw: Hardware, cfg: ParallelConfig) -> FillUnit:
+    num = cfg.numerics
     if config == "offload":  # gradients down, weights up over PCIe; Adam on the host
-        t = 4 * params / target.gpu.pcie_bw + 16 * params / HOST_ADAM_BYTES_PER_S
+        t = (num.grad_bytes + num.weight_bytes) * params / hw.gpu.pcie_bw + ADAM_HOST_BYTES * params / HOST_ADAM_BYTES_PER_S
     else:
-        t = 2 * 16 * params / (target.gpu.hbm_bw * eff.hbm)
+        t = 2 * num.bytes_per_param() * params / (hw.gpu.hbm_bw * hw.eff.hbm)
     return FillUnit(name="OPT", time_s=t, flops=0.0, mem_bytes=0)
 
 
-def profile_job(job: FillJobSpec, target: Target, eff: Efficiency = Efficiency(),
-                dtype: str = "bf16") -> list[FillProfile]:
-    prof, _ = analyze(job.model, job.model_args, leaves=tuple(job.leaves), dtype=dtype)
-    configs = CONFIGS if job.kind == "train" else ("plain",)
+def profile_job(job: FillJobSpec, hw: Hardware, precision: str) -> list[FillProfile]:
+    """The job traced in the main job's precision and priced on the main job's hardware (its calibration
+    included), under every batch size x configuration."""
+    prof, _ = analyze(job.model, job.model_args, leaves=tuple(job.leaves), dtype=precision)
+    configs = tuple(CONFIGS) if job.kind == "train" else ("plain",)
     out = []
     for b in job.batch_sizes:
+        fwd = [unit_time(u, hw, job_config(b, "plain", precision)).fwd_s for u in prof.units]
         for config in configs:
-            units, resident = linearize(prof, job.kind, config, b, target, eff)
-            fwd = [unit_time(u, b, 1, target, eff=eff).fwd_s for u in prof.units]
-            layers = tuple(Layer(name=u.name, param_bytes=int(u.params * 2), exec_time_s=f)
-                           for u, f in zip(prof.units, fwd))
+            units, resident = linearize(prof, job.kind, config, b, hw, precision)
+            layers = tuple(Layer(name=u.name, param_bytes=int(u.params * PRECISIONS[precision].weight_bytes),
+                                 exec_time_s=f) for u, f in zip(prof.units, fwd))
             out.append(FillProfile(job=job.name, kind=job.kind, batch_size=b, config=config, units=tuple(units),
                                    resident_bytes=resident, layers=layers, params=prof.total_params,
                                    sha256=prof.sha256))

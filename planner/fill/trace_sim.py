@@ -2,7 +2,7 @@
 with the event-driven cluster simulator (PipeFill 5.1)."""
 from __future__ import annotations
 
-from planner.plan import Plan, plan_target
+from planner.plan import Plan, plan_hardware
 
 from .assign import best_fill
 from .cluster_sim import Prices, SimReport, simulate
@@ -27,14 +27,14 @@ def _ranks(plan: Plan) -> list[Rank]:
 def simulate_trace(plan: Plan, spec: FillSpec, *, policy: str = "fifo", horizon_s: float | None = None,
                    prices: Prices | None = None) -> SimReport:
     """One simulated rank per pipeline rank; each stands for the t*d GPUs that share its bubbles."""
-    target = plan_target(plan)
+    hw = plan_hardware(plan)
     ranks = _ranks(plan)
     jobs = []
     for js in spec.jobs:
-        profiles = profile_job(js, target, dtype=plan.source.dtype)
+        profiles = profile_job(js, hw, plan.config.precision)
         plans, best_any = [], None
         for rank in ranks:
-            rf = best_fill(rank.id, list(rank.slots), profiles, target, safety_margin=spec.safety_margin) if rank.slots else None
+            rf = best_fill(rank.id, list(rank.slots), profiles, hw, safety_margin=spec.safety_margin) if rank.slots else None
             plans.append(RankPlan.from_packing(rf.packing) if rf else None)
             best_any = best_any or rf
         prof = best_any.profile if best_any else profiles[0]

@@ -9,12 +9,14 @@ plan makes every rank print its message even while torchrun is tearing the other
 - ``launch_local(plan, ...)``: run the plan's torchrun command on this machine, stream rank logs.
 - ``summarize(metrics)``: per-step figures of a metrics document (what ``planner launch`` prints).
 
+The metrics document's models (``planner.metrics``, pydantic) are imported lazily; its schema string
+``METRICS_SCHEMA`` is defined here so that this package stays light.
+
 The executor (torch) is ``planner.runtime.executor``; stage building is ``planner.runtime.stage``.
 """
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import subprocess
@@ -27,12 +29,14 @@ from typing import TYPE_CHECKING, Any, Callable
 from passes.errors import UserError
 
 if TYPE_CHECKING:
+    from ..metrics import MetricsDocument
     from ..plan import Plan
 
 __all__ = ["CheckedPlan", "LocalRun", "check_plan", "resolve_model_file", "torchrun_command", "launch_local",
            "child_env", "summarize", "mean_iteration_s", "METRICS_SCHEMA"]
 
 METRICS_SCHEMA = "fxplanner.metrics/v1"
+"""Schema string of the metrics document (planner.metrics.MetricsDocument)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -80,12 +84,11 @@ def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
 
 def _check_schedule(plan: Plan, path: Path) -> None:
     """The action lists parse and pass the schedule validator (complete, ordered, deadlock-free)."""
-    from ..schedule import Action, Schedule, ScheduleError, validate
+    from ..plan import plan_schedule
+    from ..schedule import ScheduleError, validate
 
-    c = plan.config
     try:
-        validate(Schedule(kind=c.schedule, p=c.pp, v=c.vp, m=c.microbatches,
-                          ranks=tuple(tuple(Action.parse(a) for a in acts) for acts in plan.actions)))
+        validate(plan_schedule(plan))
     except (ValueError, ScheduleError) as exc:
         raise UserError(f"plan {path}: the action lists cannot run: {exc}") from None
 
@@ -97,7 +100,7 @@ def _check_schedule(plan: Plan, path: Path) -> None:
 @dataclass(frozen=True, kw_only=True, slots=True)
 class LocalRun:
     returncode: int
-    metrics: dict[str, Any] | None
+    metrics: MetricsDocument | None
     command: list[str]
 
 
@@ -114,7 +117,9 @@ def launch_local(plan_path: str | Path, *, steps: int = 3, fill: bool = True, me
                  extra: list[str] | None = None, on_line: Callable[[str], None] = print,
                  timeout_s: float | None = None) -> LocalRun:
     """Run the plan on this machine, one process per rank (gloo on CPU); stream each rank's lines
-    prefixed ``[rank N]``; return the exit code and the metrics document."""
+    prefixed ``[rank N]``; return the exit code and the metrics document (validated)."""
+    from ..metrics import load_metrics
+
     checked = check_plan(plan_path, _world(plan_path))
     with tempfile.TemporaryDirectory(prefix="fxp-launch-") as tmp:
         out = Path(metrics) if metrics else Path(tmp) / "metrics.json"
@@ -130,7 +135,7 @@ def launch_local(plan_path: str | Path, *, steps: int = 3, fill: bool = True, me
         except BaseException:
             proc.kill()
             raise
-        doc = json.loads(out.read_text()) if rc == 0 and out.is_file() else None
+        doc = load_metrics(out) if rc == 0 and out.is_file() else None
     return LocalRun(returncode=rc, metrics=doc, command=cmd)
 
 
@@ -150,22 +155,22 @@ def _world(plan_path: str | Path) -> int:
     return c.tp * c.pp * c.dp
 
 
-def summarize(metrics: dict[str, Any]) -> list[dict[str, Any]]:
+def summarize(metrics: MetricsDocument) -> list[dict[str, Any]]:
     """One row per (run, step): loss, slowest rank's iteration time, bubble time, fill figures."""
     rows = []
-    for run in metrics.get("runs", []):
-        ranks = run["ranks"]
-        for i, loss in enumerate(run["loss"]):
-            steps = [r["steps"][i] for r in ranks]
-            bubbles = [b for s in steps for b in s["bubbles"]]
-            rows.append({"plan": run["plan"], "step": i, "loss": loss, "fill": any(s["fill"] for s in steps),
-                         "iteration_s": max(s["iteration_s"] for s in steps),
-                         "bubble_s": sum(b["duration_s"] for b in bubbles) / max(len(ranks), 1),
+    for run in metrics.runs:
+        ranks = run.ranks
+        for i, loss in enumerate(run.loss):
+            steps = [r.steps[i] for r in ranks]
+            bubbles = [b for s in steps for b in s.bubbles]
+            rows.append({"plan": run.plan, "step": i, "loss": loss, "fill": any(s.fill for s in steps),
+                         "iteration_s": max(s.iteration_s for s in steps),
+                         "bubble_s": sum(b.duration_s for b in bubbles) / max(len(ranks), 1),
                          "bubbles": len(bubbles)})
     return rows
 
 
-def mean_iteration_s(metrics: dict[str, Any]) -> float:
+def mean_iteration_s(metrics: MetricsDocument) -> float:
     """Mean over steps after the first (step 0 runs without fill) of the slowest rank's time."""
     rows = [r for r in summarize(metrics) if r["step"] > 0] or summarize(metrics)
     return sum(r["iteration_s"] for r in rows) / max(len(rows), 1)

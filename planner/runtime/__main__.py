@@ -10,17 +10,19 @@ start-up once. Metrics hold one entry per plan.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from passes.errors import UserError
 
-from . import METRICS_SCHEMA, CheckedPlan, check_plan
+from . import CheckedPlan, check_plan
+
+if TYPE_CHECKING:
+    from ..metrics import RunEntry
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -139,6 +141,7 @@ def _run(args: argparse.Namespace, checked: list[CheckedPlan], files: list[Any],
     import torch
     import torch.distributed as dist
 
+    from ..metrics import MetricsDocument, save_metrics
     from .executor import ActionError, RunOptions, failure_text, prepare
 
     device = _device(args.device)
@@ -171,24 +174,26 @@ def _run(args: argparse.Namespace, checked: list[CheckedPlan], files: list[Any],
             if rank == 0:
                 runs.append(_run_entry(c, gathered, args, device))
         if rank == 0 and args.metrics:
-            out = Path(args.metrics)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps({"schema": METRICS_SCHEMA, "runs": runs}, indent=1) + "\n")
+            save_metrics(MetricsDocument(runs=runs), args.metrics)
         dist.barrier()
     finally:
         dist.destroy_process_group()
     return 0
 
 
-def _run_entry(c: CheckedPlan, ranks: list[dict[str, Any]], args: argparse.Namespace, device: str) -> dict[str, Any]:
+def _run_entry(c: CheckedPlan, ranks: list[dict[str, Any]], args: argparse.Namespace, device: str) -> RunEntry:
+    """The run's metrics from the gathered rank records, validated: a nonconforming record fails here."""
+    from ..metrics import RunEntry
+
     cfg = c.plan.config
     last = [r for r in ranks if r["pp"] == cfg.pp - 1 and r["dp"] == 0 and r["tp"] == 0][0]
-    return {"plan": str(c.path), "config": cfg.model_dump(), "world": len(ranks), "device": device,
-            "steps": args.steps, "fill": not args.no_fill, "optimizer": args.optimizer, "lr": args.lr,
-            "seed": args.seed, "dtype": "float32",
-            "loss": [s["loss"] for s in last["steps"]],
-            "predicted_iteration_s": c.plan.predictions.iteration_s,
-            "ranks": sorted(ranks, key=lambda r: r["rank"])}
+    return RunEntry.model_validate({
+        "plan": str(c.path), "config": cfg.model_dump(), "world": len(ranks), "device": device,
+        "steps": args.steps, "fill": not args.no_fill, "optimizer": args.optimizer, "lr": args.lr,
+        "seed": args.seed, "dtype": "float32",
+        "loss": [s["loss"] for s in last["steps"]],
+        "predicted_iteration_s": c.plan.predictions.iteration_s,
+        "ranks": sorted(ranks, key=lambda r: r["rank"])})
 
 
 def _cli() -> None:

@@ -21,7 +21,7 @@ runs without fill and measures every bubble; later steps hand the fill client th
 duration, not the plan's (which is for the target GPU).
 
 Precision: weights, activations and gradients are float32 on every device; the plan's
-``source.dtype`` is the planning precision only. CUDA-only, untested here: nccl, the ``ready``
+``config.precision`` is the planning precision only. CUDA-only, untested here: nccl, the ``ready``
 event passed to ``bubble_begin``, per-step peak memory, a synchronize after each F/B for timing.
 """
 from __future__ import annotations
@@ -38,14 +38,14 @@ import torch.distributed as dist
 
 from passes.load import ModelFile
 
-from ..plan import Plan
-from ..schedule import Action, Op, Schedule, grid
+from ..plan import Plan, plan_schedule
+from ..schedule import Action, Op, grid
 from .groups import Groups, make_groups, make_shared_groups
 from .stage import (StageModule, TensorSpec, apply_tensor_parallel, boundary_specs, build_split,
                     implicit_replication, stage_modules)
 
 __all__ = ["RunOptions", "NullFill", "FillHooks", "ActionError", "Executor", "prepare", "load_fill_client",
-           "schedule_of", "failure_text"]
+           "failure_text"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -117,13 +117,7 @@ class ActionError(RuntimeError):
 
 def failure_text(plan: Plan, exc: ActionError) -> str:
     """The error and the schedule grid with the failing action marked."""
-    return f"error: {exc}\n{grid(schedule_of(plan), mark=(exc.pipeline_rank, exc.step))}"
-
-
-def schedule_of(plan: Plan) -> Schedule:
-    c = plan.config
-    return Schedule(kind=c.schedule, p=c.pp, v=c.vp, m=c.microbatches,
-                    ranks=tuple(tuple(Action.parse(a) for a in acts) for acts in plan.actions))
+    return f"error: {exc}\n{grid(plan_schedule(plan), mark=(exc.pipeline_rank, exc.step))}"
 
 
 @dataclass(kw_only=True)

@@ -103,8 +103,8 @@ class SplitModel:
 def _pieces(gm: fx.GraphModule, root: nn.Module, plan: Plan) -> tuple[dict[str, int], list[Piece]]:
     """Node name -> piece index, and the pieces in graph order."""
     stage_of = {name: s.stage for s in plan.partition for name in s.nodes}
-    # 'selective' runs as 'full': checkpointing whole blocks is the memory-safe superset of the plan
-    recompute = plan.config.recompute != "none"
+    # the mode says what the runtime checkpoints ('selective' runs as whole blocks: a memory-safe superset)
+    recompute = plan.config.to_config().recompute_mode.checkpoint_blocks
     unit_of: dict[str, tuple[int, str]] = {}
     if recompute:
         for i, (_, kind, nodes) in enumerate(group_nodes(gm, root)):

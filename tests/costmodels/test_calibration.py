@@ -7,7 +7,9 @@ import pytest
 from typer.testing import CliRunner
 
 from costmodels.calibration import Calibration, UnitFactor, apply_calibration, load_calibration
-from costmodels.compute import Efficiency, unit_time
+from costmodels.compute import unit_time
+from costmodels.hardware import Hardware
+from planner.config import ParallelConfig
 from passes.errors import UserError
 from passes.pipeline import analyze
 from planner.cli import app
@@ -23,17 +25,18 @@ def _cal(target: str, factor: float) -> Calibration:
 @pytest.mark.parametrize("factor", [0.5, 2.0])
 def test_factor_moves_block_time_in_its_direction(factor):
     prof, _ = analyze(EXAMPLES / "gpt.py", {"preset": "tiny", "layers": 2})
-    tg = get_target("a100-80gb")
-    eff, tg2 = apply_calibration(_cal(tg.name, factor), Efficiency(), tg)
+    hw = Hardware(target=get_target("a100-80gb"))
+    cal = apply_calibration(_cal(hw.name, factor), hw)
+    cfg = ParallelConfig(tp=1, pp=1, dp=1, b=4, m=1)
     block = next(u for u in prof.units if u.kind == "block")
     head = prof.units[-1]
-    assert unit_time(block, 4, 1, tg2, eff=eff).fwd_s == pytest.approx(factor * unit_time(block, 4, 1, tg).fwd_s)
-    assert unit_time(head, 4, 1, tg2, eff=eff).fwd_s == pytest.approx(unit_time(head, 4, 1, tg).fwd_s)
+    assert unit_time(block, cal, cfg).fwd_s == pytest.approx(factor * unit_time(block, hw, cfg).fwd_s)
+    assert unit_time(head, cal, cfg).fwd_s == pytest.approx(unit_time(head, hw, cfg).fwd_s)
 
 
 def test_calibration_for_another_target_is_refused():
     with pytest.raises(UserError, match="measured for target"):
-        apply_calibration(_cal("h100-sxm", 1.0), Efficiency(), get_target("a100-80gb"))
+        apply_calibration(_cal("h100-sxm", 1.0), Hardware(target=get_target("a100-80gb")))
 
 
 def test_calibrate_cli_measures_and_plan_uses_it(tmp_path):

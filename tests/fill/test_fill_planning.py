@@ -11,6 +11,7 @@ from planner.fill.packing import validate_packing
 from planner.fill.profiles import profile_job
 from planner.fill.spec import FillJobSpec, Work, load_fill_spec
 from planner.search import Pins
+from costmodels.hardware import Hardware
 from targets.registry import get_target
 from tests.conftest import EXAMPLES, FIXTURES
 
@@ -41,7 +42,7 @@ def test_spec_paths_resolve_and_bad_fields_are_named(tmp_path):
 def test_training_profiles_cover_the_three_configurations():
     job = FillJobSpec(name="mlp", model=str(EXAMPLES / "mlp.py"), kind="train", batch_sizes=[16, 64],
                       work=Work(iterations=10))
-    profs = profile_job(job, get_target("a100-80gb"))
+    profs = profile_job(job, Hardware(target=get_target("a100-80gb")), "bf16")
     assert {(p.batch_size, p.config) for p in profs} == {(b, c) for b in (16, 64) for c in ("plain", "checkpoint", "offload")}
     by = {(p.batch_size, p.config): p for p in profs}
     plain, ckpt, off = by[64, "plain"], by[64, "checkpoint"], by[64, "offload"]
@@ -71,7 +72,7 @@ def test_joint_choice_packs_within_bubbles_and_reports(fill_plan):
 def test_unplaceable_job_is_reported_not_fatal():
     spec = load_fill_spec(FIXTURES / "huge_fill.yaml")
     plan, _ = make_plan(str(EXAMPLES / "gpt.py"), gpus=8, global_batch=32, target="a100-80gb",
-                        model_args={"preset": "1.7b"}, fill=spec, pins=Pins(p=4, schedule="1f1b"))
+                        model_args={"preset": "1.7b"}, fill=spec, pins=Pins(pp=4, schedule="1f1b"))
     assert "big-bert" in plan.fill.predictions.unplaceable
     assert "bubble" in plan.fill.predictions.unplaceable["big-bert"]
     assert any(c.job.startswith("mlp") for c in plan.fill.chunks)

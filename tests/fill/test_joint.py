@@ -9,6 +9,7 @@ from planner.fill.joint import bubble_cycles, choose_joint, offload_bytes
 from planner.fill.profiles import profile_job
 from planner.fill.spec import FillJobSpec, Work
 from planner.search import Pins, search
+from costmodels.hardware import Hardware
 from targets.registry import get_target
 from tests.conftest import EXAMPLES
 
@@ -17,11 +18,11 @@ from tests.conftest import EXAMPLES
 def setup():
     tg = get_target("a100-80gb")
     prof, _ = analyze(EXAMPLES / "gpt.py", {"preset": "3.6b"})
-    ev = Evaluator(units=prof.units, target=tg, global_batch=128, n_gpus=32)
+    ev = Evaluator(units=prof.units, hw=Hardware(target=tg), global_batch=128, n_gpus=32)
     result = search(ev, Pins(schedule="1f1b", recompute="selective"), top=8, simulate_top=8)
     job = FillJobSpec(name="bert", model=str(EXAMPLES / "bert.py"), model_args={"preset": "base"}, kind="infer",
                       batch_sizes=[8, 32], work=Work(samples=10_000))
-    jobs = {"bert": profile_job(job, tg)}
+    jobs = {"bert": profile_job(job, ev.hw, "bf16")}
     return ev, [result.best, *result.runners_up], jobs
 
 
@@ -50,13 +51,13 @@ def test_offload_raises_every_bubble_only_when_pcie_fits(setup):
         offloaded += 1
         for r, mem in enumerate(e.rank_memory):
             assert moved[r] <= mem.optimizer
-            assert moved[r] / ev.target.gpu.pcie_bw <= e.allreduce_s[r] * (1 + 1e-9)
-        plain, raised = bubble_cycles(sim, c.p), bubble_cycles(sim, c.p, moved)
-        for r in range(c.p):
+            assert moved[r] / ev.hw.gpu.pcie_bw <= e.allreduce_s[r] * (1 + 1e-9)
+        plain, raised = bubble_cycles(sim, c.pp), bubble_cycles(sim, c.pp, moved)
+        for r in range(c.pp):
             for a, b in zip(plain[r], raised[r]):
                 assert b.free_bytes == a.free_bytes + moved[r]
     assert offloaded > 0
     # no data parallelism -> no gradient all-reduce to hide the reload in -> no offload
-    solo = Evaluator(units=ev.units, target=ev.target, global_batch=16, n_gpus=8)
-    e = search(solo, Pins(d=1, p=2)).best
+    solo = Evaluator(units=ev.units, hw=ev.hw, global_batch=16, n_gpus=8)
+    e = search(solo, Pins(dp=1, pp=2)).best
     assert offload_bytes(solo, e) is None

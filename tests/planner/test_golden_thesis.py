@@ -8,6 +8,7 @@ import pytest
 from passes.pipeline import analyze
 from planner.evaluate import Evaluator
 from planner.search import search
+from costmodels.hardware import Hardware
 from targets.registry import get_target
 from tests.conftest import EXAMPLES, ROOT
 
@@ -27,9 +28,9 @@ def _units(preset):
 @pytest.mark.parametrize("table,preset,n,B,t,p,b,published", ROWS,
                          ids=[f"table{r[0]}-{r[1]}-{r[2]}gpus" for r in ROWS])
 def test_published_configuration_within_15_percent(table, preset, n, B, t, p, b, published):
-    ev = Evaluator(units=_units(preset), target=get_target("a100-80gb"), global_batch=B, n_gpus=n)
+    ev = Evaluator(units=_units(preset), hw=Hardware(target=get_target("a100-80gb")), global_batch=B, n_gpus=n)
     priced = search(ev, tables.published_pins(t, p, n, b), simulate_top=1).best
-    assert priced.config.t == t and priced.config.p == p
+    assert priced.config.tp == t and priced.config.pp == p
     assert priced.tflops_per_gpu == pytest.approx(published, rel=0.15)
     chosen = search(ev, simulate_top=1).best
     # same eq. 4.2 FLOP count for both, so TFLOP/s per GPU orders them exactly like throughput

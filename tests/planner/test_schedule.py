@@ -9,18 +9,29 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.schedule import (
-    KINDS,
     Action,
     Op,
     Schedule,
     ScheduleError,
     generate,
-    gpipe,
     grid,
-    interleaved,
-    one_f_one_b,
     validate,
 )
+from planner.schedules import SCHEDULES
+
+KINDS = tuple(SCHEDULES)
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    return SCHEDULES["gpipe"].generate(p, m, 1)
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    return SCHEDULES["1f1b"].generate(p, m, 1)
+
+
+def interleaved(p: int, v: int, m: int) -> Schedule:
+    return SCHEDULES["interleaved"].generate(p, m, v)
 
 FAST = settings(max_examples=120, deadline=None)
 

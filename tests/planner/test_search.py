@@ -6,6 +6,7 @@ import pytest
 from passes.pipeline import analyze
 from planner.evaluate import Evaluator
 from planner.search import Pins, search
+from costmodels.hardware import Hardware
 from targets.registry import get_target
 from tests.conftest import EXAMPLES
 
@@ -17,27 +18,27 @@ def gpt_units():
 
 
 def _ev(units, n=64, B=256):
-    return Evaluator(units=units, target=get_target("a100-80gb"), global_batch=B, n_gpus=n)
+    return Evaluator(units=units, hw=Hardware(target=get_target("a100-80gb")), global_batch=B, n_gpus=n)
 
 
 def test_pinning_every_dimension_evaluates_exactly_one_configuration(gpt_units):
-    pins = Pins(t=4, p=4, d=4, b=2, v=2, recompute="selective", schedule="interleaved")
+    pins = Pins(tp=4, pp=4, dp=4, b=2, v=2, recompute="selective", schedule="interleaved")
     r = search(_ev(gpt_units), pins)
     c = r.best.config
-    assert (c.t, c.p, c.d, c.b, c.v, c.recompute, c.schedule) == (4, 4, 4, 2, 2, "selective", "interleaved")
+    assert (c.tp, c.pp, c.dp, c.b, c.v, c.recompute, c.schedule) == (4, 4, 4, 2, 2, "selective", "interleaved")
     assert r.evaluated == 1 and r.runners_up == ()
 
 
 def test_free_search_is_at_least_as_good_as_any_pinned_choice(gpt_units):
     free = search(_ev(gpt_units))
-    for pins in (Pins(t=8, p=1), Pins(t=2, p=4, schedule="1f1b"), Pins(recompute="full")):
+    for pins in (Pins(tp=8, pp=1), Pins(tp=2, pp=4, schedule="1f1b"), Pins(recompute="full")):
         assert free.best.samples_per_s >= search(_ev(gpt_units), pins).best.samples_per_s * (1 - 1e-9)
 
 
 def test_chosen_configuration_fits_memory_and_factors(gpt_units):
     r = search(_ev(gpt_units, n=64, B=256))
     c = r.best.config
-    assert c.t * c.p * c.d == 64 and c.d * c.b * c.m == 256 and 8 % c.t == 0
+    assert c.tp * c.pp * c.dp == 64 and c.dp * c.b * c.m == 256 and 8 % c.tp == 0
     assert all(m.total <= 80 * 2**30 for m in r.best.rank_memory)
     assert r.best.simulated and 0 <= r.best.bubble_fraction < 1
     assert all(e.iteration_s >= r.best.iteration_s * 0.999 or not e.simulated for e in r.runners_up)
@@ -50,7 +51,7 @@ def test_rejections_are_counted_by_reason(gpt_units):
 
 
 def test_cross_node_tensor_parallelism_needs_the_flag(gpt_units):
-    r = search(_ev(gpt_units, n=16, B=64), Pins(p=1, recompute="full"))
-    assert r.best.config.t <= 8
-    wide = search(_ev(gpt_units, n=16, B=64), Pins(t=16, allow_cross_node_tp=True, recompute="full"))
-    assert wide.best.config.t == 16
+    r = search(_ev(gpt_units, n=16, B=64), Pins(pp=1, recompute="full"))
+    assert r.best.config.tp <= 8
+    wide = search(_ev(gpt_units, n=16, B=64), Pins(tp=16, allow_cross_node_tp=True, recompute="full"))
+    assert wide.best.config.tp == 16

@@ -9,17 +9,28 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.schedule import (
-    KINDS,
     Action,
     Op,
     Schedule,
     ScheduleError,
     generate,
-    gpipe,
-    interleaved,
-    one_f_one_b,
     validate,
 )
+from planner.schedules import SCHEDULES
+
+KINDS = tuple(SCHEDULES)
+
+
+def gpipe(p: int, m: int) -> Schedule:
+    return SCHEDULES["gpipe"].generate(p, m, 1)
+
+
+def one_f_one_b(p: int, m: int) -> Schedule:
+    return SCHEDULES["1f1b"].generate(p, m, 1)
+
+
+def interleaved(p: int, v: int, m: int) -> Schedule:
+    return SCHEDULES["interleaved"].generate(p, m, v)
 from planner.simulate import SimCosts, SimResult, simulate, with_bubbles
 
 CAPACITY = 1000

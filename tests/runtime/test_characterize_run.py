@@ -18,8 +18,8 @@ SLEEPY = ROOT / "tests" / "runtime" / "fixtures" / "sleepy.py"
 def test_characterize_finds_the_planted_sleep(tmp_path):
     planted = 0.1  # rank 1's forward of each microbatch sleeps this long; rank 0 waits for it
     plan, _ = make_plan(str(SLEEPY), gpus=2, gpus_per_node=2, global_batch=2, target="a100-80gb",
-                        model_args={"sleep_s": planted}, leaves=("Sleep",), dtype="fp32",
-                        pins=Pins(t=1, p=2, d=1, b=1, schedule="1f1b", recompute="none"))
+                        model_args={"sleep_s": planted}, leaves=("Sleep",),
+                        pins=Pins(tp=1, pp=2, dp=1, b=1, schedule="1f1b", recompute="none", precision="fp32"))
     path = tmp_path / "plan.json"
     save_plan(plan, path)
     last = max(b.id for b in plan.bubbles if b.rank == 0)  # rank 0's last wait: nothing later absorbs a delay

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from planner.metrics import METRICS_SCHEMA, MetricsDocument, load_metrics
 from planner.runtime import child_env
 
 from ._util import GPT, SKIPNET, exit_codes, gpt_args, plan_file, rank_lines, reference, torchrun
@@ -52,7 +53,7 @@ def run(tmp_path_factory) -> dict:
                     cwd=tmp)
     wall = time.perf_counter() - start
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    metrics = json.loads((tmp / "metrics.json").read_text())
+    metrics = load_metrics(tmp / "metrics.json")
     refs = {}
     for model, args in {(m, tuple(sorted(a.items()))) for m, a, _ in CASES.values()}:
         refs[model, args] = reference(model, dict(args), global_batch=B, steps=STEPS, optimizer="sgd", lr=LR)
@@ -73,9 +74,9 @@ def _dumps(run: dict, name: str) -> list[dict]:
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_single_process(run: dict, name: str) -> None:
     ref = _ref(run, name)
-    entry = run["metrics"]["runs"][list(CASES).index(name)]
-    assert entry["world"] == 4 and len(entry["loss"]) == STEPS
-    for step, (got, want) in enumerate(zip(entry["loss"], ref["loss"])):
+    entry = run["metrics"].runs[list(CASES).index(name)]
+    assert entry.world == 4 and len(entry.loss) == STEPS
+    for step, (got, want) in enumerate(zip(entry.loss, ref["loss"])):
         assert abs(got - want) <= TOL * max(1.0, abs(want)), f"step {step}: loss {got} vs single-process {want}"
     dumps = _dumps(run, name)
     seen = set()
@@ -112,21 +113,22 @@ def test_tied_weight_on_first_and_last_stage(run: dict) -> None:
 
 
 def test_metrics(run: dict) -> None:
-    doc = run["metrics"]
-    assert doc["schema"] == "fxplanner.metrics/v1" and len(doc["runs"]) == len(CASES)
-    for name, entry in zip(CASES, doc["runs"]):
+    doc: MetricsDocument = run["metrics"]
+    assert doc.schema_version == METRICS_SCHEMA and len(doc.runs) == len(CASES)
+    for name, entry in zip(CASES, doc.runs):
         plan = run["plans"][name]
-        assert [r["rank"] for r in entry["ranks"]] == [0, 1, 2, 3]
-        for rank in entry["ranks"]:
-            planned = sorted(b.id for b in plan.bubbles if b.rank == rank["pp"])
-            assert rank["stages"] == [s.stage for s in plan.partition if s.rank == rank["pp"]]
-            for step in rank["steps"]:
-                assert step["iteration_s"] > 0
-                assert sorted(b["id"] for b in step["bubbles"]) == planned, (name, rank["rank"])
-                assert all(b["duration_s"] >= 0 and b["start_s"] >= 0 for b in step["bubbles"])
-                assert set(step["stages"]) == {str(s) for s in rank["stages"]}
-                assert all(t["forward_s"] > 0 and t["backward_s"] > 0 for t in step["stages"].values())
-                assert step["peak_memory_bytes"] is None  # CUDA only
+        assert [r.rank for r in entry.ranks] == [0, 1, 2, 3]
+        for rank in entry.ranks:
+            planned = sorted(b.id for b in plan.bubbles if b.rank == rank.pp)
+            assert rank.stages == [s.stage for s in plan.partition if s.rank == rank.pp]
+            assert rank.fill_report is None and rank.fill_client == "NullFill"  # no fill section
+            for step in rank.steps:
+                assert step.iteration_s > 0
+                assert sorted(b.id for b in step.bubbles) == planned, (name, rank.rank)
+                assert all(b.duration_s >= 0 and b.start_s >= 0 for b in step.bubbles)
+                assert set(step.stages) == {str(s) for s in rank.stages}
+                assert all(t.forward_s > 0 and t.backward_s > 0 for t in step.stages.values())
+                assert step.peak_memory_bytes is None  # CUDA only
     assert "step 2: loss" in run["out"]
 
 

@@ -10,7 +10,6 @@ job's losses of all three must equal it.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +18,7 @@ import pytest
 from passes.load import file_sha256
 from planner.api import make_plan
 from planner.fill.spec import FillJobSpec, FillSpec, Work
+from planner.metrics import FillJobReport, FillReport, RunEntry, load_metrics
 from planner.plan import Plan, save_plan
 from planner.runtime.fill_executor import TaskSpec
 from planner.runtime.fill_task import UnitRunner
@@ -41,8 +41,8 @@ def _planned(tmp: Path) -> Plan:
     job = FillJobSpec(name="mlp", model=str(MLP), model_args={"features": 32, "width": 64, "depth": 2},
                       kind="train", batch_sizes=[8], work=Work(iterations=100_000))
     plan, _ = make_plan(str(GPT), gpus=2, global_batch=16, target=str(CPU_TARGET), gpus_per_node=2,
-                        model_args=gpt_args(), dtype="fp32", fill=FillSpec(jobs=[job]),
-                        pins=Pins(t=1, p=2, d=1, b=2, v=1, schedule="gpipe", recompute="none"))
+                        model_args=gpt_args(), fill=FillSpec(jobs=[job]),
+                        pins=Pins(tp=1, pp=2, dp=1, b=2, v=1, schedule="gpipe", recompute="none", precision="fp32"))
     return plan
 
 
@@ -75,17 +75,17 @@ def run(tmp_path_factory) -> dict[str, Any]:
     base = torchrun(2, [str(tmp / "planned.json"), *common, "--no-fill", "--metrics", str(tmp / "nofill.json")],
                     cwd=tmp)
     assert base.returncode == 0, base.stdout[-6000:] + base.stderr[-6000:]
-    fill, nofill = (json.loads((tmp / f).read_text()) for f in ("fill.json", "nofill.json"))
-    return {"plans": plans, "fill": dict(zip(PLANS, fill["runs"])), "nofill": nofill["runs"][0]}
+    fill, nofill = (load_metrics(tmp / f) for f in ("fill.json", "nofill.json"))
+    return {"plans": plans, "fill": dict(zip(PLANS, fill.runs)), "nofill": nofill.runs[0]}
 
 
-def _reports(entry: dict[str, Any]) -> list[tuple[int, dict[str, Any]]]:
+def _reports(entry: RunEntry) -> list[tuple[int, FillReport]]:
     """(pipeline rank, fill report) of every rank that ran a fill client."""
-    return [(r["pp"], r["fill_report"]) for r in entry["ranks"] if r["fill_report"]]
+    return [(r.pp, r.fill_report) for r in entry.ranks if r.fill_report is not None]
 
 
-def _job(report: dict[str, Any]) -> dict[str, Any]:
-    (job,) = report["jobs"]
+def _job(report: FillReport) -> FillJobReport:
+    (job,) = report.jobs
     return job
 
 
@@ -105,11 +105,11 @@ def test_fill_section_comes_from_the_planner(run: dict) -> None:
 def test_main_job_unchanged_by_fill(run: dict, name: str) -> None:
     """Every step ran on every rank, and the losses equal the --no-fill run's, whatever the fill job did."""
     entry, base = run["fill"][name], run["nofill"]
-    assert entry["fill"] is True and base["fill"] is False
-    assert all(len(r["steps"]) == STEPS for r in entry["ranks"])
-    assert all(s["fill"] for r in entry["ranks"] if r["fill_report"] for s in r["steps"][1:])
-    assert len(entry["loss"]) == len(base["loss"]) == STEPS
-    for step, (got, want) in enumerate(zip(entry["loss"], base["loss"])):
+    assert entry.fill is True and base.fill is False
+    assert all(len(r.steps) == STEPS for r in entry.ranks)
+    assert all(s.fill for r in entry.ranks if r.fill_report is not None for s in r.steps[1:])
+    assert len(entry.loss) == len(base.loss) == STEPS
+    for step, (got, want) in enumerate(zip(entry.loss, base.loss)):
         assert abs(got - want) <= LOSS_TOL, f"{name}, step {step}: loss {got!r} with fill, {want!r} without"
 
 
@@ -120,69 +120,69 @@ def test_fill_steps_run_inside_their_ranks_bubbles(run: dict) -> None:
     assert {pp for pp, _ in reports} == {c.rank for c in plan.fill.chunks}
     steps = 0
     for pp, rep in reports:
-        grace = rep["grace_s"]
+        grace = rep.grace_s
         planned = {c.bubble_id for c in plan.fill.chunks if c.rank == pp}
-        assert {b["bubble_id"] for b in rep["bubbles"]} <= {b.id for b in plan.bubbles if b.rank == pp}
-        for occ in rep["bubbles"]:
-            assert occ["main_end"] is not None and occ["main_begin"] <= occ["main_end"], occ
-            assert bool(occ["jobs"]) == (occ["bubble_id"] in planned)
-            for s in occ["steps"]:
-                assert s["job"] in occ["jobs"], (pp, occ["bubble_id"], s)
-                assert occ["main_begin"] <= s["start"] <= s["end"] <= occ["main_end"] + grace, \
-                    (f"rank {pp}, bubble {occ['bubble_id']}: step {s['unit']} ran {s['start'] - occ['main_begin']:.4f}"
-                     f"..{s['end'] - occ['main_begin']:.4f} s after the bubble began, which ended after "
-                     f"{occ['main_end'] - occ['main_begin']:.4f} s (grace {grace} s)")
-            steps += len(occ["steps"])
-            assert occ["units_done"] == len(occ["steps"])
+        assert {b.bubble_id for b in rep.bubbles} <= {b.id for b in plan.bubbles if b.rank == pp}
+        for occ in rep.bubbles:
+            assert occ.main_end is not None and occ.main_begin <= occ.main_end, occ
+            assert bool(occ.jobs) == (occ.bubble_id in planned)
+            for s in occ.steps:
+                assert s.job in occ.jobs, (pp, occ.bubble_id, s)
+                assert occ.main_begin <= s.start <= s.end <= occ.main_end + grace, \
+                    (f"rank {pp}, bubble {occ.bubble_id}: step {s.unit} ran {s.start - occ.main_begin:.4f}"
+                     f"..{s.end - occ.main_begin:.4f} s after the bubble began, which ended after "
+                     f"{occ.main_end - occ.main_begin:.4f} s (grace {grace} s)")
+            steps += len(occ.steps)
+            assert occ.units_done == len(occ.steps)
     assert steps > 0
 
 
 def test_fill_job_makes_progress_without_incident(run: dict) -> None:
     reports = _reports(run["fill"]["planned"])
     jobs = [_job(rep) for _, rep in reports]
-    assert sum(j["units_done"] for j in jobs) > 0, jobs
+    assert sum(j.units_done for j in jobs) > 0, jobs
     for (pp, rep), job in zip(reports, jobs):
-        assert rep["kills"] == [] and rep["errors"] == [], (pp, rep["kills"], rep["errors"])
-        assert job["error"] is None and job["stop_reason"] == "shutdown", (pp, job)
-        assert job["units_done"] == sum(len(b["steps"]) for b in rep["bubbles"])
+        assert rep.kills == [] and rep.errors == [], (pp, rep.kills, rep.errors)
+        assert job.error is None and job.stop_reason == "shutdown", (pp, job)
+        assert job.units_done == sum(len(b.steps) for b in rep.bubbles)
         # the stream of units is contiguous: each step is the next unit of the job
-        positions = [s["pos"] for b in rep["bubbles"] for s in b["steps"]]
+        positions = [s.pos for b in rep.bubbles for s in b.steps]
         assert positions == list(range(len(positions)))
-        assert job["samples_done"] == job["iterations_done"] * job["batch_size"]
+        assert job.samples_done == job.iterations_done * job.batch_size
 
 
 def test_stalling_fill_job_is_killed_after_the_grace_period(run: dict) -> None:
     plan, reports = run["plans"]["stall"], _reports(run["fill"]["stall"])
     stall_unit = plan.fill.jobs[0].units[0]  # faulty.py misbehaves in its first unit, from iteration 1 on
-    killed = [(pp, rep, k) for pp, rep in reports for k in rep["kills"]]
+    killed = [(pp, rep, k) for pp, rep in reports for k in rep.kills]
     assert killed, "no rank killed the stalling fill job: " + repr([_job(rep) for _, rep in reports])
     for pp, rep, kill in killed:
-        grace = rep["grace_s"]
-        assert (kill["job"], kill["what"], kill["unit"]) == (plan.fill.jobs[0].name, "step", stall_unit)
-        (occ,) = [b for b in rep["bubbles"] if kill in b["kills"]]
-        pause = min(occ["deadline"], occ["main_end"])
-        assert kill["limit"] == pytest.approx(pause + grace, abs=0.01), (pp, kill, occ)
-        assert kill["limit"] <= kill["killed_at"] < kill["limit"] + 1.0, (pp, kill)
-        assert kill["killed_at"] < kill["started"] + STALL_S / 2  # killed, not finished
-        assert [(o["unit"], o["killed"]) for o in occ["overruns"]] == [(stall_unit, True)]
+        grace = rep.grace_s
+        assert (kill.job, kill.what, kill.unit) == (plan.fill.jobs[0].name, "step", stall_unit)
+        (occ,) = [b for b in rep.bubbles if kill in b.kills]
+        pause = min(occ.deadline, occ.main_end)
+        assert kill.limit == pytest.approx(pause + grace, abs=0.01), (pp, kill, occ)
+        assert kill.limit <= kill.killed_at < kill.limit + 1.0, (pp, kill)
+        assert kill.killed_at < kill.started + STALL_S / 2  # killed, not finished
+        assert [(o.unit, o.killed) for o in occ.overruns] == [(stall_unit, True)]
         job = _job(rep)
-        assert (job["state"], job["stop_reason"]) == ("STOPPED", "killed")
-        assert job["iterations_done"] == 1  # iteration 0 is clean; iteration 1 stalls at once
+        assert (job.state, job.stop_reason) == ("STOPPED", "killed")
+        assert job.iterations_done == 1  # iteration 0 is clean; iteration 1 stalls at once
     for pp, rep in reports:
-        assert rep["errors"] == [], (pp, rep["errors"])
+        assert rep.errors == [], (pp, rep.errors)
 
 
 def test_raising_fill_job_is_recorded(run: dict) -> None:
     plan, reports = run["plans"]["raise"], _reports(run["fill"]["raise"])
-    failed = [(pp, rep) for pp, rep in reports if rep["errors"]]
+    failed = [(pp, rep) for pp, rep in reports if rep.errors]
     assert failed, "no rank recorded the fill job's exception: " + repr([_job(rep) for _, rep in reports])
     for pp, rep in failed:
-        (error,) = rep["errors"]
-        assert "RuntimeError: fill model exploded at step 1" in error["message"], error
-        assert error["job"] == plan.fill.jobs[0].name and error["unit"] == plan.fill.jobs[0].units[0]
-        assert [e["message"] for b in rep["bubbles"] for e in b["errors"]] == [error["message"]]
+        (error,) = rep.errors
+        assert "RuntimeError: fill model exploded at step 1" in error.message, error
+        assert error.job == plan.fill.jobs[0].name and error.unit == plan.fill.jobs[0].units[0]
+        assert [e.message for b in rep.bubbles for e in b.errors] == [error.message]
         job = _job(rep)
-        assert (job["state"], job["stop_reason"], job["iterations_done"]) == ("STOPPED", "failed", 1)
-        assert "exploded" in job["error"]
+        assert (job.state, job.stop_reason, job.iterations_done) == ("STOPPED", "failed", 1)
+        assert "exploded" in job.error
     for pp, rep in reports:
-        assert rep["kills"] == [], (pp, rep["kills"])
+        assert rep.kills == [], (pp, rep.kills)

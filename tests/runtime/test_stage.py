@@ -11,6 +11,7 @@ import torch
 
 from passes.errors import UserError
 from passes.load import load_model_file
+from planner.metrics import METRICS_SCHEMA, MetricsDocument
 from planner.plan import Plan, load_plan
 from planner.runtime import check_plan, summarize
 from planner.runtime.executor import ActionError, failure_text
@@ -130,11 +131,17 @@ def test_model_path_relative_to_plan(small_plan: Path, tmp_path: Path) -> None:
     assert load_plan(tmp_path / "plan.json").source.model_file == "gpt.py"
 
 
-def test_summarize() -> None:
-    step = lambda t, loss: {"iteration_s": t, "loss": loss, "fill": False,  # noqa: E731
-                            "bubbles": [{"id": 0, "start_s": 0.0, "duration_s": 0.01}]}
-    ranks = [{"steps": [step(0.5, None), step(0.2, None)]}, {"steps": [step(0.4, 2.0), step(0.3, 1.0)]}]
-    rows = summarize({"runs": [{"plan": "p.json", "loss": [2.0, 1.0], "ranks": ranks}]})
+def test_summarize(gpt_plan: Plan) -> None:
+    step = lambda i, t, loss: {"step": i, "iteration_s": t, "loss": loss, "fill": False, "stages": {},  # noqa: E731
+                               "peak_memory_bytes": None, "bubbles": [{"id": 0, "start_s": 0.0, "duration_s": 0.01,
+                                                                       "predicted_start_s": None, "predicted_s": None}]}
+    rank = lambda r, steps: {"rank": r, "pp": r, "dp": 0, "tp": 0, "stages": [r], "steps": steps,  # noqa: E731
+                             "fill_report": {}, "fill_client": "NullFill", "characterization": None}
+    ranks = [rank(0, [step(0, 0.5, None), step(1, 0.2, None)]), rank(1, [step(0, 0.4, 2.0), step(1, 0.3, 1.0)])]
+    run = {"plan": "p.json", "config": gpt_plan.config.model_dump(), "world": 2, "device": "cpu", "steps": 2,
+           "fill": False, "optimizer": "adam", "lr": 1e-3, "seed": 0, "dtype": "float32", "loss": [2.0, 1.0],
+           "predicted_iteration_s": 0.1, "ranks": ranks}
+    rows = summarize(MetricsDocument.model_validate({"schema": METRICS_SCHEMA, "runs": [run]}))
     got = [(r["step"], r["loss"], r["iteration_s"], r["bubbles"]) for r in rows]
     assert got == [(0, 2.0, 0.5, 2), (1, 1.0, 0.3, 2)]
     assert rows[0]["bubble_s"] == pytest.approx(0.01)

@@ -1,12 +1,11 @@
 """`planner validate` and `planner refit` on a tiny CPU plan run with real torchrun processes."""
 from __future__ import annotations
 
-import json
-
 import pytest
 from typer.testing import CliRunner
 
 from planner.cli import app
+from planner.metrics import ValidationReport
 from planner.plan import load_plan
 
 pytestmark = pytest.mark.multiprocess
@@ -22,22 +21,22 @@ def test_validate_prints_the_error_table_writes_json_and_refit_uses_it(small_pla
     res = runner.invoke(app, ["validate", str(small_plan), "--metrics", str(metrics), "-o", str(out)])
     assert res.exit_code == 0, res.stdout
     assert "predicted vs measured" in res.stdout and "iteration (slowest rank)" in res.stdout
-    doc = json.loads(out.read_text())
+    doc = ValidationReport.model_validate_json(out.read_text())
     plan = load_plan(small_plan)
-    assert len(doc["ranks"]) == plan.config.pp
-    whats = {row["what"] for rank in doc["ranks"] for row in rank["rows"]}
+    assert len(doc.ranks) == plan.config.pp
+    whats = {row.what for rank in doc.ranks for row in rank.rows}
     assert {"stage 0 forward", "stage 1 backward", "iteration", "peak memory"} <= whats
     assert any(w.startswith("bubble") and w.endswith("duration") for w in whats)
-    for rank in doc["ranks"]:
-        for row in rank["rows"]:
-            if row["what"].startswith("stage"):
-                assert row["measured"] > 0 and row["error"] == pytest.approx(row["measured"] / row["predicted"] - 1)
-    assert doc["iteration"]["measured"] > 0
+    for rank in doc.ranks:
+        for row in rank.rows:
+            if row.what.startswith("stage"):
+                assert row.measured > 0 and row.error == pytest.approx(row.measured / row.predicted - 1)
+    assert doc.iteration.measured > 0
     refit = tmp_path / "refit.json"
     res = runner.invoke(app, ["refit", str(small_plan), "--measured", str(metrics), "-o", str(refit)])
     assert res.exit_code == 0, res.stdout
     new = load_plan(refit)
-    measured = {(r["rank"], row["what"]): row["measured"] for r in doc["ranks"] for row in r["rows"]}
+    measured = {(r.rank, row.what): row.measured for r in doc.ranks for row in r.rows}
     for b in new.bubbles:
         assert b.duration_s == pytest.approx(measured[(b.rank, f"bubble {b.id} duration")])
     res = runner.invoke(app, ["refit", str(small_plan), "--measured", str(small_plan)])

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from passes.load import file_sha256, load_model_file
+from planner.metrics import FillReport
 from planner.plan import (Bubble, ConfigModel, Fill, FillChunk, FillJob, FillPredictions, Launch, Plan, Predictions,
                           SearchInfo, Source)
 from planner.runtime import fill_executor
@@ -52,13 +53,13 @@ def _plan(jobs: list[FillJob], placement: dict[int, str], durations: dict[int, f
                 predictions=FillPredictions(fill_tflops_per_gpu=0.0, bubble_time_used=0.5,
                                             total_useful_tflops_per_gpu=0.0, offload_optimizer=False))
     source = Source(model_file=str(ROOT / "examples/gpt.py"), model_sha256=file_sha256(ROOT / "examples/gpt.py"),
-                    model_args={"preset": "tiny", "layers": 2}, dtype="fp32", target="cpu", gpu={}, cluster={},
+                    model_args={"preset": "tiny", "layers": 2}, target="cpu", gpu={}, cluster={},
                     gpus=2, gpus_per_node=2, global_batch=8, tool_version="test")
     predictions = Predictions(iteration_s=1.0, samples_per_s=8.0, tokens_per_s=256.0, tflops_per_gpu=0.0, mfu=0.0,
                               hardware_tflops_per_gpu=0.0, bubble_fraction=0.5, p2p_s=0.0, tp_comm_s=0.0,
                               allreduce_s=[0.0, 0.0], optimizer_s=[0.0, 0.0], memory=[])
     return Plan(source=source, config=ConfigModel(tp=1, pp=2, dp=1, microbatch=1, microbatches=8, vp=1,
-                                                  recompute="none", schedule="gpipe"),
+                                                  recompute="none", schedule="gpipe", precision="fp32"),
                 alternatives=[], partition=[], actions=[[f"BUBBLE{b}" for b in placement], ["BUBBLE0"]],
                 bubbles=[Bubble(id=b, rank=0, start_s=0.0, duration_s=d, kind="B", free_bytes=FREE)
                          for b, d in durations.items()],
@@ -171,6 +172,7 @@ def test_training_and_inference_fill_jobs_run_only_inside_bubbles() -> None:
         client.close()
     _assert_main_job_on_time(main)
     assert json.loads(json.dumps(report)) == report  # plain data, ready for metrics.json
+    FillReport.model_validate(report)  # what the metrics document's model expects
     assert report["kills"] == [] and report["errors"] == [], report["kills"] + report["errors"]
     bubbles = report["bubbles"]
     assert [b["bubble_id"] for b in bubbles] == [0, 1] * 4
@@ -212,6 +214,7 @@ def test_overrun_is_killed_after_grace_and_failures_are_recorded() -> None:
     finally:
         client.close()
     _assert_main_job_on_time(main)
+    FillReport.model_validate(report)  # kills, overruns and errors as the metrics document's model expects
     state = {j["name"]: j for j in report["jobs"]}
     assert all(j["state"] == "STOPPED" for j in state.values())
     # the slow job: iteration 1's first forward unit sleeps 2 s, it was still running at the deadline
@@ -284,6 +287,7 @@ def test_a_dead_executor_never_stops_the_main_job() -> None:
         client.close()
     _assert_main_job_on_time(main)
     assert "exited" in report["error"] and report["bubbles"] == []
+    assert FillReport.model_validate(report).pipeline_rank is None
 
 
 def test_imperative_task_that_does_not_stop_is_killed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -313,6 +317,7 @@ def test_imperative_task_that_does_not_stop_is_killed(monkeypatch: pytest.Monkey
         cmd_w.send(Request(kind="close"))
         thread.join(timeout=10.0)
     assert tag == "report" and not thread.is_alive()
+    FillReport.model_validate(report)
     (job,) = report["jobs"]
     assert job["stop_reason"] == "killed" and job["units_done"] > 0
     (kill,) = report["kills"]

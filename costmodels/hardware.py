@@ -1,0 +1,101 @@
+"""What the cost models price on: a target's datasheet figures and how close kernels get to them.
+
+`Hardware` pairs a `Target` (datasheet peaks, from targets/) with the `Efficiency` the cost models
+apply to it (fitted defaults, or a calibration measured on the user's machine) and the memory the
+framework keeps for itself. Every cost function takes one, so a calibration applies to everything
+priced on it: the main model and the fill jobs alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+from targets.specs import ClusterSpec, GPUSpec, Target
+
+__all__ = ["Efficiency", "Hardware", "gemm_efficiency", "achieved_links", "GiB"]
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Efficiency:
+    """How close kernels get to the datasheet.
+
+    gemm_max and fusion were fitted (coarse grid, bench/thesis_tables.py) to the 16 measured rows of
+    the thesis' Tables 4.1 and 4.2 — max error 7.8%, mean 3.5% — and are physically plausible:
+    Megatron's GEMMs inside a full training step reach ~70% of A100 dense peak, and its fused
+    kernels (scale-mask-softmax, bias-GeLU, bias-dropout-add) avoid about a fifth of the elementwise
+    HBM traffic an op-by-op execution moves. The rest are priors: half of gemm_max at ~1 GFLOP per
+    product on an A100 (a product needs a few microseconds of work to fill the device, so the
+    half point scales with the peak), elementwise kernels at 80% of HBM bandwidth, collectives at 70% of link bandwidth.
+    Calibrate on your own cluster (`calibration`) rather than trusting these off A100."""
+
+    gemm_max: float = 0.70
+    gemm_half_s: float = 3.2e-6  # a product this long at peak reaches half of gemm_max (1 GFLOP on A100)
+    hbm: float = 0.80
+    link: float = 0.70
+    fusion: float = 0.2  # share of elementwise HBM traffic that fused kernels avoid
+    launch_s: float = 4e-6
+    calibration: float = 1.0  # measured / predicted compute time, from `planner calibrate`
+    unit_factors: tuple[tuple[str, float, float], ...] = ()  # (unit kind, forward, backward) corrections
+    action_overhead_s: float = 0.0  # per forward or backward action of a stage (runtime framework cost)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.fusion < 1:
+            raise ValueError(f"efficiency fusion must be in [0, 1), got {self.fusion}")
+        for name in ("gemm_max", "hbm", "link"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"efficiency {name} must be in (0, 1], got {getattr(self, name)}")
+        if self.calibration <= 0:
+            raise ValueError(f"calibration factor must be positive, got {self.calibration}")
+
+    def unit_factor(self, kind: str) -> tuple[float, float]:
+        """(forward, backward) calibration factor of a unit kind; (1, 1) if not measured."""
+        return next(((f, b) for k, f, b in self.unit_factors if k == kind), (1.0, 1.0))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Hardware:
+    """A target as the cost models see it."""
+
+    target: Target
+    eff: Efficiency = Efficiency()
+    reserve_bytes: int = 3 * GiB
+    """Device memory the model cannot use: CUDA context, allocator fragmentation, communication buffers."""
+
+    @property
+    def name(self) -> str:
+        return self.target.name
+
+    @property
+    def gpu(self) -> GPUSpec:
+        return self.target.gpu
+
+    @property
+    def cluster(self) -> ClusterSpec:
+        return self.target.cluster
+
+    @property
+    def capacity(self) -> float:
+        return float(self.target.gpu.hbm_bytes)
+
+    @property
+    def links(self) -> ClusterSpec:
+        """The cluster with its link bandwidths scaled to what collectives achieve."""
+        return achieved_links(self.target.cluster, self.eff.link)
+
+    def with_eff(self, **changes: object) -> Hardware:
+        return replace(self, eff=replace(self.eff, **changes))
+
+
+def gemm_efficiency(flops_per_gemm: float, eff: Efficiency, peak: float) -> float:
+    half = peak * eff.gemm_half_s
+    return eff.gemm_max * flops_per_gemm / (flops_per_gemm + half)
+
+
+@lru_cache(maxsize=64)
+def achieved_links(cluster: ClusterSpec, link_eff: float) -> ClusterSpec:
+    """The cluster with its link bandwidths scaled to what collectives achieve."""
+    return ClusterSpec(gpus_per_node=cluster.gpus_per_node, nvlink_bw=cluster.nvlink_bw * link_eff,
+                       nvlink_latency_s=cluster.nvlink_latency_s, internode_bw=cluster.internode_bw * link_eff,
+                       internode_latency_s=cluster.internode_latency_s)

@@ -1,0 +1,87 @@
+"""Activation recomputation modes: a registry keyed by name.
+
+Each mode says what one microbatch leaves on the device between a unit's forward and its backward,
+what the backward redoes (time and FLOPs), whether the recomputed unit's whole working set lives
+again during its backward, and what the runtime checkpoints. Adding a mode is adding one entry.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+from .hardware import Hardware, gemm_efficiency
+
+if TYPE_CHECKING:
+    from passes.units import Unit
+
+__all__ = ["RecomputeMode", "RECOMPUTE", "register_recompute", "recompute_mode"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RecomputeMode:
+    name: str
+    help: str
+    kept_bytes: Callable[[Unit, float, int], float]
+    """(unit, b, t) -> bytes one microbatch keeps from the unit's forward until its backward."""
+    extra_backward_s: Callable[[Unit, float, int, Hardware, str, float], float]
+    """(unit, b, t, hardware, precision, forward seconds) -> seconds the backward spends recomputing."""
+    extra_flops: Callable[[Unit], float]
+    """unit -> FLOPs per sample the recomputation executes."""
+    working_set: bool
+    """The recomputed unit holds its full activations again during its backward."""
+    checkpoint_blocks: bool
+    """The runtime wraps each block in activation checkpointing."""
+
+
+def _plain_bytes(u: Unit, b: float, t: int) -> float:
+    return u.sharded.saved_bytes(b) / t + u.replicated.saved_bytes(b)
+
+
+def _selective_bytes(u: Unit, b: float, t: int) -> float:
+    s, r = u.sharded, u.replicated
+    return (s.saved_bytes(b) - s.selective_bytes(b)) / t + r.saved_bytes(b) - r.selective_bytes(b)
+
+
+def _selective_s(u: Unit, b: float, t: int, hw: Hardware, precision: str, fwd_s: float) -> float:
+    """Redo the oversized cheap tensors (attention scores, softmax, dropout) of the sharded part."""
+    part, eff = u.sharded, hw.eff
+    flops = part.selective_flops(b)
+    if not flops:
+        return 0.0
+    peak = hw.gpu.peak(precision)
+    rate = peak * gemm_efficiency(flops / t, eff, peak)
+    return (flops / t / rate + 2 * part.selective_bytes(b) / t / (hw.gpu.hbm_bw * eff.hbm)) * eff.calibration
+
+
+RECOMPUTE: dict[str, RecomputeMode] = {}
+
+
+def register_recompute(mode: RecomputeMode) -> RecomputeMode:
+    RECOMPUTE[mode.name] = mode
+    return mode
+
+
+def recompute_mode(name: str) -> RecomputeMode:
+    try:
+        return RECOMPUTE[name]
+    except KeyError:
+        raise ValueError(f"unknown recompute mode {name!r}; known: {', '.join(RECOMPUTE)}") from None
+
+
+register_recompute(RecomputeMode(
+    name="none", help="keep every activation the backward needs",
+    kept_bytes=_plain_bytes, extra_backward_s=lambda u, b, t, hw, prec, fwd: 0.0, extra_flops=lambda u: 0.0,
+    working_set=False, checkpoint_blocks=False))
+
+register_recompute(RecomputeMode(
+    name="selective", help="recompute the attention core in the backward (Korthikanti et al. 2022)",
+    kept_bytes=_selective_bytes, extra_backward_s=_selective_s,
+    extra_flops=lambda u: u.sharded.selective_flops(1) + u.replicated.selective_flops(1),
+    working_set=False, checkpoint_blocks=True))  # the runtime checkpoints whole blocks: a memory-safe superset
+
+register_recompute(RecomputeMode(
+    name="full", help="keep each block's input only and redo its whole forward in the backward",
+    kept_bytes=lambda u, b, t: u.input_bytes(b) if u.kind == "block" else _selective_bytes(u, b, t),
+    extra_backward_s=lambda u, b, t, hw, prec, fwd: fwd if u.kind == "block" else 0.0,
+    extra_flops=lambda u: u.fwd_flops(1) if u.kind == "block" else 0.0,
+    working_set=True, checkpoint_blocks=True))

@@ -1,0 +1,130 @@
+"""One training configuration, from the search to the runtime.
+
+`ParallelConfig` is the only spelling of a configuration: the search enumerates them, the evaluator
+and the cost models price them, the plan file stores one (`planner.plan.ConfigModel`, converted by
+`ConfigModel.of` / `ConfigModel.to_config`) and the runtime runs it. Its names follow Megatron-LM:
+
+tp, pp, dp, cp  tensor-, pipeline-, data- and context-parallel degrees (ranks ordered tp, cp, dp, pp)
+sp              sequence parallelism on top of tensor parallelism (Korthikanti et al. 2022)
+zero            optimizer sharding stage over the data-parallel replicas (1 = ZeRO-1 / distributed optimizer)
+b, m, v         microbatch size, microbatches per iteration, model chunks per pipeline rank
+recompute       activation recomputation mode (registry: costmodels.recompute)
+schedule        pipeline schedule kind (registry: planner.schedules)
+precision       training precision (registry: costmodels.precision)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from costmodels.precision import PRECISIONS, Precision
+from costmodels.recompute import RECOMPUTE, RecomputeMode
+from passes.errors import UserError
+
+if TYPE_CHECKING:
+    from planner.schedules import ScheduleKind
+
+__all__ = ["ParallelConfig", "ConfigError", "ZERO_STAGES"]
+
+ZERO_STAGES = (0, 1)
+"""Optimizer sharding stages the cost models price (0: replicated, 1: optimizer state sharded)."""
+
+
+class ConfigError(UserError, ValueError):
+    """A configuration breaks a rule; the message carries the numbers."""
+
+
+def _positive(name: str, what: str, value: object) -> None:
+    if type(value) is not int or value < 1:
+        raise ConfigError(f"{what} {name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ParallelConfig:
+    tp: int
+    pp: int
+    dp: int
+    b: int
+    m: int
+    v: int = 1
+    cp: int = 1
+    sp: bool = False
+    zero: int = 0
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    precision: str = "bf16"
+
+    def __post_init__(self) -> None:
+        for name, what in (("tp", "tensor-parallel degree"), ("pp", "pipeline-parallel degree"),
+                           ("dp", "data-parallel degree"), ("cp", "context-parallel degree"),
+                           ("b", "microbatch size"), ("m", "microbatch count"), ("v", "model chunks per rank")):
+            _positive(name, what, getattr(self, name))
+        if type(self.sp) is not bool:
+            raise ConfigError(f"sequence parallelism sp must be true or false, got {self.sp!r}")
+        if self.sp and self.tp == 1:
+            raise ConfigError("sequence parallelism (sp) splits activations over the tensor-parallel group: it "
+                             "needs tp > 1, got tp=1")
+        if self.zero not in ZERO_STAGES:
+            raise ConfigError(f"optimizer sharding stage zero={self.zero!r} is not one of {ZERO_STAGES}")
+        if self.recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute mode {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        from planner.schedules import SCHEDULES
+
+        kind = SCHEDULES.get(self.schedule)
+        if kind is None:
+            raise ConfigError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        why = kind.check(self.pp, self.v, self.m)
+        if why is not None:
+            raise ConfigError(f"schedule {self.schedule} with pp={self.pp} v={self.v} m={self.m}: {why}")
+
+    # -- derived ---------------------------------------------------------------------------------
+
+    @property
+    def world(self) -> int:
+        """GPUs the configuration occupies."""
+        return self.tp * self.cp * self.dp * self.pp
+
+    @property
+    def global_batch(self) -> int:
+        return self.dp * self.b * self.m
+
+    @property
+    def stages(self) -> int:
+        """Virtual pipeline stages p * v."""
+        return self.pp * self.v
+
+    @property
+    def optimizer_shards(self) -> int:
+        """Replicas the optimizer state is divided over (Megatron shards over dp x cp)."""
+        return self.dp * self.cp if self.zero >= 1 else 1
+
+    @property
+    def schedule_kind(self) -> ScheduleKind:
+        from planner.schedules import SCHEDULES
+
+        return SCHEDULES[self.schedule]
+
+    @property
+    def recompute_mode(self) -> RecomputeMode:
+        return RECOMPUTE[self.recompute]
+
+    @property
+    def numerics(self) -> Precision:
+        """Bytes per parameter and the peak FLOP/s key of the training precision."""
+        return PRECISIONS[self.precision]
+
+    def inflight(self, rank: int) -> float:
+        """Microbatches (of a whole stage) whose activations pipeline rank `rank` holds at its peak."""
+        return self.schedule_kind.inflight(self.pp, self.v, self.m, rank)
+
+    def unit_key(self) -> tuple:
+        """The fields a unit's own time and memory depend on (the evaluator caches by it)."""
+        return (self.b, self.tp, self.cp, self.sp, self.recompute, self.precision)
+
+    def __str__(self) -> str:
+        extra = "".join([f" cp={self.cp}" if self.cp > 1 else "", " sp" if self.sp else "",
+                         f" zero={self.zero}" if self.zero else ""])
+        return (f"t={self.tp} p={self.pp} d={self.dp}{extra} b={self.b} m={self.m} v={self.v} "
+                f"{self.schedule} recompute={self.recompute}")
