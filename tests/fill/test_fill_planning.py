@@ -104,3 +104,35 @@ def test_simulate_fill_cli_runs_a_trace_through_a_plan(tmp_path):
         assert data["policy"] == policy and data["fill_tflops_per_gpu"] > 0
         assert 0 < data["bubble_time_used"] <= 1
         assert all(j["work_done"] <= j["work"] + 1e-6 for j in data["jobs"])
+
+
+def test_fp16_main_job_on_a_v100_plans_with_a_fill_job():
+    """Fill jobs are traced and priced in the main job's precision (they used to ask a V100 for a bf16 peak)."""
+    spec = load_fill_spec(EXAMPLES / "fill" / "tiny-mlp.yaml")
+    plan, _ = make_plan(str(EXAMPLES / "gpt.py"), gpus=8, global_batch=32, target="v100-32gb",
+                        model_args={"preset": "1.7b"}, fill=spec, pins=Pins(pp=4, schedule="1f1b", precision="fp16"))
+    assert plan.config.precision == "fp16" and plan.fill is not None
+    assert plan.fill.chunks and not plan.fill.predictions.unplaceable
+
+
+def test_fill_jobs_are_priced_with_the_calibration():
+    """A calibration scales the fill jobs' unit times as it scales the main model's."""
+    from costmodels.calibration import Calibration, UnitFactor
+
+    spec = load_fill_spec(EXAMPLES / "fill" / "tiny-mlp.yaml")
+    cal = Calibration(target="a100-80gb", device="cpu", dtype="bf16", model_file="mlp.py", batch=8,
+                      unit_factors={"block": UnitFactor(fwd=3.0, bwd=3.0, units=2)})
+    plans = [make_plan(str(EXAMPLES / "gpt.py"), gpus=8, global_batch=32, target="a100-80gb",
+                       model_args={"preset": "1.7b"}, fill=spec, calibration=c,
+                       pins=Pins(tp=1, pp=4, dp=2, b=1, schedule="1f1b", recompute="none"))[0]
+             for c in (None, cal)]
+    plain, calibrated = ({u: t for u, t in zip(p.fill.jobs[0].units, p.fill.jobs[0].unit_time_s)} for p in plans)
+    blocks = [u for u in plain if u.startswith(("F:blocks", "B:blocks"))]
+    assert blocks, list(plain)
+    for u in blocks:
+        assert calibrated[u] == pytest.approx(3.0 * plain[u]), u
+    assert calibrated["OPT"] == pytest.approx(plain["OPT"])
+    from planner.plan import plan_hardware  # what simulate-fill prices fill jobs on: the plan's own efficiency
+
+    assert plan_hardware(plans[1]).eff.unit_factors == (("block", 3.0, 3.0),)
+    assert plan_hardware(plans[0]).eff == Hardware(target=get_target("a100-80gb")).eff
