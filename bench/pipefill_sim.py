@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from planner.fill.cluster_sim import Prices, SimReport, simulate  # noqa: E402
 from planner.fill.packing import BubbleSlot, FillUnit, greedy_pack  # noqa: E402
-from planner.fill.scheduler import FillJob, PlanChunk, Rank, RankPlan  # noqa: E402
+from planner.fill.scheduler import TraceJob, PlanChunk, Rank, RankPlan  # noqa: E402
 from planner.schedule import generate  # noqa: E402
 from planner.simulate import SimCosts, simulate as simulate_iteration  # noqa: E402
 from targets.registry import get_target  # noqa: E402
@@ -259,13 +259,13 @@ def min_mem(model: FillModel) -> int:
 # --- trace and runs ----------------------------------------------------------------------------
 
 
-def trace(kinds: tuple[str, ...], plans: dict, total_dedicated_s: float, seed: int) -> list[FillJob]:
+def trace(kinds: tuple[str, ...], plans: dict, total_dedicated_s: float, seed: int) -> list[TraceJob]:
     rng, jobs, total = random.Random(seed), [], 0.0
     while total < total_dedicated_s:
         model = KINDS[rng.choice(kinds)]
         size_s = math.exp(rng.uniform(math.log(60), math.log(3600)))
         per = dedicated_s_per_sample(model)
-        jobs.append(FillJob(name=f"{model.name}-{len(jobs)}", kind=model.name, work=size_s / per,
+        jobs.append(TraceJob(name=f"{model.name}-{len(jobs)}", kind=model.name, work=size_s / per,
                             plans=plans[model.name], mem_bytes=min_mem(model),
                             arrival_s=0.0, dedicated_s_per_work=per))
         total += size_s

@@ -17,7 +17,7 @@ from . import __version__
 from .config import ParallelConfig
 from .evaluate import Evaluation, Evaluator
 from .launch import launch_script, torchrun_commands
-from .plan import (Alternative, Bubble, ConfigModel, Launch, Plan, Predictions, RankMemory, SearchInfo, Source,
+from .plan import (Alternative, ConfigModel, Launch, Plan, Predictions, RankMemory, SearchInfo, Source,
                    Stage)
 from .fill.joint import choose_joint
 from .fill.profiles import profile_job
@@ -130,8 +130,7 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
                       for e in runners],
         partition=stages,
         actions=[[str(a) for a in acts] for acts in sched.ranks],
-        bubbles=[Bubble(id=bb.id, rank=bb.rank, start_s=bb.start_s, duration_s=bb.duration_s, kind=bb.kind,
-                        free_bytes=bb.free_bytes) for bb in sim.bubbles],
+        bubbles=list(sim.bubbles),
         predictions=Predictions(iteration_s=best.iteration_s, samples_per_s=best.samples_per_s,
                                 tokens_per_s=best.samples_per_s * tokens, tflops_per_gpu=best.tflops_per_gpu,
                                 mfu=best.mfu, hardware_tflops_per_gpu=best.hardware_tflops_per_gpu,

@@ -1,6 +1,7 @@
 """`planner validate` (predicted against measured) and `planner refit` (measured bubbles into a plan)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -113,7 +114,7 @@ def characterize(
         observed = [b.duration_s for r in entry.ranks if r.pp == rank
                     for s in r.steps[1:] for b in s.bubbles if b.id == bubble]
         if write:
-            bubbles = [b.model_copy(update={"duration_s": found.duration_s}) if b in match else b
+            bubbles = [replace(b, duration_s=found.duration_s) if b in match else b
                        for b in plan.bubbles]
             save_plan(plan.model_copy(update={"bubbles": bubbles}), plan_file)
     out.print(f"bubble {bubble} on rank {rank}: largest harmless wait {_ms(found.duration_s)} "

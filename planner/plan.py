@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from passes.errors import UserError, invalid_file
 
 from .config import ParallelConfig
+from .simulate import Bubble
 
 __all__ = ["SCHEMA", "Plan", "ConfigModel", "load_plan", "save_plan", "json_schema", "plan_hardware",
            "plan_schedule"]
@@ -88,15 +89,6 @@ class Stage(_Model):
     activation_bytes: float = Field(description="per microbatch in flight")
     tensor_parallel: dict[str, Literal["colwise", "rowwise"]] = Field(
         default_factory=dict, description="linear module path -> torch.distributed.tensor.parallel style")
-
-
-class Bubble(_Model):
-    id: int
-    rank: int
-    start_s: float
-    duration_s: float
-    kind: Literal["A", "B", "C"]
-    free_bytes: int
 
 
 class RankMemory(_Model):

@@ -16,6 +16,7 @@ when the last rank finishes OPT. Every idle gap on a rank becomes a Bubble:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar, Literal
 
 from planner.schedule import Action, Op, Schedule, ScheduleError, gc_paused
 
@@ -76,15 +77,16 @@ class Interval:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Bubble:
-    """An idle interval on one rank."""
+    """An idle interval on one rank (the plan file stores these as they are)."""
 
+    __pydantic_config__: ClassVar[dict] = {"extra": "forbid"}  # strict when read back from a plan file
     id: int
     """Unique per rank, in time order; the runtime sees it as action ``BUBBLE{id}``."""
     rank: int
     start_s: float
     """Offset from the start of the iteration."""
     duration_s: float
-    kind: str
+    kind: Literal["A", "B", "C"]
     """'A' (fill/drain), 'B' (ends in a backward), 'C' (ends in a forward mid-iteration)."""
     free_bytes: int
     """capacity - static - activations in flight on the rank at the bubble start, at least 0."""

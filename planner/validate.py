@@ -10,6 +10,7 @@ The report is a planner.metrics.ValidationReport (schema fxplanner.validation/v1
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from typing import Any
 
 from .metrics import (Comparison, MetricsDocument, RankComparison, RankValidation, RunEntry, StepRecord,
@@ -102,8 +103,8 @@ def refit(plan: Plan, metrics: MetricsDocument, skip: int = 1) -> Plan:
     for b in plan.bubbles:
         seen = [x for s in _steps(run, b.rank, skip) for x in s.bubbles if x.id == b.id]
         if seen:
-            b = b.model_copy(update={"duration_s": statistics.fmean(x.duration_s for x in seen),
-                                     "start_s": statistics.fmean(x.start_s for x in seen)})
+            b = replace(b, duration_s=statistics.fmean(x.duration_s for x in seen),
+                        start_s=statistics.fmean(x.start_s for x in seen))
         bubbles.append(b)
     return plan.model_copy(update={"bubbles": bubbles})
 

@@ -27,7 +27,7 @@ Metrics (sources in the seeds folder, file 001 = PipeFill, 000 = FreeRide):
   as C * B * P" (l.253). We also report ``gpus_worth``: dedicated seconds done / horizon, which is
   C*B*P discounted by the bubbles that went unused.
 - time increase I and cost savings S, FreeRide A.3 (000 l.507-528), with T = horizon and the
-  dedicated side-task time taken from ``FillJob.dedicated_s_per_work``.
+  dedicated side-task time taken from ``TraceJob.dedicated_s_per_work``.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from typing import Sequence
 from planner.fill.scheduler import (
     TIME_EPS_S,
     ExecutorState,
-    FillJob,
+    TraceJob,
     JobInfo,
     Rank,
     RankPlan,
@@ -230,7 +230,7 @@ def _first_visit(rank: Rank, plan: RankPlan, t: float) -> tuple[int, int]:
         q += 1
 
 
-def run_job(job: FillJob, rank_index: int, rank: Rank, start_s: float, work: float,
+def run_job(job: TraceJob, rank_index: int, rank: Rank, start_s: float, work: float,
             horizon_s: float = math.inf) -> tuple[list[ExecutedChunk], float | None]:
     """Chunks that do ``work`` of ``job`` on a rank from ``start_s``, and the completion time
     (None if the horizon cuts it off)."""
@@ -274,7 +274,7 @@ class _Exec:
 class _Loop:
     """Mutable state of one simulation (private; results leave as frozen dataclasses)."""
 
-    jobs: list[FillJob]
+    jobs: list[TraceJob]
     infos: list[JobInfo]
     allowed: dict[str, tuple[int, ...]]
     ranks: Sequence[Rank]
@@ -331,7 +331,7 @@ class _Loop:
             self.dispatch(now, events)
 
 
-def _check_inputs(jobs: Sequence[FillJob], ranks: Sequence[Rank]) -> None:
+def _check_inputs(jobs: Sequence[TraceJob], ranks: Sequence[Rank]) -> None:
     if not ranks:
         raise ValueError("simulate needs at least one rank")
     names = [j.name for j in jobs]
@@ -347,7 +347,7 @@ def _check_inputs(jobs: Sequence[FillJob], ranks: Sequence[Rank]) -> None:
 
 
 def simulate(
-    jobs: Sequence[FillJob], ranks: Sequence[Rank], policy: str | ScoreFn = "fifo", *,
+    jobs: Sequence[TraceJob], ranks: Sequence[Rank], policy: str | ScoreFn = "fifo", *,
     horizon_s: float | None = None, gpus_per_rank: int = 1, prices: Prices | None = None,
 ) -> SimReport:
     """Run the trace to completion (or to ``horizon_s``) and measure it.
@@ -385,7 +385,7 @@ def _bubble_time_until(rank: Rank, horizon: float) -> float:
     return full * rank.bubble_s + tail
 
 
-def _outcomes(jobs: Sequence[FillJob], loop: _Loop) -> tuple[JobOutcome, ...]:
+def _outcomes(jobs: Sequence[TraceJob], loop: _Loop) -> tuple[JobOutcome, ...]:
     work: dict[str, list[float]] = {j.name: [0.0, 0.0, 0.0] for j in jobs}
     for c in loop.chunks:
         acc = work[c.job]
@@ -403,7 +403,7 @@ def _outcomes(jobs: Sequence[FillJob], loop: _Loop) -> tuple[JobOutcome, ...]:
     return tuple(out)
 
 
-def _report(policy: str, jobs: Sequence[FillJob], ranks: Sequence[Rank], loop: _Loop,
+def _report(policy: str, jobs: Sequence[TraceJob], ranks: Sequence[Rank], loop: _Loop,
             unplaceable: tuple[Unplaceable, ...], horizon: float, gpus_per_rank: int,
             prices: Prices | None) -> SimReport:
     outcomes = _outcomes(jobs, loop)

@@ -34,7 +34,7 @@ from planner.fill.packing import BubbleSlot, Packing
 __all__ = [
     "POLICIES",
     "ExecutorState",
-    "FillJob",
+    "TraceJob",
     "JobInfo",
     "PlanChunk",
     "Rank",
@@ -160,8 +160,9 @@ def _back_to_back(slots: Sequence[BubbleSlot]) -> tuple[float, ...]:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class FillJob:
-    """A fill job with its plan on every rank (from packing)."""
+class TraceJob:
+    """A job of a fill-job trace, with its packing plan on every rank (the cluster simulator's view; the plan
+    file's record of a fill job is planner.plan.FillJob)."""
 
     name: str
     work: float
@@ -244,21 +245,21 @@ class SchedulerState:
 ScoreFn = Callable[[JobInfo, SchedulerState, int], Union[float, tuple]]
 
 
-def proc_time(job: FillJob, rank: Rank, plan: RankPlan | None) -> float:
+def proc_time(job: TraceJob, rank: Rank, plan: RankPlan | None) -> float:
     """Seconds to finish ``job.work`` at the plan's steady rate (inf if it does no work)."""
     if plan is None or plan.work_per_cycle <= 0:
         return math.inf
     return job.work / plan.work_per_cycle * rank.period_s
 
 
-def job_info(job: FillJob, ranks: Sequence[Rank], index: int) -> JobInfo:
+def job_info(job: TraceJob, ranks: Sequence[Rank], index: int) -> JobInfo:
     times = tuple(proc_time(job, r, p) if r.max_free_bytes >= job.mem_bytes else math.inf
                   for r, p in zip(ranks, job.plans))
     return JobInfo(name=job.name, kind=job.kind, arrival_s=job.arrival_s, deadline_s=job.deadline_s,
                    priority=job.priority, work=job.work, proc_times=times, index=index)
 
 
-def placement(job: FillJob, ranks: Sequence[Rank]) -> tuple[int, ...] | Unplaceable:
+def placement(job: TraceJob, ranks: Sequence[Rank]) -> tuple[int, ...] | Unplaceable:
     """Ranks the job can run on (FreeRide A.2 memory filter, plus a plan that does work)."""
     if len(job.plans) != len(ranks):
         raise ValueError(f"job {job.name!r} has {len(job.plans)} plans for {len(ranks)} ranks")

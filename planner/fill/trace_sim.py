@@ -8,7 +8,7 @@ from .assign import best_fill
 from .cluster_sim import Prices, SimReport, simulate
 from .packing import BubbleSlot
 from .profiles import profile_job
-from .scheduler import FillJob, Rank, RankPlan
+from .scheduler import TraceJob, Rank, RankPlan
 from .spec import FillSpec
 
 __all__ = ["simulate_trace"]
@@ -39,7 +39,7 @@ def simulate_trace(plan: Plan, spec: FillSpec, *, policy: str = "fifo", horizon_
             best_any = best_any or rf
         prof = best_any.profile if best_any else profiles[0]
         per_iter = len(prof.units)
-        jobs.append(FillJob(name=js.name, work=float(js.iterations(prof.batch_size) * per_iter), plans=tuple(plans),
+        jobs.append(TraceJob(name=js.name, work=float(js.iterations(prof.batch_size) * per_iter), plans=tuple(plans),
                             mem_bytes=prof.resident_bytes, arrival_s=js.arrival_s, deadline_s=js.deadline_s,
                             priority=js.priority, kind=js.kind, dedicated_s_per_work=prof.iteration_s / per_iter))
     gpus_per_rank = plan.config.tp * plan.config.dp

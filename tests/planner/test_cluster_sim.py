@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from planner.fill.cluster_sim import Prices, cost_savings, gpus_saved, run_job, simulate
 from planner.fill.packing import BubbleSlot, FillUnit, greedy_pack
-from planner.fill.scheduler import FillJob, PlanChunk, Rank, RankPlan
+from planner.fill.scheduler import TraceJob, PlanChunk, Rank, RankPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_pipefill_sim", ROOT / "bench" / "pipefill_sim.py")
@@ -61,7 +61,7 @@ def case_st(draw):
     jobs = []
     for k in range(draw(st.integers(1, 6))):
         plans = tuple(draw(plan_st(r)) for r in ranks)
-        jobs.append(FillJob(name=f"j{k}", work=float(draw(st.integers(1, 25))), plans=plans,
+        jobs.append(TraceJob(name=f"j{k}", work=float(draw(st.integers(1, 25))), plans=plans,
                             mem_bytes=draw(st.sampled_from([10, 100, 200])),
                             arrival_s=float(draw(st.integers(0, 40))),
                             deadline_s=draw(st.none() | st.floats(0, 200)),
@@ -127,7 +127,7 @@ def one_bubble_rank(period: float = 10.0) -> Rank:
 
 def test_last_chunk_is_cut_to_the_work_left_and_keeps_its_overhead():
     p = RankPlan(chunks=(PlanChunk(cycle=0, slot=0, work=4.0, busy_s=3.0, overhead_s=1.0, flops=8.0),))
-    j = FillJob(name="j", work=10.0, plans=(p,), dedicated_s_per_work=1.0)
+    j = TraceJob(name="j", work=10.0, plans=(p,), dedicated_s_per_work=1.0)
     chunks, end = run_job(j, 0, one_bubble_rank(), 0.0, j.work)
     assert [c.work for c in chunks] == [4.0, 4.0, 2.0]
     assert [c.start_s for c in chunks] == [3.0, 13.0, 23.0]
@@ -138,7 +138,7 @@ def test_last_chunk_is_cut_to_the_work_left_and_keeps_its_overhead():
 
 def test_job_submitted_mid_cycle_starts_at_the_next_bubble():
     p = RankPlan(chunks=(PlanChunk(cycle=1, slot=0, work=1.0, busy_s=1.0),), cycles=2)
-    j = FillJob(name="j", work=2.0, plans=(p,))
+    j = TraceJob(name="j", work=2.0, plans=(p,))
     chunks, end = run_job(j, 0, one_bubble_rank(), 3.5, j.work)
     assert [c.cycle for c in chunks] == [1, 3]  # the plan's phase follows the main job's iteration
     assert end == pytest.approx(34.0)
@@ -146,7 +146,7 @@ def test_job_submitted_mid_cycle_starts_at_the_next_bubble():
 
 def test_metrics_by_hand():
     p = RankPlan(chunks=(PlanChunk(cycle=0, slot=0, work=1.0, busy_s=2.0, flops=2e12),))
-    jobs = [FillJob(name="j", work=3.0, plans=(p,), dedicated_s_per_work=1.0)]
+    jobs = [TraceJob(name="j", work=3.0, plans=(p,), dedicated_s_per_work=1.0)]
     rep = simulate(jobs, [one_bubble_rank()], gpus_per_rank=8,
                    prices=Prices(main_per_gpu_hour=2.0, side_per_gpu_hour=1.0))
     j = rep.jobs[0]
@@ -180,7 +180,7 @@ def test_packing_plans_run_in_the_simulator():
     pk = greedy_pack(units, r.slots, safety_margin=0.0, launch_overhead_s=0.0, cycles=2)
     plan = RankPlan.from_packing(pk)
     assert plan.work_per_cycle == pk.units_per_cycle
-    rep = simulate([FillJob(name="j", work=20.0, plans=(plan,), dedicated_s_per_work=0.3)], [r])
+    rep = simulate([TraceJob(name="j", work=20.0, plans=(plan,), dedicated_s_per_work=0.3)], [r])
     assert rep.work_done == 20.0
     assert rep.fill_tflops_per_gpu * 1e12 * rep.horizon_s == pytest.approx(20.0)
 
@@ -188,10 +188,10 @@ def test_packing_plans_run_in_the_simulator():
 def test_bad_inputs_are_clear_errors():
     p = RankPlan(chunks=(PlanChunk(cycle=0, slot=3, work=1.0, busy_s=1.0),))
     with pytest.raises(ValueError, match="uses slot 3, the rank has 1 bubbles"):
-        simulate([FillJob(name="j", work=1.0, plans=(p,))], [one_bubble_rank()])
+        simulate([TraceJob(name="j", work=1.0, plans=(p,))], [one_bubble_rank()])
     ok = RankPlan(chunks=(PlanChunk(cycle=0, slot=0, work=1.0, busy_s=1.0),))
     with pytest.raises(ValueError, match="'j' appears 2 times"):
-        simulate([FillJob(name="j", work=1.0, plans=(ok,))] * 2, [one_bubble_rank()])
+        simulate([TraceJob(name="j", work=1.0, plans=(ok,))] * 2, [one_bubble_rank()])
     with pytest.raises(ValueError, match="bubbles end at 5.0 s, period_s=4.0"):
         Rank(id=0, slots=(BubbleSlot(id=0, duration_s=5.0, free_bytes=1),), period_s=4.0)
 

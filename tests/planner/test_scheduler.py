@@ -11,7 +11,7 @@ from planner.fill.packing import BubbleSlot
 from planner.fill.scheduler import (
     POLICIES,
     ExecutorState,
-    FillJob,
+    TraceJob,
     PlanChunk,
     Rank,
     RankPlan,
@@ -40,9 +40,9 @@ def plan(rate: float = 1.0) -> RankPlan:
 
 def job(name: str, work: float, n_ranks: int = 1, *, arrival: float = 0.0,
         deadline: float | None = None, rates: tuple[float, ...] | None = None,
-        mem: int = GB) -> FillJob:
+        mem: int = GB) -> TraceJob:
     rates = rates or (1.0,) * n_ranks
-    return FillJob(name=name, work=work, plans=tuple(plan(r) for r in rates), mem_bytes=mem,
+    return TraceJob(name=name, work=work, plans=tuple(plan(r) for r in rates), mem_bytes=mem,
                    arrival_s=arrival, deadline_s=deadline, dedicated_s_per_work=0.5)
 
 
@@ -134,14 +134,14 @@ def test_job_needing_more_memory_than_any_bubble_is_unplaceable_for_memory():
 
 
 def test_job_whose_units_fit_no_bubble_is_unplaceable_for_time():
-    slow = FillJob(name="slow", work=1, plans=(None, RankPlan(chunks=())), mem_bytes=GB)
+    slow = TraceJob(name="slow", work=1, plans=(None, RankPlan(chunks=())), mem_bytes=GB)
     where = placement(slow, [rank(0), rank(1)])
     assert isinstance(where, Unplaceable) and where.reason == "time"
 
 
 def test_simulate_reports_unplaceable_jobs_and_runs_the_rest():
     jobs = [job("ok", 2, 1), job("big", 1, 1, mem=8 * GB),
-            FillJob(name="slow", work=1, plans=(None,), mem_bytes=GB)]
+            TraceJob(name="slow", work=1, plans=(None,), mem_bytes=GB)]
     rep = simulate(jobs, [rank(0)], "sjf")
     assert {(u.job, u.reason) for u in rep.unplaceable} == {("big", "memory"), ("slow", "time")}
     outcome = {j.name: j for j in rep.jobs}

@@ -1,12 +1,15 @@
 """`planner validate` and `planner refit` on a tiny CPU plan run with real torchrun processes."""
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
 from planner.cli import app
 from planner.metrics import ValidationReport
 from planner.plan import load_plan
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.multiprocess
 
@@ -22,6 +25,9 @@ def test_validate_prints_the_error_table_writes_json_and_refit_uses_it(small_pla
     assert res.exit_code == 0, res.stdout
     assert "predicted vs measured" in res.stdout and "iteration (slowest rank)" in res.stdout
     doc = ValidationReport.model_validate_json(out.read_text())
+    jsonschema = pytest.importorskip("jsonschema")  # what a run and `planner validate` write, against schemas/
+    for written, schema in ((metrics, "metrics.schema.json"), (out, "validation.schema.json")):
+        jsonschema.validate(json.loads(written.read_text()), json.loads((ROOT / "schemas" / schema).read_text()))
     plan = load_plan(small_plan)
     assert len(doc.ranks) == plan.config.pp
     whats = {row.what for rank in doc.ranks for row in rank.rows}
