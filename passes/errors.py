@@ -23,3 +23,33 @@ def invalid_file(kind: str, path: object, exc: Exception) -> UserError:
     where = ".".join(str(x) for x in err["loc"]) or "(top level)"
     more = f" ({len(errors)} problems in all)" if len(errors) > 1 else ""
     return UserError(f"{kind} {path}: field {where}: {err['msg']}{more}")
+
+
+def load_document(path: object, kind: str, schema: str, model: type, *, missing: str, other_schema: str):
+    """Read the JSON document `path`, check its "schema" string and validate it with the pydantic `model`.
+    Every failure is one UserError sentence starting "{kind} {path}": `missing` says what to do when the
+    file does not exist, `other_schema` what to do when it carries another schema string."""
+    import json
+    from pathlib import Path
+
+    from pydantic import ValidationError
+
+    path = Path(str(path))
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise UserError(f"{kind} {path} does not exist; {missing}") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{kind} {path} is not valid JSON (it is not UTF-8 text)") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"{kind} {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+    except OSError as exc:
+        raise UserError(f"cannot read {kind} {path}: {exc.strerror or exc}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{kind} {path} must hold a JSON object")
+    if data.get("schema") != schema:
+        raise UserError(f"{kind} {path} has schema {data.get('schema')!r}, {other_schema}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise invalid_file(kind, path, exc) from None

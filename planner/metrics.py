@@ -11,13 +11,12 @@ Times named ``*_s`` are seconds. Fill-report timestamps (``main_begin``, ``start
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from passes.errors import UserError, invalid_file
+from passes.errors import load_document
 
 from .plan import ConfigModel
 from .runtime import METRICS_SCHEMA
@@ -295,28 +294,9 @@ class ValidationReport(_Model):
 
 def load_metrics(path: str | Path) -> MetricsDocument:
     """Read and validate a metrics file, or raise UserError with one sentence saying what is wrong."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"metrics file {path} does not exist; write one with "
-                        f"`planner launch PLAN --local --metrics {path}`") from None
-    except UnicodeDecodeError:
-        raise UserError(f"metrics file {path} is not valid JSON (it is not UTF-8 text)") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"metrics file {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
-    except OSError as exc:
-        raise UserError(f"cannot read metrics file {path}: {exc.strerror or exc}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"metrics file {path} must hold a JSON object; it is not a metrics file from "
-                        "`planner launch --metrics`")
-    if data.get("schema") != METRICS_SCHEMA:
-        raise UserError(f"metrics file {path} has schema {data.get('schema')!r}, not {METRICS_SCHEMA!r}: it is not "
-                        "a metrics file from `planner launch --metrics`")
-    try:
-        return MetricsDocument.model_validate(data)
-    except ValidationError as exc:
-        raise invalid_file("metrics file", path, exc) from None
+    return load_document(path, "metrics file", METRICS_SCHEMA, MetricsDocument,
+                         missing=f"write one with `planner launch PLAN --local --metrics {path}`",
+                         other_schema=f"not {METRICS_SCHEMA!r}: it is not a metrics file from `planner launch --metrics`")
 
 
 def save_metrics(doc: MetricsDocument, path: str | Path) -> None:

@@ -5,13 +5,12 @@ schemas/plan.schema.json and a test fails when it drifts.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from passes.errors import UserError, invalid_file
+from passes.errors import load_document
 
 from .config import ParallelConfig
 from .simulate import Bubble
@@ -226,19 +225,5 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 
 def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan. JSON only: nothing in it is ever executed or unpickled."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise UserError(f"plan file {path} does not exist; create one with `planner plan MODEL.py -o {path}`") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"plan file {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
-    if not isinstance(data, dict):
-        raise UserError(f"plan file {path} must hold a JSON object")
-    if data.get("schema") != SCHEMA:
-        raise UserError(f"plan file {path} has schema {data.get('schema')!r}, this planner reads {SCHEMA!r}; "
-                        "re-run `planner plan` to regenerate it")
-    try:
-        return Plan.model_validate(data)
-    except ValidationError as exc:
-        raise invalid_file("plan file", path, exc) from None
+    return load_document(path, "plan file", SCHEMA, Plan, missing=f"create one with `planner plan MODEL.py -o {path}`",
+                         other_schema=f"this planner reads {SCHEMA!r}; re-run `planner plan` to regenerate it")

@@ -16,21 +16,7 @@ from planner.schedule import (
     generate,
     validate,
 )
-from planner.schedules import SCHEDULES
-
-KINDS = tuple(SCHEDULES)
-
-
-def gpipe(p: int, m: int) -> Schedule:
-    return SCHEDULES["gpipe"].generate(p, m, 1)
-
-
-def one_f_one_b(p: int, m: int) -> Schedule:
-    return SCHEDULES["1f1b"].generate(p, m, 1)
-
-
-def interleaved(p: int, v: int, m: int) -> Schedule:
-    return SCHEDULES["interleaved"].generate(p, m, v)
+from tests.planner.kinds import KINDS, gpipe, interleaved, one_f_one_b
 from planner.simulate import SimCosts, SimResult, simulate, with_bubbles
 
 CAPACITY = 1000
