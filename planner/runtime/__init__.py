@@ -71,7 +71,10 @@ def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
     if plan.source.global_batch != c.dp * c.microbatch * c.microbatches:
         raise UserError(f"plan {path}: global batch {plan.source.global_batch} is not d*b*m = "
                         f"{c.dp}*{c.microbatch}*{c.microbatches}; the plan is inconsistent - re-run `planner plan`")
-    need = c.tp * c.pp * c.dp
+    if c.cp > 1 or c.sp:
+        raise UserError(f"plan {path} uses {'context parallelism (cp=' + str(c.cp) + ')' if c.cp > 1 else 'sequence parallelism'}, "
+                        "which this runtime does not run yet; plan with cp=1 and without sequence parallelism")
+    need = c.to_config().world
     if need != world_size:
         raise UserError(f"plan {path} needs tp*pp*dp = {c.tp}*{c.pp}*{c.dp} = {need} processes, but this launch has "
                         f"WORLD_SIZE={world_size}; start it with {need} processes (torchrun --nproc-per-node ...)")
@@ -151,8 +154,7 @@ def child_env() -> dict[str, str]:
 def _world(plan_path: str | Path) -> int:
     from ..plan import load_plan
 
-    c = load_plan(plan_path).config
-    return c.tp * c.pp * c.dp
+    return load_plan(plan_path).config.to_config().world
 
 
 def summarize(metrics: MetricsDocument) -> list[dict[str, Any]]:

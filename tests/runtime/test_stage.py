@@ -112,6 +112,8 @@ def test_check_plan_accepts_good_plan(small_plan: Path) -> None:
     (lambda d: d["source"].update(model_file="/nonexistent/model.py"), 2, "does not exist here"),
     (lambda d: d["source"].update(global_batch=5), 2, "global batch 5 is not d*b*m"),
     (lambda d: d["actions"][1].remove("1RECV_F0"), 2, "(1F0): needs 1RECV_F0 earlier on rank 1"),
+    (lambda d: d["config"].update(cp=2), 4, "context parallelism (cp=2), which this runtime does not run yet"),
+    (lambda d: d["config"].update(vp=2), 2, "field config: Value error, schedule 1f1b with pp=2 v=2"),
 ])
 def test_check_plan_rejects(small_plan: Path, tmp_path: Path, edit, world: int, message: str) -> None:
     data = json.loads(small_plan.read_text())
