@@ -67,20 +67,20 @@ def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
     if digest != plan.source.model_sha256:
         raise UserError(f"model file {model} has sha256 {digest[:16]}..., but plan {path} was made from "
                         f"{plan.source.model_sha256[:16]}...; the file changed since planning - re-run `planner plan`")
-    c = plan.config
-    if plan.source.global_batch != c.dp * c.microbatch * c.microbatches:
+    c = plan.config.to_config()
+    if plan.source.global_batch != c.global_batch:
         raise UserError(f"plan {path}: global batch {plan.source.global_batch} is not d*b*m = "
-                        f"{c.dp}*{c.microbatch}*{c.microbatches}; the plan is inconsistent - re-run `planner plan`")
+                        f"{c.dp}*{c.b}*{c.m}; the plan is inconsistent - re-run `planner plan`")
     if c.cp > 1 or c.sp:
         raise UserError(f"plan {path} uses {'context parallelism (cp=' + str(c.cp) + ')' if c.cp > 1 else 'sequence parallelism'}, "
                         "which this runtime does not run yet; plan with cp=1 and without sequence parallelism")
-    need = c.to_config().world
+    need = c.world
     if need != world_size:
         raise UserError(f"plan {path} needs tp*pp*dp = {c.tp}*{c.pp}*{c.dp} = {need} processes, but this launch has "
                         f"WORLD_SIZE={world_size}; start it with {need} processes (torchrun --nproc-per-node ...)")
-    if len(plan.actions) != c.pp or len(plan.partition) != c.pp * c.vp:
+    if len(plan.actions) != c.pp or len(plan.partition) != c.stages:
         raise UserError(f"plan {path} has {len(plan.actions)} action lists and {len(plan.partition)} stages for "
-                        f"pp={c.pp}, vp={c.vp}; the plan is inconsistent - re-run `planner plan`")
+                        f"pp={c.pp}, vp={c.v}; the plan is inconsistent - re-run `planner plan`")
     _check_schedule(plan, path)
     return CheckedPlan(path=path, plan=plan, model_file=model)
 

@@ -151,7 +151,8 @@ class Executor:
         self.specs = specs
         self.actions = [Action.parse(a) for a in plan.actions[self.c.pp]]
         self.n_stages = len(plan.partition)
-        self.m = plan.config.microbatches
+        self.cfg = plan.config.to_config()
+        self.m = self.cfg.m
         self.params: dict[str, torch.nn.Parameter] = {}
         for st in stages:
             for local, param in st.named_parameters(remove_duplicate=False):
@@ -381,7 +382,7 @@ class Executor:
     # -- data, timing, run ---------------------------------------------------------------------
 
     def _microbatches(self, step: int) -> tuple[list[tuple[Any, ...]], list[Any]]:
-        B, d, b = self.plan.source.global_batch, self.c.dp_size, self.plan.config.microbatch
+        B, d, b = self.plan.source.global_batch, self.c.dp_size, self.cfg.b
         inputs, targets = self.mf.call("sample_batch", B, step)
         inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
         lo = self.c.dp * (B // d)
@@ -464,7 +465,7 @@ class Executor:
 
 def prepare(plan: Plan, model_file: ModelFile, options: RunOptions) -> Executor:
     """Build groups, model, stages and optimizer for this rank (collective: every rank calls it)."""
-    c = plan.config
+    c = plan.config.to_config()
     groups = make_groups(device_type="cuda" if options.device.startswith("cuda") else "cpu",
                          pp=c.pp, dp=c.dp, tp=c.tp)
     torch.manual_seed(options.seed)
