@@ -69,9 +69,13 @@ def run(tmp_path_factory) -> dict[str, Any]:
     for name, plan in plans.items():
         save_plan(plan, tmp / f"{name}.json")
     common = ["--steps", str(STEPS), "--optimizer", "adam"]
-    proc = torchrun(2, [*(str(tmp / f"{n}.json") for n in PLANS), *common, "--metrics", str(tmp / "fill.json")],
-                    cwd=tmp)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    for _ in range(2):  # one more try when a loaded machine left no unit room in any bubble
+        proc = torchrun(2, [*(str(tmp / f"{n}.json") for n in PLANS), *common, "--metrics", str(tmp / "fill.json")],
+                        cwd=tmp)
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+        first = load_metrics(tmp / "fill.json").runs[0]
+        if sum(_job(rep).units_done for _, rep in _reports(first)) > 0:
+            break
     base = torchrun(2, [str(tmp / "planned.json"), *common, "--no-fill", "--metrics", str(tmp / "nofill.json")],
                     cwd=tmp)
     assert base.returncode == 0, base.stdout[-6000:] + base.stderr[-6000:]

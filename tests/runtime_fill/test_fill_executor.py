@@ -245,6 +245,7 @@ def test_overrun_is_killed_after_grace_and_failures_are_recorded() -> None:
         assert all(s["start"] <= stopped for b in report["bubbles"] for s in b["steps"] if s["job"] == name)
 
 
+@pytest.mark.flaky(reruns=2)  # wall-clock windows of real processes: a loaded 2-core machine delays signals
 def test_imperative_tasks_are_paused_by_signals() -> None:
     durations = {0: 0.25, 1: 0.15}
     jobs = [_job("loop", MLP, {"features": 64, "width": 256, "depth": 4}, "train", 6, batch=64),
