@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import sympy
@@ -19,10 +19,11 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from .meta_keys import COST, TENSOR
+from .measure import Measured
+from .meta_keys import COST, MEASURED, TENSOR
 from .shapes import TensorInfo, tensor_info
 
-__all__ = ["NodeCost", "annotate_costs", "node_kind"]
+__all__ = ["NodeCost", "annotate_costs", "node_kind", "storage_of"]
 
 ZERO = sympy.Integer(0)
 
@@ -39,6 +40,7 @@ class NodeCost:
     params: int = 0
     param_names: tuple[str, ...] = ()
     saved: tuple[tuple[str, sympy.Expr], ...] = ()  # (tensor name, bytes) kept for backward
+    full_mm_flops: sympy.Expr | None = None  # mm_flops with causal attention counted in full (None: the same)
 
 
 # op name -> (forward FLOPs per output element, backward FLOPs per output element, saves)
@@ -53,10 +55,22 @@ ELEMENTWISE: dict[str, tuple[int, int, str]] = {
     "layer_norm": (8, 14, "in"), "batch_norm": (8, 14, "in"), "group_norm": (8, 14, "in"),
     "rms_norm": (5, 9, "in"), "adaptive_avg_pool2d": (1, 1, ""), "avg_pool2d": (1, 1, ""),
     "max_pool2d": (1, 1, "in"), "mean": (1, 1, ""), "sum": (1, 1, ""), "cross_entropy": (8, 6, "in"),
+    "to": (0, 0, ""), "square": (1, 2, "in"), "abs": (1, 1, "in"), "clamp": (1, 1, "in"), "erf": (8, 8, "in"),
+    "reciprocal": (1, 2, "out"), "log": (1, 1, "in"), "cos": (4, 4, "in"), "sin": (4, 4, "in"),
 }
+# torch function / aten op names that mean the same as a name above
+ATEN_NAMES = {"linear": "linear_fn", "bmm": "matmul", "baddbmm": "matmul", "mm": "matmul", "addmm": "matmul",
+              "addbmm": "matmul", "einsum": "matmul", "conv2d": "conv", "conv1d": "conv", "conv3d": "conv",
+              "convolution": "conv", "cross_entropy_loss": "cross_entropy", "native_dropout": "dropout",
+              "softmax": "softmax", "to_copy": "to", "unsafe_view": "view", "and": "logical", "or": "logical",
+              "eq": "logical", "ne": "logical", "le": "logical", "lt": "logical", "ge": "logical", "gt": "logical",
+              "scaled_dot_product_attention": "attention"}
 VIEWS = {"view", "reshape", "permute", "transpose", "unbind", "getitem", "flatten", "split", "chunk",
          "squeeze", "unsqueeze", "expand", "size", "getattr", "contiguous", "t", "arange", "to", "type_as",
-         "float", "half", "bfloat16", "detach", "clone", "floordiv", "cat", "stack"}
+         "float", "half", "bfloat16", "detach", "clone", "floordiv", "cat", "stack", "slice", "select", "alias",
+         "unflatten", "sym_size", "assert_tensor_metadata", "lift_fresh_copy", "new_ones", "new_zeros", "zeros",
+         "ones", "full", "empty", "scalar_tensor", "pad", "constant_pad_nd", "repeat_interleave", "index",
+         "logical", "cumsum", "diff", "lt", "sym_numel", "item"}
 MODULE_OPS: dict[type, str] = {
     nn.ReLU: "relu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
     nn.Dropout: "dropout", nn.LayerNorm: "layer_norm", nn.BatchNorm1d: "batch_norm",
@@ -78,9 +92,12 @@ def node_kind(node: fx.Node, gm: fx.GraphModule) -> str:
             return "embedding"
         return MODULE_OPS.get(type(mod), type(mod).__name__)
     if node.op in ("call_function", "call_method"):
-        name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        target = node.target
+        if isinstance(target, torch._ops.OpOverload):
+            target = target.overloadpacket
+        name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
         name = name.strip("_")
-        return {"linear": "linear_fn", "bmm": "matmul", "baddbmm": "matmul", "mm": "matmul", "conv2d": "conv", "conv1d": "conv"}.get(name, name)
+        return ATEN_NAMES.get(name, name)
     return node.op
 
 
@@ -96,7 +113,7 @@ ALIASING = {"view", "reshape", "permute", "transpose", "flatten", "squeeze", "un
             "t", "to", "type_as", "detach", "dropout", "Identity", "expand"}
 
 
-def _storage(node: fx.Node) -> str:
+def storage_of(node: fx.Node) -> fx.Node:
     """Name of the tensor a saved value really is: follow views and no-op dropouts to their source,
     so a tensor saved by two ops (softmax output, read by the next matmul) is counted once."""
     gm = node.graph.owning_module
@@ -107,7 +124,7 @@ def _storage(node: fx.Node) -> str:
         if len(srcs) != 1 or tensor_info(srcs[0]).numel != tensor_info(node).numel:
             break
         node = srcs[0]
-    return node.name
+    return node
 
 
 def _is_param(node: fx.Node, gm: fx.GraphModule) -> bool:
@@ -146,10 +163,26 @@ def _cost_of(node: fx.Node, gm: fx.GraphModule) -> NodeCost:
     read = sum((info.nbytes for _, info in ins), ZERO)
     io = read + out.nbytes
     acts = [(n, i) for n, i in ins if not _is_param(n, gm) and i.requires_grad]
-    saved_inputs = tuple((_storage(n), i.nbytes) for n, i in acts)
-    if kind in ("linear", "conv", "embedding"):
+    saved_inputs = tuple((storage_of(n).name, i.nbytes) for n, i in acts)
+    cost = _table_cost(node, gm, kind, out, ins, io, acts, saved_inputs)
+    measured = node.meta.get(MEASURED)
+    return _with_measured(cost, measured, kind, ins) if measured is not None else cost
+
+
+CASTS = {"to", "float", "half", "bfloat16", "type_as"}
+
+
+def _table_cost(node: fx.Node, gm: fx.GraphModule, kind: str, out: TensorInfo, ins: list[tuple[fx.Node, TensorInfo]],
+                io: sympy.Expr, acts: list[tuple[fx.Node, TensorInfo]],
+                saved_inputs: tuple[tuple[str, sympy.Expr], ...]) -> NodeCost:
+    if node.op == "call_module" and kind in ("linear", "conv", "embedding"):
         return _module_cost(node, gm, kind, out, io, saved_inputs)
-    if kind in ("matmul", "linear_fn"):
+    if kind == "embedding":  # a gather forward, a scatter-add of the output gradient backward
+        return NodeCost(kind="embedding", bwd_flops=out.numel, fwd_bytes=2 * out.nbytes,
+                        bwd_bytes=3 * out.nbytes, out_bytes=out.nbytes)
+    if kind in CASTS and ins and ins[0][1].dtype != out.dtype:  # a dtype cast copies
+        return NodeCost(kind="elementwise", fwd_bytes=io, bwd_bytes=io, out_bytes=out.nbytes)
+    if kind in ("matmul", "linear_fn", "conv", "attention"):
         a, b = ins[0][1], ins[1][1]
         fl = _matmul_flops(a, b, out)
         grads = sum(1 for n, i in ins[:2] if i.requires_grad)
@@ -159,6 +192,22 @@ def _cost_of(node: fx.Node, gm: fx.GraphModule) -> NodeCost:
         moved = out.nbytes * 2 if kind in ("contiguous", "cat", "stack", "clone") else ZERO
         return NodeCost(kind="view", fwd_bytes=moved, bwd_bytes=moved, out_bytes=out.nbytes)
     return _elementwise_cost(node, kind, out, ins, io, acts)
+
+
+def _with_measured(cost: NodeCost, m: Measured, kind: str, ins: list[tuple[fx.Node, TensorInfo]]) -> NodeCost:
+    """The table's cost with the measured FLOPs of matrix products / convolutions / attention and the
+    measured tensors saved for backward."""
+    if m.flops == 0:
+        return replace(cost, saved=m.saved)
+    grads = sum(1 for _, i in ins[:3 if kind == "attention" else 2] if i.requires_grad)
+    # backward of a product: one product per operand that needs a gradient; flash attention's
+    # backward is 5 products for the forward's 2 (torch.utils.flop_counter.sdpa_backward_flop_count)
+    bwd_mm = m.flops * (sympy.Rational(5, 2) if kind == "attention" else max(grads, 1))
+    other_fwd = cost.fwd_flops - cost.mm_flops if cost.kind in ("linear", "opaque") else ZERO
+    other_bwd = sympy.Max(cost.bwd_flops - 2 * cost.mm_flops, 0) if cost.kind in ("linear", "opaque") else ZERO
+    return replace(cost, kind="attention" if kind == "attention" else cost.kind if cost.kind in ("linear", "conv")
+                   else "matmul", fwd_flops=m.flops + other_fwd, mm_flops=m.flops, full_mm_flops=m.full_flops,
+                   bwd_flops=bwd_mm + other_bwd, saved=m.saved)
 
 
 def _module_cost(node: fx.Node, gm: fx.GraphModule, kind: str, out: TensorInfo, io: sympy.Expr,
@@ -198,13 +247,13 @@ def _elementwise_cost(node: fx.Node, kind: str, out: TensorInfo, ins: list[tuple
     numel = out.numel
     saved: tuple[tuple[str, sympy.Expr], ...] = ()
     if saves == "in" and acts:
-        saved = ((_storage(acts[0][0]), acts[0][1].nbytes),)
+        saved = ((storage_of(acts[0][0]).name, acts[0][1].nbytes),)
     elif saves == "out":
-        saved = ((_storage(node), out.nbytes),)
+        saved = ((storage_of(node).name, out.nbytes),)
     elif saves == "mask":
         saved = ((node.name + ".mask", numel),)
     elif saves == "operands":
-        saved = tuple((_storage(n), i.nbytes) for n, i in acts)
+        saved = tuple((storage_of(n).name, i.nbytes) for n, i in acts)
     return NodeCost(kind="norm" if kind.endswith("norm") else "elementwise", fwd_flops=fwd * numel,
                     bwd_flops=bwd * numel, fwd_bytes=io, bwd_bytes=2 * io, out_bytes=out.nbytes, saved=saved)
 
@@ -220,7 +269,7 @@ def _opaque_cost(node: fx.Node, kind: str, out: TensorInfo, ins: list[tuple[fx.N
     fl = 2 * params * rows + out.numel
     return NodeCost(kind="opaque", fwd_flops=fl, bwd_flops=2 * fl, mm_flops=2 * params * rows,
                     fwd_bytes=io, bwd_bytes=2 * io, out_bytes=out.nbytes, params=params, param_names=names,
-                    saved=tuple((_storage(n), i.nbytes) for n, i in acts))
+                    saved=tuple((storage_of(n).name, i.nbytes) for n, i in acts))
 
 
 def _dropout_active(node: fx.Node) -> bool:
@@ -232,6 +281,6 @@ def _dropout_active(node: fx.Node) -> bool:
 
 
 def annotate_costs(gm: fx.GraphModule) -> None:
-    """Write node.meta[COST] for every node (needs node.meta[TENSOR] from propagate_shapes)."""
+    """Write node.meta[COST] for every node (needs node.meta[TENSOR] and [MEASURED] from passes.measure)."""
     for node in gm.graph.nodes:
         node.meta[COST] = _cost_of(node, gm)

@@ -1,4 +1,4 @@
-"""The one named pipeline: load -> build (meta) -> trace -> shapes -> costs -> units.
+"""The one named pipeline: load -> build (meta) -> capture -> measure -> costs -> units.
 
 Each pass is a function of a `Context`; the runner records every pass's name and wall time, and an
 error names the passes that had already run.
@@ -16,8 +16,9 @@ import torch.fx as fx
 from .costs import annotate_costs
 from .errors import UserError
 from .load import ModelFile, file_sha256, load_model_file
-from .shapes import propagate_shapes
-from .trace import trace_model
+from .capture import capture
+from .measure import measure
+from .repeat import Cut, expand, representatives
 from .units import Unit, lower_units
 
 __all__ = ["Context", "ModelProfile", "PASSES", "analyze", "DTYPES"]
@@ -34,7 +35,10 @@ class Context:
     model_file: ModelFile | None = None
     model: torch.nn.Module | None = None
     gm: fx.GraphModule | None = None
+    frontend: str = ""  # "export" | "fx"
+    export_error: str = ""
     units: list[Unit] = field(default_factory=list)
+    cuts: list[Cut] = field(default_factory=list)  # block containers priced by representatives
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -46,6 +50,7 @@ class ModelProfile:
     sha256: str
     kwargs: dict[str, Any]
     dtype: str
+    frontend: str  # "export" (torch.export) or "fx" (symbolic_trace)
     total_params: int  # unique parameters (tied weights once)
     units: tuple[Unit, ...]
     pass_times: tuple[tuple[str, float], ...]
@@ -56,16 +61,26 @@ def _load(ctx: Context) -> None:
 
 
 def _build(ctx: Context) -> None:
-    ctx.model = ctx.model_file.build("meta", ctx.dtype)
+    # as training code does: the whole model (buffers such as RoPE tables too) in the training dtype
+    ctx.model = ctx.model_file.build("meta", ctx.dtype).to(ctx.dtype)
     ctx.model.train()
 
 
-def _trace(ctx: Context) -> None:
-    ctx.gm = trace_model(ctx.model, ctx.leaves)
+def _inputs(ctx: Context, b: int) -> tuple[Any, ...]:
+    """Example inputs on meta tensors, floating-point ones cast to the training dtype."""
+    return tuple(x.to(ctx.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                 for x in ctx.model_file.inputs(b, "meta"))
 
 
-def _shapes(ctx: Context) -> None:
-    propagate_shapes(ctx.gm, lambda b: ctx.model_file.inputs(b, "meta"))
+def _capture(ctx: Context) -> None:
+    with representatives(ctx.model) as ctx.cuts:
+        captured = capture(ctx.model, _inputs(ctx, 2), ctx.leaves)
+    ctx.gm, ctx.frontend, ctx.export_error = captured.gm, captured.frontend, captured.export_error
+
+
+def _measure(ctx: Context) -> None:
+    with representatives(ctx.model):
+        measure(ctx.gm, ctx.model, lambda b: _inputs(ctx, b))
 
 
 def _costs(ctx: Context) -> None:
@@ -73,11 +88,13 @@ def _costs(ctx: Context) -> None:
 
 
 def _units(ctx: Context) -> None:
-    ctx.units = lower_units(ctx.gm, ctx.model)
+    with representatives(ctx.model):
+        units = lower_units(ctx.gm, ctx.model)
+    ctx.units = expand(units, ctx.cuts)
 
 
 PASSES: tuple[tuple[str, Callable[[Context], None]], ...] = (
-    ("load", _load), ("build", _build), ("trace", _trace), ("shapes", _shapes),
+    ("load", _load), ("build", _build), ("capture", _capture), ("measure", _measure),
     ("costs", _costs), ("units", _units),
 )
 
@@ -105,7 +122,7 @@ def analyze(path: str | Path, kwargs: dict[str, Any] | None = None, *, leaves: t
     ctx = Context(path=Path(path), kwargs=dict(kwargs or {}), leaves=tuple(leaves), dtype=DTYPES[dtype])
     times = run_passes(ctx, progress=progress)
     profile = ModelProfile(name=ctx.path.stem, path=str(ctx.path), sha256=file_sha256(ctx.path),
-                           kwargs=dict(ctx.kwargs), dtype=dtype,
-                           total_params=sum(p.numel() for p in ctx.gm.parameters()),
+                           kwargs=dict(ctx.kwargs), dtype=dtype, frontend=ctx.frontend,
+                           total_params=sum(p.numel() for p in ctx.model.parameters()),
                            units=tuple(ctx.units), pass_times=tuple(times))
     return profile, ctx

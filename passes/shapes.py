@@ -1,22 +1,21 @@
-"""Shape propagation on meta tensors, with every size written as a polynomial in the microbatch b.
+"""Tensor shapes with every size written as a polynomial in the microbatch b.
 
-The graph runs twice on meta tensors (b = 2 and b = 3; nothing is allocated). A size that differs
-between the runs is linear in b and becomes `c0 + c1*b`; the FLOP and byte rules downstream then
-yield sympy expressions that can be evaluated at any b without tracing again.
+`passes.measure` runs the graph twice on meta tensors (b = 2 and b = 3; nothing is allocated). A
+size that differs between the runs is linear in b and becomes `c0 + c1*b`; the FLOP and byte rules
+downstream then yield sympy expressions that can be evaluated at any b without tracing again.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import sympy
 import torch
 import torch.fx as fx
 
-from .errors import TraceFailure
 from .meta_keys import TENSOR
 
-__all__ = ["B", "TensorInfo", "propagate_shapes", "tensor_info"]
+__all__ = ["B", "TensorInfo", "tensor_info"]
 
 B = sympy.Symbol("b", positive=True, integer=True)
 _PROBES = (2, 3)
@@ -35,22 +34,6 @@ class TensorInfo:
     @property
     def nbytes(self) -> sympy.Expr:
         return self.numel * self.dtype.itemsize
-
-
-class _Recorder(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule) -> None:
-        super().__init__(gm)
-        self.values: dict[fx.Node, Any] = {}
-
-    def run_node(self, n: fx.Node) -> Any:
-        try:
-            out = super().run_node(n)
-        except Exception as exc:  # noqa: BLE001
-            raise TraceFailure(f"running node '{n.name}' ({n.op} {n.target}) on meta tensors failed: "
-                               f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}; "
-                               "if this op needs real data, mark its module a leaf") from exc
-        self.values[n] = _describe(out)
-        return out
 
 
 def _describe(value: Any) -> Any:
@@ -78,17 +61,6 @@ def _merge(a: Any, b: Any) -> Any:
 def _size(at2: int, at3: int) -> sympy.Expr:
     slope = at3 - at2
     return sympy.Integer(at2 - 2 * slope) + slope * B if slope else sympy.Integer(at2)
-
-
-def propagate_shapes(gm: fx.GraphModule, make_inputs: Callable[[int], tuple[Any, ...]]) -> None:
-    """Write node.meta[TENSOR] for every node; `make_inputs(b)` returns meta example inputs."""
-    runs = []
-    for b in _PROBES:
-        rec = _Recorder(gm)
-        rec.run(*make_inputs(b))
-        runs.append(rec.values)
-    for node in gm.graph.nodes:
-        node.meta[TENSOR] = _merge(runs[0].get(node), runs[1].get(node))
 
 
 def tensor_info(node: Any) -> TensorInfo | None:

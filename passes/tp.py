@@ -1,51 +1,173 @@
-"""Tensor-parallel roles of nodes, as Megatron splits a transformer block.
+"""Tensor-parallel roles of nodes, read from the data flow as Megatron splits a transformer block.
 
-Inside a unit, linears pair up in order: the first of a pair is column-parallel (its weight split
-by output features), the second row-parallel (split by input features); every node between them
-works on a 1/t shard. A pair costs one all-reduce of the row output forward and one of the column
-input's gradient backward (thesis 4.3.2: 2+2 per transformer layer). A lone vocabulary-sized
-linear (the LM head) is column-parallel with a parallel cross-entropy; a vocabulary embedding is
-split by rows and all-reduces its output. Everything else is replicated.
+Inside a unit, the nodes between linears form regions (connected through the ops that do not
+multiply by a weight). A region is *shardable* when every op in it works per feature or per head:
+no normalization or reduction over the full width of the linears feeding it, and no input that
+needs a gradient from outside the region other than those linears (the residual stream is one such
+input: the region after an output projection, holding the residual add and the next norm, is not
+shardable). In a shardable region the linears that feed it are column-parallel (weight split by
+output features: q, k, v, gate, up) and the linears it feeds are row-parallel (split by input
+features: the attention output projection, down); every op inside works on a 1/t shard. This
+holds however many linears a block has (Llama's seven, fused or separate q/k/v, GQA). A region
+costs one all-reduce of the row output forward and one of the column input's gradient backward
+(thesis 4.3.2: 2+2 per transformer layer).
+
+Outside such regions, the widest linear of a unit whose output is wider than its input and at
+least VOCAB_MIN features (the LM head) is column-parallel with a parallel cross-entropy, and a
+vocabulary embedding is split by rows and all-reduces its output. Everything else is replicated.
+
+Per unit, the number of attention heads (and key/value heads, fewer under grouped-query attention)
+is recorded: tensor parallelism must divide the heads.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch.fx as fx
+from torch import nn
 
 from .costs import node_kind
 from .meta_keys import COST, TP
+from .shapes import tensor_info
 
-__all__ = ["annotate_tp_roles", "VOCAB_MIN"]
+__all__ = ["annotate_tp_roles", "VOCAB_MIN", "Heads"]
 
-VOCAB_MIN = 1024  # an embedding or lone linear at least this wide is split over the vocabulary
-
-
-def _out_features(node: fx.Node, gm: fx.GraphModule) -> int:
-    if node.op == "call_module":
-        return gm.get_submodule(str(node.target)).out_features
-    info = node.meta.get("fxp.tensor")
-    return int(info.shape[-1]) if info is not None else 0
+VOCAB_MIN = 1024  # an embedding or head at least this wide is split over the vocabulary
+NORMS = {"layer_norm", "rms_norm", "group_norm", "batch_norm", "LayerNorm", "RMSNorm"}
+REDUCTIONS = {"mean", "sum", "var", "std", "var_mean", "norm", "amax", "logsumexp"}
 
 
-def annotate_tp_roles(gm: fx.GraphModule, units: Iterable[list[fx.Node]]) -> None:
-    """Write node.meta[TP] for the nodes of each unit (a unit is a list of nodes in order)."""
+@dataclass(frozen=True, slots=True)
+class Heads:
+    heads: int = 0  # attention heads of the unit (0: none found)
+    kv_heads: int = 0  # key/value heads (= heads without grouped-query attention)
+
+
+def _param(node: object, gm: fx.GraphModule) -> nn.Parameter | None:
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        obj = gm
+        for part in str(node.target).split("."):
+            obj = getattr(obj, part, None)
+        return obj if isinstance(obj, nn.Parameter) else None
+    return None
+
+
+def linear_shape(node: fx.Node, gm: fx.GraphModule) -> tuple[int, int] | None:
+    """(in_features, out_features) when `node` multiplies an activation by a weight matrix."""
+    kind = node_kind(node, gm)
+    if node.op == "call_module" and kind == "linear":
+        mod = gm.get_submodule(str(node.target))
+        return mod.in_features, mod.out_features
+    if kind not in ("linear_fn", "matmul") or node.op != "call_function":
+        return None
+    name = str(getattr(node.target, "__name__", node.target))
+    if kind == "linear_fn":  # F.linear / aten.linear: weight (out, in)
+        w = _param(node.args[1], gm) if len(node.args) > 1 else None
+        return (w.shape[1], w.shape[0]) if w is not None and w.dim() == 2 else None
+    idx = 2 if name.startswith("addmm") else 1  # addmm(bias, x, w) / mm(x, w) / matmul(x, w): weight (in, out)
+    w = _param(node.args[idx], gm) if len(node.args) > idx else None
+    return (w.shape[0], w.shape[1]) if w is not None and w.dim() == 2 else None
+
+
+def _roots(nodes: list[fx.Node], linears: set[fx.Node]) -> dict[fx.Node, fx.Node]:
+    """Union-find over the unit's non-linear nodes, joined along data edges: node -> region root."""
+    parent = {n: n for n in nodes if n not in linears and n.op not in ("get_attr", "placeholder", "output")}
+
+    def find(n: fx.Node) -> fx.Node:
+        while parent[n] is not n:
+            parent[n] = parent[parent[n]]
+            n = parent[n]
+        return n
+
+    for n in parent:
+        for a in n.all_input_nodes:
+            if a in parent:
+                parent[find(a)] = find(n)
+    return {n: find(n) for n in parent}
+
+
+def _shardable(region: list[fx.Node], sources: set[fx.Node], widths: set[int], gm: fx.GraphModule) -> bool:
+    inside = set(region)
+    for n in region:
+        kind = node_kind(n, gm)
+        if kind in NORMS:
+            return False
+        info = tensor_info(n.args[0]) if n.args else None
+        if kind in REDUCTIONS and info is not None and info.shape and info.shape[-1] in widths:
+            return False
+        for a in n.all_input_nodes:
+            if a in inside or a in sources or a.op == "get_attr":
+                continue
+            ainfo = tensor_info(a)
+            if ainfo is not None and ainfo.requires_grad:
+                return False
+    return True
+
+
+def _heads(nodes: list[fx.Node], gm: fx.GraphModule, sources: Iterable[fx.Node]) -> Heads:
+    for n in nodes:
+        kind = n.meta[COST].kind
+        acts = [a for a in n.all_input_nodes if a.op != "get_attr"]
+        if kind == "attention" or (kind == "matmul" and len(acts) >= 2 and linear_shape(n, gm) is None):
+            q = tensor_info(acts[0])
+            if q is None or len(q.shape) != 4 or not q.shape[1].is_number:
+                continue
+            heads, head_dim = int(q.shape[1]), int(q.shape[-1])
+            widths = [linear_shape(s, gm)[1] // head_dim for s in sources if linear_shape(s, gm)]
+            kv = min([w for w in widths if w], default=heads)
+            return Heads(heads, min(kv, heads))
+    return Heads()
+
+
+def annotate_tp_roles(gm: fx.GraphModule, units: Iterable[list[fx.Node]]) -> list[Heads]:
+    """Write node.meta[TP] for the nodes of each unit (a unit is a list of nodes in order); return
+    each unit's attention heads."""
+    heads = []
     for nodes in units:
         for n in nodes:
             n.meta[TP] = "replicated"
-        kinds = [node_kind(n, gm) for n in nodes]
-        linears = [i for i, k in enumerate(kinds) if k in ("linear", "linear_fn")]
-        if len(linears) >= 2 and len(linears) % 2 == 0:
-            for col, row in zip(linears[::2], linears[1::2]):
-                nodes[col].meta[TP], nodes[row].meta[TP] = "col", "row"
-                for n in nodes[col + 1:row]:
-                    if n.meta[COST].kind != "none":
-                        n.meta[TP] = "sharded"
-        elif len(linears) == 1 and _out_features(nodes[linears[0]], gm) >= VOCAB_MIN:
-            nodes[linears[0]].meta[TP] = "vocab-col"
-        for n, k in zip(nodes, kinds):
-            if k == "embedding" and gm.get_submodule(str(n.target)).num_embeddings >= VOCAB_MIN:
-                n.meta[TP] = "vocab-emb"
+        shapes = {n: s for n in nodes if (s := linear_shape(n, gm)) is not None}
+        roots = _roots(nodes, set(shapes))
+        regions: dict[fx.Node, list[fx.Node]] = {}
+        for n, r in roots.items():
+            regions.setdefault(r, []).append(n)
+        col: set[fx.Node] = set()
+        for region in regions.values():
+            inside = set(region)
+            sources = {a for n in region for a in n.all_input_nodes if a in shapes}
+            sinks = {lin for lin in shapes if lin.all_input_nodes and lin.all_input_nodes[0] in inside}
+            widths = {shapes[s][1] for s in sources}
+            taken = {lin for lin in shapes if lin.meta[TP] in ("col", "row")}
+            if not sources or not sinks or (sources | sinks) & taken or not _shardable(region, sources, widths, gm):
+                continue
+            for s in sources:
+                s.meta[TP] = "col"
+            for s in sinks:
+                s.meta[TP] = "row"
+            for n in region:
+                if n.meta[COST].kind != "none":
+                    n.meta[TP] = "sharded"
+            col |= sources
+        _vocab(nodes, shapes, gm)
         for n in nodes:  # a weight read through get_attr is split like the op that uses it
             if n.op == "get_attr" and n.users and all(u.meta.get(TP, "replicated") != "replicated" for u in n.users):
                 n.meta[TP] = "sharded"
+        heads.append(_heads(nodes, gm, col))
+    return heads
+
+
+def _vocab(nodes: list[fx.Node], shapes: dict[fx.Node, tuple[int, int]], gm: fx.GraphModule) -> None:
+    free = [n for n in shapes if n.meta[TP] == "replicated" and shapes[n][1] >= VOCAB_MIN and shapes[n][1] > shapes[n][0]]
+    if free:
+        max(free, key=lambda n: shapes[n][1]).meta[TP] = "vocab-col"
+    for n in nodes:
+        if node_kind(n, gm) != "embedding":
+            continue
+        if n.op == "call_module":
+            rows = gm.get_submodule(str(n.target)).num_embeddings
+        else:
+            w = _param(n.args[0], gm) if n.args else None
+            rows = w.shape[0] if w is not None else 0
+        if rows >= VOCAB_MIN:
+            n.meta[TP] = "vocab-emb"

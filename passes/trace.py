@@ -11,7 +11,7 @@ import torch.fx as fx
 from .errors import TraceFailure
 from .meta_keys import MODULE
 
-__all__ = ["trace_model", "LeafTracer"]
+__all__ = ["trace_model", "LeafTracer", "user_line"]
 
 
 class LeafTracer(fx.Tracer):
@@ -44,7 +44,7 @@ class LeafTracer(fx.Tracer):
         return node
 
 
-def _user_line(exc: BaseException) -> str:
+def user_line(exc: BaseException) -> str:
     """The deepest traceback frame outside torch, as 'file:line (`source`)'."""
     torch_dir = str(Path(torch.__file__).parent)
     frames = [f for f in traceback.extract_tb(exc.__traceback__)
@@ -65,6 +65,6 @@ def trace_model(model: torch.nn.Module, leaves: Iterable[str] = ()) -> fx.GraphM
         where = f"module '{path}' ({cls})" if path else f"the top-level module ({cls})"
         hint = f"mark it a leaf with --leaf {cls}" if path else "move the untraceable code into a submodule and mark that a leaf"
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise TraceFailure(f"torch.fx cannot trace {where} at {_user_line(exc)}: {reason}; {hint} "
+        raise TraceFailure(f"torch.fx cannot trace {where} at {user_line(exc)}: {reason}; {hint} "
                            "(a leaf is priced as one opaque node)") from exc
     return fx.GraphModule(tracer.root, graph, type(model).__name__)

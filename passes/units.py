@@ -14,7 +14,7 @@ import sympy
 import torch.fx as fx
 from torch import nn
 
-from .costs import NodeCost
+from .costs import NodeCost, storage_of
 from .meta_keys import COST, MODULE, TENSOR, TP, UNIT
 from .poly import Poly
 from .shapes import B, TensorInfo
@@ -69,7 +69,7 @@ class Unit:
         return self.sharded.bwd_flops(b) + self.replicated.bwd_flops(b)
 
 
-def _containers(root: nn.Module) -> list[str]:
+def block_containers(root: nn.Module) -> list[str]:
     found = []
     for name, mod in root.named_modules():
         if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
@@ -92,7 +92,7 @@ def group_nodes(gm: fx.GraphModule, root: nn.Module) -> list[tuple[str, str, lis
     """Ordered (name, kind, nodes) groups; every node lands in exactly one group.
 
     `root` is the traced nn.Module (the GraphModule flattens containers into plain Modules)."""
-    containers = _containers(root)
+    containers = block_containers(root)
     groups: list[tuple[str, bool, list[fx.Node]]] = []
     pending: list[fx.Node] = []  # nodes without a module of their own: join the next group
     for node in gm.graph.nodes:
@@ -130,22 +130,42 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
     z = sympy.Integer(0)
     fw = bw = mm = mmb = fb = bb = sel_f = z
     saved: dict[str, sympy.Expr] = {}
-    params = 0
+    params: dict[str, int] = {}  # every weight a node of the part uses, once (a tied weight in each unit using it)
     for n in nodes:
         c: NodeCost = n.meta[COST]
         fw, bw, mm, fb, bb = fw + c.fwd_flops, bw + c.bwd_flops, mm + c.mm_flops, fb + c.fwd_bytes, bb + c.bwd_bytes
-        params += c.params
+        if n.op == "call_module":
+            params[str(n.target)] = c.params
+        params.update((str(a.target), a.meta[COST].params) for a in n.all_input_nodes if a.op == "get_attr")
         saved.update(c.saved)
         if c.mm_flops != 0:
             mmb += c.fwd_bytes
         if n.name in selective:
             sel_f += c.fwd_flops
-    sel_b = sum((v for k, v in saved.items() if k.split(".")[0] in selective), z)
+    sel_b = _selective_bytes(nodes, selective, saved)
     p = lambda e: Poly.of(e, B)  # noqa: E731
     kernels = sum(1 for n in nodes if n.meta[COST].kind not in ("view", "none"))
     return Part(fwd_flops=p(fw), bwd_flops=p(bw), mm_flops=p(mm), mm_bytes=p(mmb), fwd_bytes=p(fb), bwd_bytes=p(bb),
                 saved_bytes=p(sum(saved.values(), z)), selective_bytes=p(sel_b), selective_flops=p(sel_f),
-                params=params, kernels=kernels)
+                params=sum(params.values()), kernels=kernels)
+
+
+def _selective_bytes(nodes: list[fx.Node], core: set[str], saved: dict[str, sympy.Expr]) -> sympy.Expr:
+    """What checkpointing the attention core frees: everything the part saves, less what it still
+    saves with the core checkpointed (the other nodes' saves, and the core's inputs, which the
+    checkpoint keeps)."""
+    if not core:
+        return sympy.Integer(0)
+    kept = {k: v for n in nodes if n.name not in core for k, v in n.meta[COST].saved}
+    for n in nodes:
+        if n.name in core:
+            for a in n.all_input_nodes:
+                info = a.meta.get(TENSOR)
+                if a.name not in core and a.op != "get_attr" and isinstance(info, TensorInfo) and info.requires_grad:
+                    src = storage_of(a)
+                    src_info = src.meta.get(TENSOR)
+                    kept[src.name] = src_info.nbytes if isinstance(src_info, TensorInfo) else info.nbytes
+    return sum(saved.values(), sympy.Integer(0)) - sum(kept.values(), sympy.Integer(0))
 
 
 def _boundary_bytes(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr]:
@@ -165,20 +185,20 @@ def _boundary_bytes(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr]:
 
 
 def _selective_set(nodes: list[fx.Node]) -> set[str]:
-    """The attention core, which selective recomputation redoes (Korthikanti et al. 2022): from each
-    product of two activations (Q K^T) up to, not including, the next one (scores x V)."""
+    """The attention core, which selective recomputation redoes (Korthikanti et al. 2022): a fused
+    attention kernel, or each product of two activations (Q K^T) up to the next one (scores x V)."""
     core = [i for i, n in enumerate(nodes) if n.meta[COST].kind == "matmul"
             and all(a.op != "get_attr" for a in n.all_input_nodes)]
-    chosen: set[str] = set()
+    chosen = {n.name for n in nodes if n.meta[COST].kind == "attention"}  # a fused kernel is the whole core
     for first, second in zip(core[::2], core[1::2]):
-        chosen.update(n.name for n in nodes[first:second] if n.meta[COST].kind != "none")
+        chosen.update(n.name for n in nodes[first:second + 1] if n.meta[COST].kind != "none")
     return chosen
 
 
 def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
     """Group, mark tensor-parallel roles, and lower node costs to plain `Unit`s."""
     groups = group_nodes(gm, root)
-    annotate_tp_roles(gm, [nodes for _, _, nodes in groups])
+    heads = annotate_tp_roles(gm, [nodes for _, _, nodes in groups])
     units = []
     for index, (name, kind, nodes) in enumerate(groups):
         for n in nodes:
@@ -195,16 +215,21 @@ def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
                           replicated=_part(replicated, selective), param_bytes_per_param=elem,
                           input_bytes=Poly.of(in_b, B), output_bytes=Poly.of(out_b, B),
                           tp_fwd_allreduce_bytes=Poly.of(fwd_ar, B), tp_bwd_allreduce_bytes=Poly.of(bwd_ar, B),
-                          tp_allreduces=count, tp_layout=_tp_layout(nodes),
+                          tp_allreduces=count, tp_layout=_tp_layout(nodes, root),
                           matmuls=sum(1 for n in nodes if n.meta[COST].mm_flops != 0)))
     return units
 
 
-def _tp_layout(nodes: list[fx.Node]) -> tuple[tuple[str, str], ...]:
+def _tp_layout(nodes: list[fx.Node], root: nn.Module) -> tuple[tuple[str, str], ...]:
     """Megatron pairs as torch.distributed.tensor.parallel styles, for the runtime."""
     styles = {"col": "colwise", "row": "rowwise"}
-    return tuple((str(n.target), styles[n.meta[TP]]) for n in nodes
-                 if n.op == "call_module" and n.meta[TP] in styles)
+    out = []
+    for n in nodes:
+        if n.meta[TP] in styles and n.op in ("call_module", "call_function"):
+            path = str(n.target) if n.op == "call_module" else n.meta.get(MODULE, "")
+            if path and isinstance(root.get_submodule(path), nn.Linear):
+                out.append((path, styles[n.meta[TP]]))
+    return tuple(out)
 
 
 def _tp_allreduces(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr, int]:

@@ -119,7 +119,7 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
     nnodes, nproc, cmds = torchrun_commands(plan_path, ev.n_gpus, hw.cluster.gpus_per_node)
     gpu = asdict(hw.gpu) | {"peak_flops": dict(hw.gpu.peak_flops)}
     return Plan(
-        source=Source(model_file=profile.path, model_sha256=profile.sha256, model_args=profile.kwargs,
+        source=Source(model_file=profile.path, model_sha256=profile.sha256, model_args=profile.kwargs, frontend=profile.frontend,
                       leaves=list(leaves), target=hw.name, gpu=gpu, cluster=asdict(hw.cluster),
                       efficiency=asdict(hw.eff), reserve_bytes=hw.reserve_bytes, gpus=ev.n_gpus,
                       gpus_per_node=hw.cluster.gpus_per_node, global_batch=ev.global_batch,

@@ -33,6 +33,8 @@ class Source(_Model):
     model_sha256: str = Field(description="sha256 of the model file; the runtime refuses a different file")
     model_args: dict[str, ArgValue] = Field(description="keyword arguments of build_model / example_inputs")
     leaves: list[str] = Field(default_factory=list, description="modules traced as leaves")
+    frontend: Literal["export", "fx"] = Field("export", description="how the model was captured: torch.export, or "
+                                              "torch.fx.symbolic_trace where export could not take it (or leaves)")
     target: str = Field(description="target name")
     gpu: dict[str, float | str | dict[str, float]] = Field(description="GPU figures used")
     cluster: dict[str, float | int] = Field(description="cluster figures used")
@@ -82,7 +84,8 @@ class Stage(_Model):
     stage: int = Field(description="virtual stage index (chunk c of rank r is stage c*p + r)")
     rank: int = Field(description="pipeline rank that runs it")
     units: list[str]
-    nodes: list[str] = Field(description="fx node names, in order")
+    nodes: list[str] = Field(description="node names of the planning graph (source.frontend), in order; the "
+                                         "runtime places nodes by their unit")
     forward_s: float
     backward_s: float
     activation_bytes: float = Field(description="per microbatch in flight")

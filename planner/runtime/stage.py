@@ -102,27 +102,26 @@ class SplitModel:
 
 def _pieces(gm: fx.GraphModule, root: nn.Module, plan: Plan) -> tuple[dict[str, int], list[Piece]]:
     """Node name -> piece index, and the pieces in graph order."""
-    stage_of = {name: s.stage for s in plan.partition for name in s.nodes}
+    stage_of_unit = {name: s.stage for s in plan.partition for name in s.units}
     # the mode says what the runtime checkpoints ('selective' runs as whole blocks: a memory-safe superset)
     recompute = plan.config.to_config().recompute_mode.checkpoint_blocks
-    unit_of: dict[str, tuple[int, str]] = {}
-    if recompute:
-        for i, (_, kind, nodes) in enumerate(group_nodes(gm, root)):
-            unit_of.update({n.name: (i, kind) for n in nodes})
+    unit_of: dict[str, tuple[int, str, str]] = {}
+    for i, (name, kind, nodes) in enumerate(group_nodes(gm, root)):
+        if name not in stage_of_unit:
+            raise UserError(f"the plan's partition does not place unit {name!r}; the model traced differently "
+                            "than when it was planned (leaves or model arguments changed?) - re-plan")
+        unit_of.update({n.name: (i, kind, name) for n in nodes})
     keys: dict[tuple[int, int], int] = {}
     part_of: dict[str, int] = {}
     pieces: list[Piece] = []
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr", "output"):
             continue
-        if node.name not in stage_of:
-            raise UserError(f"the plan's partition does not place fx node {node.name!r}; the model traced "
-                            "differently than when it was planned (leaves or model arguments changed?) - re-plan")
-        unit, kind = unit_of.get(node.name, (-1, ""))
-        key = (stage_of[node.name], unit)
+        unit, kind, name = unit_of[node.name]
+        key = (stage_of_unit[name], unit if recompute else -1)
         if key not in keys:
             keys[key] = len(pieces)
-            pieces.append(Piece(index=len(pieces), stage=key[0], checkpoint=kind == "block"))
+            pieces.append(Piece(index=len(pieces), stage=key[0], checkpoint=recompute and kind == "block"))
         part_of[node.name] = keys[key]
     return part_of, pieces
 

@@ -1,0 +1,94 @@
+"""Capture a model as one fx graph: torch.export first, torch.fx.symbolic_trace as the fallback.
+
+`torch.export.export(..., strict=False)` traces through Python control flow, ModelOutput
+dataclasses and `**kwargs` forwards (every Hugging Face model once `use_cache=False`), which
+symbolic tracing cannot. The batch dimension of every tensor input is exported as a symbol, so one
+capture holds for every microbatch size. The exported program is unlifted (`ep.module()`):
+parameters become `get_attr` nodes, each moved to just before its first user, and every node
+records the innermost module it came from (from export's `nn_module_stack`), which is what
+`passes.units` groups by. When neither front-end can take the model, the message names the module
+and line each stopped at.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx as fx
+
+from .errors import TraceFailure
+from .meta_keys import MODULE
+from .trace import trace_model, user_line
+
+__all__ = ["Captured", "capture", "export_graph"]
+
+
+@dataclass(frozen=True, slots=True)
+class Captured:
+    gm: fx.GraphModule
+    frontend: str  # "export" | "fx"
+    export_error: str = ""  # why export was not used, when it was not
+
+
+def _dynamic_batch(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    b = torch.export.Dim("b", min=2)
+    return tuple({0: b} if isinstance(x, torch.Tensor) and x.dim() > 0 else None for x in inputs)
+
+
+def export_graph(model: torch.nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
+    """torch.export (non-strict, dynamic batch) as a GraphModule with parameters as get_attr nodes."""
+    import io
+    import logging
+    import warnings
+    from contextlib import redirect_stderr, redirect_stdout
+
+    quiet = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        # export prints graph dumps and warnings on its way to an error; the error is what we report
+        with warnings.catch_warnings(), redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(model, tuple(inputs), dynamic_shapes=_dynamic_batch(inputs), strict=False)
+    finally:
+        quiet.setLevel(level)
+    gm = ep.module()
+    graph = gm.graph
+    for node in graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        path = list(stack.values())[-1][0] if stack else ""
+        node.meta[MODULE] = "" if path.startswith("_") else path  # export's own helpers count as top level
+    for node in [n for n in graph.nodes if n.op == "get_attr" and n.users]:
+        first = min(node.users, key=_position(graph))
+        first.prepend(node)  # a weight lives with the op that reads it, so units own their parameters
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    return order.__getitem__
+
+
+def _reason(exc: BaseException) -> str:
+    """The sentence of export's message that says what went wrong (it may come after a graph dump)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip() and not ln.startswith((" ", "def "))]
+    text = next((ln for ln in lines if not ln.startswith(("#", "For more", "For C++"))), type(exc).__name__)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def capture(model: torch.nn.Module, inputs: tuple[Any, ...], leaves: Iterable[str] = ()) -> Captured:
+    """The model's graph. Leaves (`--leaf`) are an fx notion: with leaves, symbolic tracing is used."""
+    leaves = tuple(leaves)
+    if leaves:
+        return Captured(trace_model(model, leaves), "fx", "leaves were given")
+    try:
+        return Captured(export_graph(model, inputs), "export")
+    except Exception as exc:  # noqa: BLE001 - fall back to symbolic tracing, and say why if that fails too
+        export_error = f"torch.export stopped at {user_line(exc)}: {_reason(exc)}"
+    try:
+        return Captured(trace_model(model, leaves), "fx", export_error)
+    except TraceFailure as fx_exc:
+        raise TraceFailure(f"{export_error}; and {fx_exc}") from fx_exc
