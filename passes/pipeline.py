@@ -14,6 +14,7 @@ import torch
 import torch.fx as fx
 
 from .costs import annotate_costs
+from .check import Conservation, PricingError, conservation
 from .errors import UserError
 from .load import ModelFile, file_sha256, load_model_file
 from .capture import capture
@@ -38,6 +39,8 @@ class Context:
     frontend: str = ""  # "export" | "fx"
     export_error: str = ""
     units: list[Unit] = field(default_factory=list)
+    priced: list[Unit] = field(default_factory=list)  # the units of the traced representatives
+    conservation: Conservation | None = None
     cuts: list[Cut] = field(default_factory=list)  # block containers priced by representatives
 
 
@@ -52,6 +55,9 @@ class ModelProfile:
     dtype: str
     frontend: str  # "export" (torch.export) or "fx" (symbolic_trace)
     total_params: int  # unique parameters (tied weights once)
+    tokens_per_sample: int  # sequence length of a token-id input; 0 when the input is not token ids
+    unpriced: tuple[tuple[str, float], ...]  # (op, share of the forward's bytes) the tables do not know
+    notes: tuple[str, ...]  # what the user should know about how the model was priced
     units: tuple[Unit, ...]
     pass_times: tuple[tuple[str, float], ...]
 
@@ -72,6 +78,14 @@ def _inputs(ctx: Context, b: int) -> tuple[Any, ...]:
                  for x in ctx.model_file.inputs(b, "meta"))
 
 
+def _tokens_per_sample(ctx: Context) -> int:
+    """Sequence length when the first input is a (batch, seq) tensor of token ids, else 0."""
+    first = next((x for x in _inputs(ctx, 2) if isinstance(x, torch.Tensor)), None)
+    if first is None or first.is_floating_point() or first.dim() != 2:
+        return 0
+    return int(first.shape[1])
+
+
 def _capture(ctx: Context) -> None:
     with representatives(ctx.model) as ctx.cuts:
         captured = capture(ctx.model, _inputs(ctx, 2), ctx.leaves)
@@ -89,13 +103,22 @@ def _costs(ctx: Context) -> None:
 
 def _units(ctx: Context) -> None:
     with representatives(ctx.model):
-        units = lower_units(ctx.gm, ctx.model)
-    ctx.units = expand(units, ctx.cuts)
+        ctx.priced = lower_units(ctx.gm, ctx.model)
+    ctx.units = expand(ctx.priced, ctx.cuts)
+
+
+def _check(ctx: Context) -> None:
+    """Conservation: the priced units hold the model's parameters, and their forward FLOPs equal the
+    model's own forward counted independently (torch.utils.flop_counter over the module), within 1%."""
+    with representatives(ctx.model):
+        ctx.conservation = conservation(ctx.model, ctx.gm, ctx.priced, _inputs(ctx, 2))
+    if not ctx.conservation.flops_ok:
+        raise PricingError(ctx.conservation.flops_message())
 
 
 PASSES: tuple[tuple[str, Callable[[Context], None]], ...] = (
     ("load", _load), ("build", _build), ("capture", _capture), ("measure", _measure),
-    ("costs", _costs), ("units", _units),
+    ("costs", _costs), ("units", _units), ("check", _check),
 )
 
 
@@ -124,5 +147,8 @@ def analyze(path: str | Path, kwargs: dict[str, Any] | None = None, *, leaves: t
     profile = ModelProfile(name=ctx.path.stem, path=str(ctx.path), sha256=file_sha256(ctx.path),
                            kwargs=dict(ctx.kwargs), dtype=dtype, frontend=ctx.frontend,
                            total_params=sum(p.numel() for p in ctx.model.parameters()),
+                           tokens_per_sample=_tokens_per_sample(ctx), unpriced=ctx.conservation.unpriced,
+                           notes=ctx.conservation.notes + ((f"captured with torch.fx ({ctx.export_error})",)
+                                                          if ctx.export_error else ()),
                            units=tuple(ctx.units), pass_times=tuple(times))
     return profile, ctx

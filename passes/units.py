@@ -31,6 +31,7 @@ class Part:
     bwd_flops: Poly = field(default_factory=Poly)
     mm_flops: Poly = field(default_factory=Poly)  # forward FLOPs in matrix products
     mm_bytes: Poly = field(default_factory=Poly)  # forward bytes moved by matrix products
+    model_flops: Poly = field(default_factory=Poly)  # mm_flops with causal attention counted in full (PaLM)
     fwd_bytes: Poly = field(default_factory=Poly)
     bwd_bytes: Poly = field(default_factory=Poly)
     saved_bytes: Poly = field(default_factory=Poly)  # activations kept for backward (no recompute)
@@ -67,6 +68,11 @@ class Unit:
 
     def bwd_flops(self, b: float) -> float:
         return self.sharded.bwd_flops(b) + self.replicated.bwd_flops(b)
+
+    def model_flops(self, b: float) -> float:
+        """Model FLOPs of forward + backward as PaLM (appendix B) and Megatron count them for MFU: three
+        times the forward's matrix products, attention in full (causal or not), no recomputation."""
+        return 3 * (self.sharded.model_flops(b) + self.replicated.model_flops(b))
 
 
 def block_containers(root: nn.Module) -> list[str]:
@@ -128,12 +134,13 @@ def _merge_edges(groups: list[tuple[str, bool, list[fx.Node]]]) -> list[tuple[st
 
 def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
     z = sympy.Integer(0)
-    fw = bw = mm = mmb = fb = bb = sel_f = z
+    fw = bw = mm = mmb = fb = bb = sel_f = full = z
     saved: dict[str, sympy.Expr] = {}
     params: dict[str, int] = {}  # every weight a node of the part uses, once (a tied weight in each unit using it)
     for n in nodes:
         c: NodeCost = n.meta[COST]
         fw, bw, mm, fb, bb = fw + c.fwd_flops, bw + c.bwd_flops, mm + c.mm_flops, fb + c.fwd_bytes, bb + c.bwd_bytes
+        full += c.mm_flops if c.full_mm_flops is None else c.full_mm_flops
         if n.op == "call_module":
             params[str(n.target)] = c.params
         params.update((str(a.target), a.meta[COST].params) for a in n.all_input_nodes if a.op == "get_attr")
@@ -145,7 +152,7 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
     sel_b = _selective_bytes(nodes, selective, saved)
     p = lambda e: Poly.of(e, B)  # noqa: E731
     kernels = sum(1 for n in nodes if n.meta[COST].kind not in ("view", "none"))
-    return Part(fwd_flops=p(fw), bwd_flops=p(bw), mm_flops=p(mm), mm_bytes=p(mmb), fwd_bytes=p(fb), bwd_bytes=p(bb),
+    return Part(fwd_flops=p(fw), bwd_flops=p(bw), mm_flops=p(mm), mm_bytes=p(mmb), model_flops=p(full), fwd_bytes=p(fb), bwd_bytes=p(bb),
                 saved_bytes=p(sum(saved.values(), z)), selective_bytes=p(sel_b), selective_flops=p(sel_f),
                 params=sum(params.values()), kernels=kernels)
 

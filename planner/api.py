@@ -9,6 +9,7 @@ from costmodels.calibration import Calibration, apply_calibration
 from costmodels.compute import unit_time
 from costmodels.hardware import Hardware
 from costmodels.memory import activation_bytes
+from passes.check import PricingError
 from passes.errors import UserError
 from passes.pipeline import ModelProfile, analyze
 from targets.registry import get_target
@@ -62,13 +63,6 @@ def profile_rows(profile: ModelProfile, hw: Hardware, cfg: ParallelConfig) -> li
     return rows
 
 
-def _tokens_per_sample(profile: ModelProfile) -> int:
-    """Sequence length for token-id inputs (the embedding unit's input is b x s ids), else 1."""
-    first = profile.units[0]
-    ids = first.input_bytes(1) / 8  # int64 token ids
-    return int(ids) if first.kind == "embedding" and ids >= 1 and ids == int(ids) else 1
-
-
 def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per_node: int | None = None,
               model_args: dict[str, Any] | None = None, pins: Pins = Pins(), leaves: tuple[str, ...] = (),
               plan_path: str = "plan.json", fill: FillSpec | None = None, main_slack: float = 0.0, offload: str = "auto",
@@ -93,11 +87,32 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
                              safety_margin=fill.safety_margin, solver=fill_solver)
         best, sim = joint.evaluation, joint.simulation
     seconds = time.perf_counter() - start
+    _check_physics(ev, best)
     runners = [e for e in (result.best, *result.runners_up) if e.config != best.config]
     plan = _to_plan(profile, ev, best, sim, runners, result, seconds, pins, plan_path, leaves)
     if joint is not None:
         plan = plan.model_copy(update={"fill": fill_section(joint, fill)})
     return plan, result
+
+
+MAX_MFU = 0.75  # no published dense training run comes near; above it the cost model is wrong
+
+
+def _check_physics(ev: Evaluator, best: Evaluation) -> None:
+    """A plan faster than the GPU can compute is a pricing error: refuse it, naming the unit whose
+    priced time implies the highest FLOP rate."""
+    c, peak = best.config, ev.hw.gpu.peak(best.config.precision)
+    if best.mfu <= MAX_MFU and best.hardware_tflops_per_gpu * 1e12 <= peak:
+        return
+    rates = []
+    for u in ev.units:
+        ut = unit_time(u, ev.hw, c)
+        if ut.fwd_s + ut.bwd_s > 0:
+            rates.append(((u.fwd_flops(c.b) + u.bwd_flops(c.b)) / c.tp / (ut.fwd_s + ut.bwd_s), u.name))
+    rate, name = max(rates, default=(0.0, "?"))
+    raise PricingError(f"pricing error: the best plan ({c}) would run at MFU {best.mfu:.0%} / "
+                       f"{best.hardware_tflops_per_gpu:.0f} TFLOP/s per GPU against a {peak / 1e12:.0f} TFLOP/s peak; "
+                       f"unit {name} is priced at {rate / 1e12:.0f} TFLOP/s; please report this model")
 
 
 def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimResult,
@@ -114,12 +129,14 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
     sched = with_bubbles(c.schedule_kind.generate(c.pp, c.m, c.v), sim)
     mem = [RankMemory(rank=i, weights=m.weights, grads=m.grads, optimizer=m.optimizer, activations=m.activations,
                       reserve=m.reserve, total=m.total, capacity=ev.capacity) for i, m in enumerate(best.rank_memory)]
-    tokens = _tokens_per_sample(profile)
+    tokens = profile.tokens_per_sample
     hw = ev.hw
     nnodes, nproc, cmds = torchrun_commands(plan_path, ev.n_gpus, hw.cluster.gpus_per_node)
     gpu = asdict(hw.gpu) | {"peak_flops": dict(hw.gpu.peak_flops)}
     return Plan(
         source=Source(model_file=profile.path, model_sha256=profile.sha256, model_args=profile.kwargs, frontend=profile.frontend,
+                      notes=[*(f"unpriced op {op} ({share:.1%} of the forward's bytes)" for op, share in profile.unpriced),
+                             *profile.notes],
                       leaves=list(leaves), target=hw.name, gpu=gpu, cluster=asdict(hw.cluster),
                       efficiency=asdict(hw.eff), reserve_bytes=hw.reserve_bytes, gpus=ev.n_gpus,
                       gpus_per_node=hw.cluster.gpus_per_node, global_batch=ev.global_batch,
@@ -133,7 +150,7 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
         bubbles=list(sim.bubbles),
         predictions=Predictions(iteration_s=best.iteration_s, samples_per_s=best.samples_per_s,
                                 tokens_per_s=best.samples_per_s * tokens, tflops_per_gpu=best.tflops_per_gpu,
-                                mfu=best.mfu, hardware_tflops_per_gpu=best.hardware_tflops_per_gpu,
+                                mfu=best.mfu, hfu=best.hfu, hardware_tflops_per_gpu=best.hardware_tflops_per_gpu,
                                 bubble_fraction=best.bubble_fraction, p2p_s=best.p2p_s,
                                 tp_comm_s=best.tp_comm_s, allreduce_s=list(best.allreduce_s),
                                 optimizer_s=list(best.optimizer_s), memory=mem,

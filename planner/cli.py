@@ -128,7 +128,9 @@ def profile(
               "bwd_s": sum(r["bwd_s"] for r in rows), "activation_bytes": sum(r["activation_bytes"] for r in rows)}
     if as_json:
         out.print_json(json.dumps({"model": prof.path, "target": tg.name, "batch": batch, "tp": tp, "units": rows,
-                                   "totals": totals, "passes": [{"name": n, "seconds": s} for n, s in prof.pass_times]}))
+                                   "totals": totals, "frontend": prof.frontend, "notes": list(prof.notes),
+                                   "unpriced": [{"op": op, "share_of_bytes": share} for op, share in prof.unpriced],
+                                   "passes": [{"name": n, "seconds": s} for n, s in prof.pass_times]}))
         return
     _print_profile(prof, tg.name, batch, tp, rows, totals, measure)
 
@@ -156,7 +158,18 @@ def _print_profile(prof, target: str, batch: int, tp: int, rows: list[dict], tot
                   _si(totals["activation_bytes"], "B"), _ms(totals["fwd_s"]), _ms(totals["bwd_s"]),
                   *([""] * (2 if measured else 0)), style="bold")
     out.print(table)
-    out.print("passes: " + ", ".join(f"{n} {s:.2f}s" for n, s in prof.pass_times), highlight=False)
+    print_model_notes(prof)
+    out.print(f"captured with {'torch.export' if prof.frontend == 'export' else 'torch.fx'}; passes: "
+              + ", ".join(f"{n} {s:.2f}s" for n, s in prof.pass_times), highlight=False)
+
+
+def print_model_notes(prof) -> None:
+    """What the user should know about how the model was priced: unpriced ops and notes."""
+    for op, share in prof.unpriced:
+        out.print(f"unpriced: op {op} ({share:.1%} of the forward's memory traffic) is not in the cost tables; it is "
+                  "priced as memory-bound with 2 FLOPs per parameter per row", highlight=False)
+    for note in prof.notes:
+        out.print(f"note: {note}", highlight=False)
 
 
 def main() -> None:

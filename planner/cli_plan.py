@@ -85,6 +85,8 @@ def plan(
         out.print_json(plan_.model_dump_json(by_alias=True))
         return
     print_summary(plan_)
+    for note in plan_.source.notes:
+        out.print(f"note: {note}", highlight=False)
     out.print(f"plan written to [bold]{output}[/]; launch on each node with:", highlight=False)
     for cmd in plan_.launch.commands[:2]:
         out.print(f"  {cmd}", highlight=False, soft_wrap=True)
@@ -97,9 +99,10 @@ def print_summary(p: Plan) -> None:
     out.print(f"[bold]{Path(s.model_file).name}[/] on {s.gpus} x {s.target}, global batch {s.global_batch}",
               highlight=False)
     out.print(f"chosen: [bold green]{p.config.to_config()}[/]", highlight=False)
-    out.print(f"predicted: {pr.tflops_per_gpu:.1f} TFLOP/s/GPU (eq. 4.2), MFU {pr.mfu:.1%}, iteration "
-              f"{_ms(pr.iteration_s)}, {pr.tokens_per_s:,.0f} tokens/s, bubble fraction {pr.bubble_fraction:.1%} "
-              f"(executed: {pr.hardware_tflops_per_gpu:.1f} TFLOP/s/GPU)", highlight=False)
+    rate = f"{pr.tokens_per_s:,.0f} tokens/s" if pr.tokens_per_s else f"{pr.samples_per_s:,.1f} samples/s"
+    out.print(f"predicted: MFU {pr.mfu:.1%} (PaLM), HFU {pr.hfu:.1%}, iteration {_ms(pr.iteration_s)}, {rate}, "
+              f"bubble fraction {pr.bubble_fraction:.1%} ({pr.hardware_tflops_per_gpu:.1f} TFLOP/s/GPU executed; "
+              f"{pr.tflops_per_gpu:.1f} by thesis eq. 4.2)", highlight=False)
     mem = Table(title="memory per pipeline rank (GiB)")
     for col in ("rank", "weights", "grads", "optimizer", "activations", "reserve", "total", "capacity"):
         mem.add_column(col, justify="right")

@@ -43,9 +43,10 @@ class Evaluation:
     tp_comm_s: float  # per microbatch, all units, forward + backward
     iteration_s: float
     samples_per_s: float
-    model_flops: float  # per iteration, thesis eq. 4.2 convention
+    model_flops: float  # per iteration, as PaLM and Megatron count them (no recomputation)
     tflops_per_gpu: float  # thesis eq. 4.2: a fixed F (recomputation assumed) over the iteration time
-    mfu: float
+    mfu: float  # model FLOPs per second per GPU over the precision's dense peak (PaLM)
+    hfu: float  # FLOPs executed (recomputation as planned, causal attention as run) per second per GPU over peak
     hardware_tflops_per_gpu: float  # FLOPs actually executed (recomputation only where planned)
     bubble_fraction: float
     simulated: bool = False
@@ -83,6 +84,10 @@ class Evaluator:
         return self._cache[key]
 
     def model_flops(self) -> float:
+        """Model FLOPs of one iteration for MFU (PaLM, appendix B): 3x the forward matrix products."""
+        return sum(u.model_flops(1) for u in self.units) * self.global_batch
+
+    def thesis_flops(self) -> float:
         """FLOPs of one iteration as the thesis counts them (eq. 4.2): forward + backward of every
         unit plus one more forward of every block (activation recomputation assumed)."""
         return self.executed_flops("full")
@@ -124,15 +129,16 @@ class Evaluator:
         return self._finish(c, part.bounds, f_s, b_s, a_s, mems, p2p, ar, opt, sum(tpc), it, None)
 
     def _finish(self, c, bounds, f_s, b_s, a_s, mems, p2p, ar, opt, tpc, it, bubble) -> Evaluation:
-        flops = self.model_flops()
-        per_gpu = flops / (self.n_gpus * it)
+        flops, peak = self.model_flops(), self.hw.gpu.peak(c.precision)
+        per_gpu = self.thesis_flops() / (self.n_gpus * it)
+        executed = self.executed_flops(c.recompute) / (self.n_gpus * it)
         busy = [sum(f_s[j] + b_s[j] for j in range(r, c.stages, c.pp)) * c.m + ar[r] + opt[r] for r in range(c.pp)]
         frac = bubble if bubble is not None else max(0.0, 1 - sum(busy) / (c.pp * it))
         return Evaluation(config=c, bounds=tuple(bounds), forward_s=f_s, backward_s=b_s, activation_bytes=a_s,
                           rank_memory=tuple(mems), p2p_s=p2p, allreduce_s=ar, optimizer_s=opt, tp_comm_s=tpc,
                           iteration_s=it, samples_per_s=self.global_batch / it, model_flops=flops,
-                          tflops_per_gpu=per_gpu / 1e12, mfu=per_gpu / self.hw.gpu.peak(c.precision),
-                          hardware_tflops_per_gpu=self.executed_flops(c.recompute) / (self.n_gpus * it) / 1e12,
+                          tflops_per_gpu=per_gpu / 1e12, mfu=flops / (self.n_gpus * it) / peak, hfu=executed / peak,
+                          hardware_tflops_per_gpu=executed / 1e12,
                           bubble_fraction=frac, simulated=bubble is not None)
 
     def _partition(self, c: ParallelConfig, fwd, bwd, act):

@@ -33,6 +33,8 @@ class Source(_Model):
     model_sha256: str = Field(description="sha256 of the model file; the runtime refuses a different file")
     model_args: dict[str, ArgValue] = Field(description="keyword arguments of build_model / example_inputs")
     leaves: list[str] = Field(default_factory=list, description="modules traced as leaves")
+    notes: list[str] = Field(default_factory=list, description="how the model was priced: unpriced ops, unused "
+                             "parameters, layers priced without a parallelism they need")
     frontend: Literal["export", "fx"] = Field("export", description="how the model was captured: torch.export, or "
                                               "torch.fx.symbolic_trace where export could not take it (or leaves)")
     target: str = Field(description="target name")
@@ -107,9 +109,13 @@ class RankMemory(_Model):
 class Predictions(_Model):
     iteration_s: float
     samples_per_s: float
-    tokens_per_s: float
+    tokens_per_s: float = Field(description="0 for a model whose input is not token ids")
     tflops_per_gpu: float = Field(description="thesis eq. 4.2 convention (recomputation counted)")
-    mfu: float = Field(description="tflops_per_gpu over the dtype's dense peak")
+    mfu: float = Field(description="model FLOPs utilization as PaLM and Megatron define it: 3x the forward's matrix "
+                                   "products (attention in full, no recomputation) per second per GPU over the "
+                                   "dtype's dense peak")
+    hfu: float = Field(description="hardware FLOPs utilization: FLOPs executed (recomputation as planned, causal "
+                                   "attention as run) over the dense peak")
     hardware_tflops_per_gpu: float = Field(description="FLOPs actually executed (recomputation only as planned)")
     bubble_fraction: float
     p2p_s: float
@@ -124,7 +130,7 @@ class Alternative(_Model):
     config: ConfigModel
     iteration_s: float
     tflops_per_gpu: float
-    mfu: float
+    mfu: float = Field(description="as Predictions.mfu")
     peak_memory: float
     simulated: bool
 
@@ -155,6 +161,8 @@ class FillJob(_Model):
     unit_time_s: list[float] = Field(description="predicted time of each linearized unit on the target")
     resident: bool = Field(description="kept on the device between bubbles, else loaded per bubble")
     leaves: list[str] = Field(default_factory=list, description="modules traced as leaves")
+    notes: list[str] = Field(default_factory=list, description="how the model was priced: unpriced ops, unused "
+                             "parameters, layers priced without a parallelism they need")
     iterations: Optional[int] = Field(None, description="work: iterations after which the job is done")
 
 

@@ -55,7 +55,7 @@ def _plan(jobs: list[FillJob], placement: dict[int, str], durations: dict[int, f
     source = Source(model_file=str(ROOT / "examples/gpt.py"), model_sha256=file_sha256(ROOT / "examples/gpt.py"),
                     model_args={"preset": "tiny", "layers": 2}, target="cpu", gpu={}, cluster={},
                     gpus=2, gpus_per_node=2, global_batch=8, tool_version="test")
-    predictions = Predictions(iteration_s=1.0, samples_per_s=8.0, tokens_per_s=256.0, tflops_per_gpu=0.0, mfu=0.0,
+    predictions = Predictions(iteration_s=1.0, samples_per_s=8.0, tokens_per_s=256.0, tflops_per_gpu=0.0, mfu=0.0, hfu=0.0,
                               hardware_tflops_per_gpu=0.0, bubble_fraction=0.5, p2p_s=0.0, tp_comm_s=0.0,
                               allreduce_s=[0.0, 0.0], optimizer_s=[0.0, 0.0], memory=[])
     return Plan(source=source, config=ConfigModel(tp=1, pp=2, dp=1, microbatch=1, microbatches=8, vp=1,
