@@ -81,13 +81,14 @@ class _Run(fx.Interpreter):
         self.skip = {_cdata(t) for t in [*gm.parameters(), *gm.buffers(), *root.parameters(), *root.buffers()]}
         self.current: fx.Node | None = None
         self.alive: list[torch.Tensor] = []
+        self.weights: set[str] = set()  # nodes computed from parameters alone (e.g. experts' weights gathered)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         node = self.current
         if node is None or not isinstance(t, torch.Tensor):
             return t
         key = _cdata(t)
-        if key in self.skip:
+        if key in self.skip or self.producer.get(key) in self.weights:
             return t
         slots = self.saved.setdefault(node, {})
         name = self.producer.get(key) or f"{node.name}.{len(slots)}"
@@ -107,6 +108,8 @@ class _Run(fx.Interpreter):
                                f"{str(exc).splitlines()[0] if str(exc) else ''}; code that needs real data "
                                "cannot be planned on meta tensors") from exc
         self.flops[n] = counter.flops
+        if n.op == "call_function" and self._from_weights(n):
+            self.weights.add(n.name)
         for t in _tensors(out):
             self.producer.setdefault(_cdata(t), n.name)
             self.alive.append(t)  # a freed storage's address could be reused by a later tensor
@@ -140,6 +143,14 @@ class _Run(fx.Interpreter):
         else:
             p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
         return torch.ops.aten.native_dropout(args[0], float(p), True)[0]
+
+    def _from_weights(self, n: fx.Node) -> bool:
+        """Experts' weights gathered per token (`gate_up_proj[expert_ids]`, Hugging Face's batched_mm
+        experts): a grouped GEMM reads them in place, so the copy is no activation kept per microbatch."""
+        first = n.all_input_nodes[0] if n.all_input_nodes else None
+        value = self.env.get(first) if first is not None else None
+        return (getattr(n.target, "__name__", "").startswith("index") and isinstance(value, torch.nn.Parameter)
+                and value.dim() >= 3)
 
     def _module(self, n: fx.Node) -> torch.nn.Module | None:
         path = n.meta.get(MODULE, "")

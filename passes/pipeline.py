@@ -41,6 +41,7 @@ class Context:
     units: list[Unit] = field(default_factory=list)
     priced: list[Unit] = field(default_factory=list)  # the units of the traced representatives
     conservation: Conservation | None = None
+    notes: list[str] = field(default_factory=list)
     cuts: list[Cut] = field(default_factory=list)  # block containers priced by representatives
 
 
@@ -70,6 +71,32 @@ def _build(ctx: Context) -> None:
     # as training code does: the whole model (buffers such as RoPE tables too) in the training dtype
     ctx.model = ctx.model_file.build("meta", ctx.dtype).to(ctx.dtype)
     ctx.model.train()
+    ctx.notes.extend(experts_routed(ctx.model))
+
+
+def experts_routed(model: torch.nn.Module) -> list[str]:
+    """Mixture-of-experts layers (modules with an integer `num_experts`): Hugging Face experts run as
+    `batched_mm`, which computes exactly the top-k experts of each token with no data-dependent
+    shapes, so they can be captured and are priced at the routed top-k, not as dense. One note says
+    what is not planned."""
+    def holds_experts(m: torch.nn.Module) -> bool:
+        n = getattr(m, "num_experts", None)
+        return isinstance(n, int) and (any(p.dim() >= 3 and p.shape[0] == n for p in m.parameters(recurse=False))
+                                       or any(isinstance(c, torch.nn.ModuleList) and len(c) == n for c in m.children()))
+
+    layers = [(name, m) for name, m in model.named_modules() if holds_experts(m)]
+    if not layers:
+        return []
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "_experts_implementation"):
+        config._experts_implementation = "batched_mm"
+    parents = dict(model.named_modules())
+    name, first = layers[0]
+    parent = parents.get(name.rsplit(".", 1)[0]) if "." in name else model
+    k = getattr(parent, "top_k", None) or getattr(config, "num_experts_per_tok", None) or "?"
+    return [f"{len(layers)} mixture-of-experts layers ({first.num_experts} experts, top-{k} routing, e.g. {name}) are "
+            f"priced at the {k} experts each token is routed to; expert parallelism is not planned yet, so every "
+            f"GPU of a stage holds all {first.num_experts} experts of its layers"]
 
 
 def _inputs(ctx: Context, b: int) -> tuple[Any, ...]:
@@ -148,7 +175,7 @@ def analyze(path: str | Path, kwargs: dict[str, Any] | None = None, *, leaves: t
                            kwargs=dict(ctx.kwargs), dtype=dtype, frontend=ctx.frontend,
                            total_params=sum(p.numel() for p in ctx.model.parameters()),
                            tokens_per_sample=_tokens_per_sample(ctx), unpriced=ctx.conservation.unpriced,
-                           notes=ctx.conservation.notes + ((f"captured with torch.fx ({ctx.export_error})",)
+                           notes=tuple(ctx.notes) + ctx.conservation.notes + ((f"captured with torch.fx ({ctx.export_error})",)
                                                           if ctx.export_error else ()),
                            units=tuple(ctx.units), pass_times=tuple(times))
     return profile, ctx

@@ -58,6 +58,8 @@ class Unit:
     tp_allreduces: int  # number of all-reduces forward (the same number backward)
     matmuls: int
     tp_layout: tuple[tuple[str, str], ...] = ()  # (linear module path, "colwise" | "rowwise")
+    heads: int = 0  # attention heads (0: no attention found); tensor parallelism must divide them
+    kv_heads: int = 0  # key/value heads (fewer than heads under grouped-query attention)
 
     @property
     def params(self) -> int:
@@ -223,6 +225,7 @@ def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
                           input_bytes=Poly.of(in_b, B), output_bytes=Poly.of(out_b, B),
                           tp_fwd_allreduce_bytes=Poly.of(fwd_ar, B), tp_bwd_allreduce_bytes=Poly.of(bwd_ar, B),
                           tp_allreduces=count, tp_layout=_tp_layout(nodes, root),
+                          heads=heads[index].heads, kv_heads=heads[index].kv_heads,
                           matmuls=sum(1 for n in nodes if n.meta[COST].mm_flops != 0)))
     return units
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 from costmodels.precision import PRECISIONS
 from costmodels.recompute import RECOMPUTE
@@ -86,11 +86,30 @@ def check_cluster(n_gpus: int, gpus_per_node: int) -> None:
                         f"{gpus_per_node} (or set --gpus-per-node)")
 
 
+def tp_reason(t: int, heads: Iterable[tuple[int, int]]) -> str | None:
+    """Why tensor-parallel degree t cannot split the attention of units with (heads, kv heads), or None."""
+    for h, kv in heads:
+        if h and h % t:
+            return f"t={t} does not divide the {h} attention heads"
+        if kv and kv % t:  # Megatron-Core requires it too (num_query_groups % tensor_model_parallel_size)
+            return f"t={t} does not divide the {kv} key/value heads (replicating kv heads is not priced yet)"
+    return None
+
+
 def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int, pins: Pins,
-               rejected: Counter) -> Iterator[ParallelConfig]:
+               rejected: Counter, heads: Iterable[tuple[int, int]] = ()) -> Iterator[ParallelConfig]:
+    heads = set(heads)
     t_pool = divisors(n_gpus) if pins.allow_cross_node_tp else divisors(min(gpus_per_node, n_gpus))
+    if pins.tp is not None and pins.tp not in t_pool:
+        t = pins.tp
+        rejected[tp_reason(t, heads) or (f"t={t} does not divide {n_gpus} GPUs" if n_gpus % t else
+                 f"t={t} does not divide the {gpus_per_node} GPUs of a node" if t < gpus_per_node else
+                 f"t={t} spans more than one node of {gpus_per_node} GPUs (allow it with --allow-cross-node-tp)")] += 1
     for t in t_pool:
         if pins.tp not in (None, t):
+            continue
+        if (why := tp_reason(t, heads)) is not None:
+            rejected[why] += 1
             continue
         for p in divisors(n_gpus // t):
             d = n_gpus // (t * p)
@@ -144,7 +163,8 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
     cl = ev.hw.cluster
     check_cluster(ev.n_gpus, cl.gpus_per_node)
     rejected: Counter = Counter()
-    pool = list(candidates(len(ev.units), ev.n_gpus, cl.gpus_per_node, ev.global_batch, pins, rejected))
+    pool = list(candidates(len(ev.units), ev.n_gpus, cl.gpus_per_node, ev.global_batch, pins, rejected,
+                           heads=((u.heads, u.kv_heads) for u in ev.units)))
     if not pool:
         raise NoFeasibleConfig(_no_candidates_message(ev, pins, rejected))
     leanest: tuple[float, ParallelConfig] | None = None
