@@ -81,6 +81,7 @@ class _Run(fx.Interpreter):
         self.skip = {_cdata(t) for t in [*gm.parameters(), *gm.buffers(), *root.parameters(), *root.buffers()]}
         self.current: fx.Node | None = None
         self.alive: list[torch.Tensor] = []
+        self.alias: dict[int, tuple[str | None, int]] = {}  # kv heads repeated for the kernel -> the originals
         self.weights: set[str] = set()  # nodes computed from parameters alone (e.g. experts' weights gathered)
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -91,8 +92,9 @@ class _Run(fx.Interpreter):
         if key in self.skip or self.producer.get(key) in self.weights:
             return t
         slots = self.saved.setdefault(node, {})
-        name = self.producer.get(key) or f"{node.name}.{len(slots)}"
-        slots[name] = max(slots.get(name, 0), t.untyped_storage().nbytes())
+        name, nbytes = self.alias.get(key) or (self.producer.get(key), t.untyped_storage().nbytes())
+        name = name or f"{node.name}.{len(slots)}"
+        slots[name] = max(slots.get(name, 0), nbytes)
         return t
 
     def run_node(self, n: fx.Node) -> Any:
@@ -128,7 +130,11 @@ class _Run(fx.Interpreter):
             return super().run_node(n)
         if k.shape[-3] != q.shape[-3]:  # grouped-query attention: the kernel reads each kv head per group
             rep = q.shape[-3] // k.shape[-3]
-            k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+            kv = [(x, x.repeat_interleave(rep, dim=-3)) for x in (k, v)]
+            for x, y in kv:  # what the kernel keeps for backward is the kv heads themselves
+                self.alias[_cdata(y)] = (self.producer.get(_cdata(x)), x.untyped_storage().nbytes())
+                self.alive.append(y)
+            (_, k), (_, v) = kv
         self.causal[n] = causal
         out = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, float(dropout), causal, scale=kwargs.get("scale"))
