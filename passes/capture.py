@@ -40,12 +40,18 @@ def export_graph(model: torch.nn.Module, inputs: tuple[Any, ...]) -> fx.GraphMod
     """torch.export (non-strict, dynamic batch) as a GraphModule with parameters as get_attr nodes."""
     import io
     import logging
+    import os
     import warnings
     from contextlib import redirect_stderr, redirect_stdout
 
     quiet = logging.getLogger("torch.fx.experimental.symbolic_shapes")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
+    # Hugging Face repeats the kv heads of grouped-query attention when a mask is passed, which is
+    # the case while tracing (in training on a GPU the causal mask is skipped and SDPA reads the kv
+    # heads natively): have it call SDPA with enable_gqa, as it trains
+    gqa = os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")
+    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
     try:
         # export prints graph dumps and warnings on its way to an error; the error is what we report
         with warnings.catch_warnings(), redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
@@ -53,6 +59,10 @@ def export_graph(model: torch.nn.Module, inputs: tuple[Any, ...]) -> fx.GraphMod
             ep = torch.export.export(model, tuple(inputs), dynamic_shapes=_dynamic_batch(inputs), strict=False)
     finally:
         quiet.setLevel(level)
+        if gqa is None:
+            del os.environ["TRANSFORMERS_SDPA_FORCE_GQA"]
+        else:
+            os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = gqa
     gm = ep.module()
     graph = gm.graph
     for node in graph.nodes:

@@ -70,7 +70,8 @@ VIEWS = {"view", "reshape", "permute", "transpose", "unbind", "getitem", "flatte
          "float", "half", "bfloat16", "detach", "clone", "floordiv", "cat", "stack", "slice", "select", "alias",
          "unflatten", "sym_size", "assert_tensor_metadata", "lift_fresh_copy", "new_ones", "new_zeros", "zeros",
          "ones", "full", "empty", "scalar_tensor", "pad", "constant_pad_nd", "repeat_interleave", "index",
-         "logical", "cumsum", "diff", "lt", "sym_numel", "item"}
+         "logical", "cumsum", "diff", "lt", "sym_numel", "item", "gather", "index_select", "masked_select",
+         "roll", "flip", "tril", "triu", "zeros_like", "ones_like", "full_like", "empty_like", "copy"}
 MODULE_OPS: dict[type, str] = {
     nn.ReLU: "relu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
     nn.Dropout: "dropout", nn.LayerNorm: "layer_norm", nn.BatchNorm1d: "batch_norm",
@@ -189,7 +190,8 @@ def _table_cost(node: fx.Node, gm: fx.GraphModule, kind: str, out: TensorInfo, i
         return NodeCost(kind="matmul", fwd_flops=fl, mm_flops=fl, bwd_flops=fl * max(grads, 1),
                         fwd_bytes=io, bwd_bytes=2 * io, out_bytes=out.nbytes, saved=saved_inputs)
     if kind in VIEWS:
-        moved = out.nbytes * 2 if kind in ("contiguous", "cat", "stack", "clone") else ZERO
+        moved = out.nbytes * 2 if kind in ("contiguous", "cat", "stack", "clone", "index", "gather", "index_select",
+                                           "roll", "flip", "copy", "repeat_interleave") else ZERO
         return NodeCost(kind="view", fwd_bytes=moved, bwd_bytes=moved, out_bytes=out.nbytes)
     return _elementwise_cost(node, kind, out, ins, io, acts)
 

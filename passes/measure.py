@@ -14,7 +14,9 @@ Attention is run as the fused flash kernel that training on a GPU executes
 (`aten._scaled_dot_product_flash_attention`: it saves q, k, v, the output and the logsumexp, not
 the s x s probabilities that the meta device's math fallback would), and is marked causal when the
 call says so or its module has `is_causal` set (Hugging Face materializes the causal mask while
-tracing but skips it in training). Dropout likewise runs as the fused kernel (a one-byte mask).
+tracing but skips it in training). A mask is read by the fused kernels (efficient attention takes an
+additive bias), not kept as s x s probabilities, and does not change the FLOPs: attention with a mask
+is priced as the flash kernel too. Dropout likewise runs as the fused kernel (a one-byte mask).
 """
 from __future__ import annotations
 
@@ -81,6 +83,7 @@ class _Run(fx.Interpreter):
         self.skip = {_cdata(t) for t in [*gm.parameters(), *gm.buffers(), *root.parameters(), *root.buffers()]}
         self.current: fx.Node | None = None
         self.alive: list[torch.Tensor] = []
+        self.pending: list[tuple[int, str | None, int]] = []
         self.alias: dict[int, tuple[str | None, int]] = {}  # kv heads repeated for the kernel -> the originals
         self.weights: set[str] = set()  # nodes computed from parameters alone (e.g. experts' weights gathered)
 
@@ -91,11 +94,19 @@ class _Run(fx.Interpreter):
         key = _cdata(t)
         if key in self.skip or self.producer.get(key) in self.weights:
             return t
-        slots = self.saved.setdefault(node, {})
         name, nbytes = self.alias.get(key) or (self.producer.get(key), t.untyped_storage().nbytes())
-        name = name or f"{node.name}.{len(slots)}"
-        slots[name] = max(slots.get(name, 0), nbytes)
+        self.pending.append((key, name, nbytes))  # named once the node's outputs are known
+        self.alive.append(t)
         return t
+
+    def _name_saved(self, n: fx.Node) -> None:
+        """Name what `n` saved: by the node that produced the storage (`n` itself for its own outputs,
+        e.g. attention's output), else as a tensor internal to `n` (a mask, a logsumexp)."""
+        slots = self.saved.setdefault(n, {})
+        for key, name, nbytes in self.pending:
+            name = name or self.producer.get(key) or f"{n.name}.{len(slots)}"
+            slots[name] = max(slots.get(name, 0), nbytes)
+        self.pending = []
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n
@@ -115,19 +126,16 @@ class _Run(fx.Interpreter):
         for t in _tensors(out):
             self.producer.setdefault(_cdata(t), n.name)
             self.alive.append(t)  # a freed storage's address could be reused by a later tensor
+        self._name_saved(n)
         self.values[n] = _describe(out)
         return out
 
     def _attention(self, n: fx.Node) -> torch.Tensor:
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         q, k, v = args[:3]
-        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
         dropout = kwargs.get("dropout_p", args[4] if len(args) > 4 else 0.0)
         causal = bool(kwargs.get("is_causal", args[5] if len(args) > 5 else False))
         causal = causal or bool(getattr(self._module(n), "is_causal", False) and q.shape[-2] == k.shape[-2])
-        if mask is not None and not causal:  # an arbitrary mask: the kernel reads it, the math is the same
-            self.causal[n] = False
-            return super().run_node(n)
         if k.shape[-3] != q.shape[-3]:  # grouped-query attention: the kernel reads each kv head per group
             rep = q.shape[-3] // k.shape[-3]
             kv = [(x, x.repeat_interleave(rep, dim=-3)) for x in (k, v)]
@@ -174,8 +182,9 @@ def _is_dropout(n: fx.Node, gm: torch.nn.Module) -> bool:
         mod = gm.get_submodule(str(n.target))
         return isinstance(mod, torch.nn.Dropout) and mod.training and mod.p > 0
     if n.op == "call_function" and n.target in _DROPOUT:
+        p = n.kwargs.get("p", n.args[1] if len(n.args) > 1 else 0.5)
         train = n.kwargs.get("train", n.args[2] if len(n.args) > 2 else True)
-        return train is True
+        return train is True and (not isinstance(p, (int, float)) or p > 0)
     return False
 
 

@@ -31,7 +31,7 @@ from .costs import node_kind
 from .meta_keys import COST, TP
 from .shapes import tensor_info
 
-__all__ = ["annotate_tp_roles", "VOCAB_MIN", "Heads"]
+__all__ = ["annotate_tp_roles", "activation_input", "linear_shape", "VOCAB_MIN", "Heads"]
 
 VOCAB_MIN = 1024  # an embedding or head at least this wide is split over the vocabulary
 NORMS = {"layer_norm", "rms_norm", "group_norm", "batch_norm", "LayerNorm", "RMSNorm"}
@@ -68,6 +68,11 @@ def linear_shape(node: fx.Node, gm: fx.GraphModule) -> tuple[int, int] | None:
     idx = 2 if name.startswith("addmm") else 1  # addmm(bias, x, w) / mm(x, w) / matmul(x, w): weight (in, out)
     w = _param(node.args[idx], gm) if len(node.args) > idx else None
     return (w.shape[0], w.shape[1]) if w is not None and w.dim() == 2 else None
+
+
+def activation_input(node: fx.Node) -> fx.Node | None:
+    """The activation a linear multiplies (not its weight or bias, whatever the argument order)."""
+    return next((a for a in node.all_input_nodes if a.op != "get_attr"), None)
 
 
 def _roots(nodes: list[fx.Node], linears: set[fx.Node]) -> dict[fx.Node, fx.Node]:
@@ -136,7 +141,7 @@ def annotate_tp_roles(gm: fx.GraphModule, units: Iterable[list[fx.Node]]) -> lis
         for region in regions.values():
             inside = set(region)
             sources = {a for n in region for a in n.all_input_nodes if a in shapes}
-            sinks = {lin for lin in shapes if lin.all_input_nodes and lin.all_input_nodes[0] in inside}
+            sinks = {lin for lin in shapes if activation_input(lin) in inside}
             widths = {shapes[s][1] for s in sources}
             taken = {lin for lin in shapes if lin.meta[TP] in ("col", "row")}
             if not sources or not sinks or (sources | sinks) & taken or not _shardable(region, sources, widths, gm):

@@ -18,7 +18,7 @@ from .costs import NodeCost, storage_of
 from .meta_keys import COST, MODULE, TENSOR, TP, UNIT
 from .poly import Poly
 from .shapes import B, TensorInfo
-from .tp import annotate_tp_roles
+from .tp import activation_input, annotate_tp_roles
 
 __all__ = ["Part", "Unit", "group_nodes", "lower_units"]
 
@@ -252,5 +252,6 @@ def _tp_allreduces(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr, int]:
             fwd += n.meta[TENSOR].nbytes
             count += 1
         if role in ("col", "vocab-col"):
-            bwd += sum((a.meta[TENSOR].nbytes for a in n.all_input_nodes[:1]), z)
+            act = activation_input(n)
+            bwd += act.meta[TENSOR].nbytes if act is not None and isinstance(act.meta.get(TENSOR), TensorInfo) else z
     return fwd, bwd, count

@@ -1,0 +1,115 @@
+"""Hugging Face models for the planner: built from transformers configs, never downloaded.
+
+A family names a transformers model class; a preset is a published configuration written out here
+(or pass `config=path/to/config.json`, e.g. a checkpoint's own). Models are built with
+`use_cache=False` and SDPA attention, as training runs them. Needs `pip install -e ".[hf]"`.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from passes.errors import ModelFileError
+
+__all__ = ["FAMILIES", "PRESETS", "build", "example_inputs", "sample_batch", "loss_fn"]
+
+# family -> (config class, model class, layers field, default sequence length)
+FAMILIES: dict[str, tuple[str, str, str, int]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "num_hidden_layers", 8192),
+    "mistral": ("MistralConfig", "MistralForCausalLM", "num_hidden_layers", 4096),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "num_hidden_layers", 4096),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", "n_layer", 1024),
+    "bert": ("BertConfig", "BertForMaskedLM", "num_hidden_layers", 512),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "num_hidden_layers", 4096),
+}
+
+_LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, num_key_value_heads=8, max_position_embeddings=8192,
+               rms_norm_eps=1e-5, tie_word_embeddings=False)
+# Published configurations (the config.json of each checkpoint), the fields that set the shapes.
+PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3-8b": ("llama", _LLAMA3 | dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                          num_attention_heads=32)),
+    "llama3-70b": ("llama", _LLAMA3 | dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                                           num_attention_heads=64)),
+    "llama3-405b": ("llama", _LLAMA3 | dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
+                                            num_attention_heads=128)),
+    # Mistral-7B-v0.1: sliding window 4096 (= the default sequence length, so attention is causal)
+    "mistral-7b": ("mistral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                   num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                   max_position_embeddings=32768, sliding_window=4096, rope_theta=10000.0)),
+    "qwen2-7b": ("qwen2", dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                               num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=32768,
+                               rope_theta=1000000.0, tie_word_embeddings=False)),
+    "gpt2-xl": ("gpt2", dict(vocab_size=50257, n_embd=1600, n_layer=48, n_head=25, n_positions=1024)),
+    "bert-large": ("bert", dict(vocab_size=30522, hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                                intermediate_size=4096, max_position_embeddings=512)),
+    "mixtral-8x7b": ("mixtral", dict(vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                                     num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
+                                     rope_theta=1000000.0)),
+}
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError:
+        raise ModelFileError('Hugging Face model files need transformers: pip install -e ".[hf]"') from None
+    return transformers
+
+
+def _config(family: str, preset: str | None, config: str | None, layers: int | None, **overrides: Any) -> Any:
+    tf = _transformers()
+    config_cls, _, layers_field, _ = FAMILIES[family]
+    if config is not None:
+        path = Path(str(config))
+        try:
+            fields = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ModelFileError(f"cannot read the transformers config {path}: {exc}") from None
+    else:
+        if preset not in PRESETS or PRESETS[preset][0] != family:
+            known = ", ".join(k for k, (f, _) in PRESETS.items() if f == family)
+            raise ModelFileError(f"unknown {family} preset {preset!r}; known: {known} (or pass config=path/to/config.json)")
+        fields = dict(PRESETS[preset][1])
+    fields.update(overrides)
+    if layers is not None:
+        fields[layers_field] = int(layers)
+    cfg = getattr(tf, config_cls).from_dict(fields)
+    cfg.use_cache = False
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def build(family: str, preset: str | None = None, config: str | None = None, layers: int | None = None,
+          seq: int | None = None, **overrides: Any) -> torch.nn.Module:
+    """The model of `family` from a preset or a config.json, with `layers` blocks."""
+    cfg = _config(family, preset, config, layers, **overrides)
+    return getattr(_transformers(), FAMILIES[family][1])(cfg)
+
+
+def seq_len(family: str, seq: int | None) -> int:
+    return int(seq) if seq is not None else FAMILIES[family][3]
+
+
+def example_inputs(family: str, batch_size: int, seq: int | None = None) -> tuple[torch.Tensor]:
+    """(input_ids,): one batch of token ids."""
+    return (torch.zeros(batch_size, seq_len(family, seq), dtype=torch.long),)
+
+
+def sample_batch(family: str, batch_size: int, step: int, preset: str | None = None, config: str | None = None,
+                 seq: int | None = None, **overrides: Any) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+    """Random token ids and their next-token targets (deterministic in `step`)."""
+    vocab = _config(family, preset, config, None, **overrides).vocab_size
+    gen = torch.Generator().manual_seed(step)
+    ids = torch.randint(0, vocab, (batch_size, seq_len(family, seq) + 1), generator=gen)
+    return (ids[:, :-1],), ids[:, 1:]
+
+
+def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of the logits (a transformers ModelOutput or a tensor) against the targets."""
+    logits = getattr(output, "logits", output)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())

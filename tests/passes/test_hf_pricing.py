@@ -1,0 +1,179 @@
+"""Hugging Face models priced from their transformers configs (meta tensors, no downloads).
+
+For each family: parameters exact against the closed form of its config, forward FLOPs of a block
+within 2% of the closed form, bytes saved per block within 5% of what autograd saves on real CPU
+tensors at a small size, every linear of a block tensor-parallel, and the conservation check.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from passes.meta_keys import TP, UNIT  # noqa: E402
+from passes.pipeline import analyze  # noqa: E402
+from planner.hf import PRESETS  # noqa: E402
+from planner.search import tp_reason  # noqa: E402
+from tests.conftest import EXAMPLES  # noqa: E402
+
+SEQ = 128
+
+
+def _dense_llama(c: dict) -> tuple[int, int, int, int, int]:
+    h, ffn, L = c["hidden_size"], c["intermediate_size"], 2
+    kv = c["num_key_value_heads"] * h // c["num_attention_heads"]
+    return h, ffn, L, kv, c["vocab_size"]
+
+
+def llama_params(c: dict, bias: bool = False) -> int:
+    h, ffn, L, kv, V = _dense_llama(c)
+    block = 2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h + ((h + 2 * kv) if bias else 0)
+    return V * h + L * block + h + (0 if c.get("tie_word_embeddings") else V * h)
+
+
+def llama_block_flops(c: dict) -> float:
+    h, ffn, _, kv, _ = _dense_llama(c)
+    return 2 * SEQ * (2 * h * h + 2 * h * kv + 3 * h * ffn) + 4 * SEQ * SEQ * h
+
+
+def gpt2_params(c: dict) -> int:
+    h, L = c["n_embd"], 2
+    return c["vocab_size"] * h + c["n_positions"] * h + L * (12 * h * h + 13 * h) + 2 * h
+
+
+def bert_params(c: dict) -> int:
+    h, ffn, L, V = c["hidden_size"], c["intermediate_size"], 2, c["vocab_size"]
+    emb = (V + c["max_position_embeddings"] + 2) * h + 2 * h
+    block = 4 * h * h + 4 * h + 2 * h + 2 * h * ffn + ffn + h + 2 * h
+    head = h * h + h + 2 * h + V  # transform dense, LayerNorm, decoder bias (weight tied)
+    return emb + L * block + head
+
+
+def wide_flops(c: dict, h_key: str) -> float:
+    h = c[h_key]
+    return 24 * SEQ * h * h + 4 * SEQ * SEQ * h
+
+
+CASES = {  # family: (preset, params(config), block FLOPs(config))
+    "llama": ("llama3-8b", llama_params, llama_block_flops),
+    "mistral": ("mistral-7b", llama_params, llama_block_flops),
+    "qwen2": ("qwen2-7b", lambda c: llama_params(c, bias=True), llama_block_flops),
+    "gpt2": ("gpt2-xl", gpt2_params, lambda c: wide_flops(c, "n_embd")),
+    "bert": ("bert-large", bert_params, lambda c: wide_flops(c, "hidden_size")),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def priced(request):
+    family = request.param
+    preset = CASES[family][0]
+    prof, ctx = analyze(EXAMPLES / f"hf_{family}.py", {"layers": 2, "seq": SEQ})
+    return family, PRESETS[preset][1], prof, ctx
+
+
+def test_parameters_are_exact(priced):
+    family, config, prof, ctx = priced
+    assert prof.total_params == CASES[family][1](config)
+    assert prof.frontend == "export"
+
+
+def test_block_flops_match_the_closed_form(priced):
+    family, config, prof, _ = priced
+    block = next(u for u in prof.units if u.kind == "block")
+    flops = block.sharded.model_flops(1) + block.replicated.model_flops(1)
+    assert flops == pytest.approx(CASES[family][2](config), rel=0.02)
+    assert block.fwd_flops(1) == pytest.approx(flops, rel=0.02)  # causal halving and elementwise are small here
+
+
+def test_every_linear_of_a_block_is_tensor_parallel(priced):
+    family, config, prof, ctx = priced
+    block = next(u for u in prof.units if u.kind == "block")
+    roles = Counter(n.meta[TP] for n in ctx.gm.graph.nodes if n.meta.get(UNIT) == block.index)
+    cols = {"gpt2": 2, "bert": 4}.get(family, 5)  # GPT-2's fused c_attn; BERT's q, k, v, intermediate
+    assert (roles["col"], roles["row"]) == (cols, 2)
+    if family != "gpt2":  # GPT-2's Conv1D is no nn.Linear: the runtime's DTensor styles do not apply to it
+        assert len(block.tp_layout) == cols + 2
+    t = 5 if family == "gpt2" else 2  # GPT-2 XL has 25 heads
+    assert tp_reason(t, [(block.heads, block.kv_heads)]) is None
+    assert block.tp_allreduces == 2
+    assert ctx.conservation.flops_ok and not prof.unpriced
+
+
+TINY = {
+    "llama": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=512),
+    "qwen2": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                  vocab_size=512),
+    "gpt2": dict(n_embd=128, n_head=4, vocab_size=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    "bert": dict(hidden_size=128, intermediate_size=512, num_attention_heads=4, vocab_size=512,
+                 hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0),
+}
+
+
+def _saved_on_cpu(model: torch.nn.Module, ids: torch.Tensor, block: torch.nn.Module) -> int:
+    """Bytes autograd saves while `block` runs forward, on real CPU tensors (storages once, no weights)."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+    active = [False]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if active[0] and ptr not in weights:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    hooks = [block.register_forward_pre_hook(lambda m, a: active.__setitem__(0, True)),
+             block.register_forward_hook(lambda m, a, o: active.__setitem__(0, False))]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids)
+    for h in hooks:
+        h.remove()
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_bytes_saved_per_block_match_autograd_on_cpu(family, tmp_path):
+    preset = CASES[family][0]
+    fields = PRESETS[preset][1] | TINY[family]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(fields))
+    args = {"config": str(path), "layers": 2, "seq": 64}
+    prof, _ = analyze(EXAMPLES / f"hf_{family}.py", args, dtype="bf16")
+    planned = next(u for u in prof.units if u.kind == "block")
+    from planner import hf
+
+    torch.manual_seed(0)
+    model = hf.build(family, config=str(path), layers=2).to(torch.bfloat16).train()
+    blocks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList)][0]
+    ids = torch.randint(0, 512, (2, 64))
+    measured = _saved_on_cpu(model, ids, blocks[1])
+    priced_bytes = planned.sharded.saved_bytes(2) + planned.replicated.saved_bytes(2)
+    assert priced_bytes == pytest.approx(measured, rel=0.05)
+
+
+def test_a_config_json_on_disk_and_a_bad_preset(tmp_path):
+    from passes.errors import ModelFileError
+    from planner import hf
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(PRESETS["llama3-8b"][1]))
+    with torch.device("meta"):
+        model = hf.build("llama", config=str(path), layers=1)
+    assert type(model).__name__ == "LlamaForCausalLM" and model.config.use_cache is False
+    with pytest.raises(ModelFileError, match="unknown llama preset 'llama9'; known: llama3-8b"):
+        hf.build("llama", "llama9")
+
+
+def test_mixture_of_experts_is_priced_at_the_routed_top_k():
+    c = PRESETS["mixtral-8x7b"][1]
+    prof, _ = analyze(EXAMPLES / "hf_mixtral.py", {"layers": 2, "seq": SEQ})
+    block = next(u for u in prof.units if u.kind == "block")
+    h, ffn, kv = c["hidden_size"], c["intermediate_size"], 1024
+    routed = 2 * SEQ * (2 * h * h + 2 * h * kv + 2 * 3 * h * ffn + h * 8) + 4 * SEQ * SEQ * h  # top-2, router
+    assert block.sharded.model_flops(1) + block.replicated.model_flops(1) == pytest.approx(routed, rel=0.02)
+    assert block.params == 2 * h * h + 2 * h * kv + 8 * 3 * h * ffn + 8 * h + 2 * h  # all 8 experts held
+    assert any("expert parallelism is not planned" in n for n in prof.notes)
