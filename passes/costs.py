@@ -160,17 +160,30 @@ def _cost_of(node: fx.Node, gm: fx.GraphModule) -> NodeCost:
         obj = _attr(gm, str(node.target))
         n = obj.numel() if isinstance(obj, nn.Parameter) else 0
         return NodeCost(kind="view", params=n, param_names=(str(node.target),) if n else ())
+    measured = node.meta.get(MEASURED)
+    if measured is not None and measured.weight_gather:
+        return NodeCost(kind="view", out_bytes=out.nbytes)  # no copy: the grouped GEMM reads the weights
     ins = _inputs(node)
-    read = sum((info.nbytes for _, info in ins), ZERO)
+    read = sum((_read_bytes(n, info) for n, info in ins), ZERO)
     io = read + out.nbytes
     acts = [(n, i) for n, i in ins if not _is_param(n, gm) and i.requires_grad]
     saved_inputs = tuple((storage_of(n).name, i.nbytes) for n, i in acts)
     cost = _table_cost(node, gm, kind, out, ins, io, acts, saved_inputs)
-    measured = node.meta.get(MEASURED)
     return _with_measured(cost, measured, kind, ins) if measured is not None else cost
 
 
 CASTS = {"to", "float", "half", "bfloat16", "type_as"}
+
+
+def _read_bytes(node: fx.Node, info: TensorInfo) -> sympy.Expr:
+    """Bytes an op reads from an input: experts' weights gathered per token are read once per expert
+    (the parameter's bytes), as a grouped GEMM reads them."""
+    src = storage_of(node)
+    m = src.meta.get(MEASURED)
+    if m is not None and m.weight_gather:
+        weight = tensor_info(src.all_input_nodes[0]) if src.all_input_nodes else None
+        return weight.nbytes if weight is not None else ZERO
+    return info.nbytes
 
 
 def _table_cost(node: fx.Node, gm: fx.GraphModule, kind: str, out: TensorInfo, ins: list[tuple[fx.Node, TensorInfo]],

@@ -47,6 +47,7 @@ class Measured:
     full_flops: sympy.Expr  # the same with causal attention counted in full (the PaLM/Megatron convention)
     causal: bool  # an attention kernel with a causal mask
     saved: tuple[tuple[str, sympy.Expr], ...]  # (storage name, bytes) kept for backward
+    weight_gather: bool = False  # experts' weights gathered per token: a grouped GEMM reads them in place
 
 
 def is_attention(node: fx.Node) -> bool:
@@ -216,7 +217,8 @@ def measure(gm: fx.GraphModule, root: torch.nn.Module, make_inputs: Callable[[in
         flops = _linear(r2.flops.get(node, 0), r3.flops.get(node, 0))
         causal = r2.causal.get(node, False)
         executed = flops * _causal_fraction(node) if causal else flops
-        node.meta[MEASURED] = Measured(flops=executed, full_flops=flops, causal=causal, saved=saved)
+        node.meta[MEASURED] = Measured(flops=executed, full_flops=flops, causal=causal, saved=saved,
+                                       weight_gather=node.name in r2.weights)
 
 
 def _causal_fraction(node: fx.Node) -> sympy.Expr:
