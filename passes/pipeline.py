@@ -15,11 +15,12 @@ import torch.fx as fx
 
 from .costs import annotate_costs
 from .check import Conservation, PricingError, conservation
-from .errors import UserError
+from .errors import TraceFailure, UserError
 from .load import ModelFile, file_sha256, load_model_file
 from .capture import capture
 from .measure import measure
 from .repeat import Cut, expand, representatives
+from .trace import trace_model
 from .units import Unit, lower_units
 
 __all__ = ["Context", "ModelProfile", "PASSES", "analyze", "DTYPES"]
@@ -139,8 +140,20 @@ def _check(ctx: Context) -> None:
     model's own forward counted independently (torch.utils.flop_counter over the module), within 1%."""
     with representatives(ctx.model):
         ctx.conservation = conservation(ctx.model, ctx.gm, ctx.priced, _inputs(ctx, 2))
+        if ctx.frontend == "export":
+            ctx.notes.extend(_runtime_note(ctx.model))
     if not ctx.conservation.flops_ok:
         raise PricingError(ctx.conservation.flops_message())
+
+
+def _runtime_note(model: torch.nn.Module) -> list[str]:
+    """fxplanner's runtime splits stages from a torch.fx.symbolic_trace graph: say when it cannot."""
+    try:
+        trace_model(model)
+    except TraceFailure as exc:
+        return [f"the fxplanner runtime cannot run this plan yet: it builds stages with torch.fx.symbolic_trace, "
+                f"which fails here ({str(exc).split(';')[0]}); plan and price it, then run it on an engine"]
+    return []
 
 
 PASSES: tuple[tuple[str, Callable[[Context], None]], ...] = (

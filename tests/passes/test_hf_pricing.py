@@ -106,6 +106,8 @@ def test_every_linear_of_a_block_is_tensor_parallel(priced):
 TINY = {
     "llama": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=512),
+    "mistral": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+                    vocab_size=512),
     "qwen2": dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
                   vocab_size=512),
     "gpt2": dict(n_embd=128, n_head=4, vocab_size=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
@@ -177,3 +179,18 @@ def test_mixture_of_experts_is_priced_at_the_routed_top_k():
     assert block.sharded.model_flops(1) + block.replicated.model_flops(1) == pytest.approx(routed, rel=0.02)
     assert block.params == 2 * h * h + 2 * h * kv + 8 * 3 * h * ffn + 8 * h + 2 * h  # all 8 experts held
     assert any("expert parallelism is not planned" in n for n in prof.notes)
+
+
+def test_planning_the_llama_example_on_64_a100s_prints_an_honest_mfu():
+    import re
+
+    from typer.testing import CliRunner
+
+    from planner.cli import app
+
+    res = CliRunner().invoke(app, ["plan", str(EXAMPLES / "hf_llama.py"), "--gpus", "64", "--target", "a100-80gb",
+                                   "--model-arg", "layers=8", "-o", "/dev/null"])
+    assert res.exit_code == 0, res.stdout
+    mfu = float(re.search(r"MFU ([0-9.]+)% \(PaLM\)", res.stdout).group(1))
+    assert 30 < mfu <= 60
+    assert "tokens/s" in res.stdout and "runtime cannot run this plan yet" in res.stdout
