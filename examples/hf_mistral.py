@@ -7,19 +7,4 @@ Presets: mistral-7b. Any other config field can be set too (`--model-arg hidden_
 """
 from planner import hf
 
-FAMILY, PRESET = "mistral", "mistral-7b"
-
-
-def build_model(preset=PRESET, config=None, layers=None, seq=None, **overrides):
-    return hf.build(FAMILY, preset, config, layers, seq, **overrides)
-
-
-def example_inputs(batch_size, preset=PRESET, config=None, layers=None, seq=None, **overrides):
-    return hf.example_inputs(FAMILY, batch_size, seq)
-
-
-def sample_batch(batch_size, step, preset=PRESET, config=None, layers=None, seq=None, **overrides):
-    return hf.sample_batch(FAMILY, batch_size, step, preset, config, seq, **overrides)
-
-
-loss_fn = hf.loss_fn
+build_model, example_inputs, sample_batch, loss_fn = hf.model_file("mistral", "mistral-7b")

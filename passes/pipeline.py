@@ -151,7 +151,7 @@ def _runtime_note(model: torch.nn.Module) -> list[str]:
     try:
         trace_model(model)
     except TraceFailure as exc:
-        return [f"the fxplanner runtime cannot run this plan yet: it builds stages with torch.fx.symbolic_trace, "
+        return [f"the fxplanner runtime cannot run this model yet: it builds stages with torch.fx.symbolic_trace, "
                 f"which fails here ({str(exc).split(';')[0]}); plan and price it, then run it on an engine"]
     return []
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from passes.errors import ModelFileError
 
-__all__ = ["FAMILIES", "PRESETS", "build", "example_inputs", "sample_batch", "loss_fn"]
+__all__ = ["FAMILIES", "PRESETS", "build", "example_inputs", "sample_batch", "loss_fn", "model_file"]
 
 # family -> (config class, model class, layers field, default sequence length)
 FAMILIES: dict[str, tuple[str, str, str, int]] = {
@@ -113,3 +113,20 @@ def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of the logits (a transformers ModelOutput or a tensor) against the targets."""
     logits = getattr(output, "logits", output)
     return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+
+def model_file(family: str, default_preset: str) -> tuple[Callable[..., Any], ...]:
+    """build_model, example_inputs, sample_batch and loss_fn of a model file for `family`."""
+
+    def build_model(preset: str = default_preset, config: str | None = None, layers: int | None = None,
+                    seq: int | None = None, **overrides: Any) -> torch.nn.Module:
+        return build(family, preset, config, layers, seq, **overrides)
+
+    def example_inputs_(batch_size: int, seq: int | None = None, **_: Any) -> tuple[torch.Tensor]:
+        return example_inputs(family, batch_size, seq)
+
+    def sample_batch_(batch_size: int, step: int, preset: str = default_preset, config: str | None = None,
+                      layers: int | None = None, seq: int | None = None, **overrides: Any):
+        return sample_batch(family, batch_size, step, preset, config, seq, **overrides)
+
+    return build_model, example_inputs_, sample_batch_, loss_fn

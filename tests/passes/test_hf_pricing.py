@@ -193,4 +193,4 @@ def test_planning_the_llama_example_on_64_a100s_prints_an_honest_mfu():
     assert res.exit_code == 0, res.stdout
     mfu = float(re.search(r"MFU ([0-9.]+)% \(PaLM\)", res.stdout).group(1))
     assert 30 < mfu <= 60
-    assert "tokens/s" in res.stdout and "runtime cannot run this plan yet" in res.stdout
+    assert "tokens/s" in res.stdout and "runtime cannot run this model yet" in res.stdout
