@@ -60,6 +60,10 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     cfg.recompute's recomputation inside the backward."""
     b, t = cfg.b, cfg.tp
     sf, sb = _part_time(unit.sharded, b, t, hw, unit.matmuls, cfg.precision)
+    if 0 < unit.kv_heads < t:  # grouped-query attention: each kv head is replicated on t / kv_heads ranks
+        rf_, rb_ = _part_time(unit.kv, b, unit.kv_heads, hw, unit.matmuls, cfg.precision)
+        df, db = _part_time(unit.kv, b, t, hw, unit.matmuls, cfg.precision)
+        sf, sb = sf + rf_ - df, sb + rb_ - db
     rf, rb = _part_time(unit.replicated, b, 1, hw, unit.matmuls, cfg.precision)
     n = max(unit.tp_allreduces, 1)
     ar_f = n * tp_allreduce_s(unit.tp_fwd_allreduce_bytes(b) / n, t, hw) if unit.tp_allreduces else 0.0

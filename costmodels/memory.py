@@ -40,7 +40,8 @@ class StageMemory:
 
 def param_count(unit: Unit, cfg: ParallelConfig) -> float:
     """Parameters of the unit one tensor-parallel rank holds."""
-    return unit.sharded.params / cfg.tp + unit.replicated.params
+    kv = unit.kv.params * (1 / unit.kv_heads - 1 / cfg.tp) if 0 < unit.kv_heads < cfg.tp else 0.0
+    return unit.sharded.params / cfg.tp + unit.replicated.params + kv  # GQA: kv heads replicated past kv_heads
 
 
 def activation_bytes(unit: Unit, cfg: ParallelConfig) -> float:

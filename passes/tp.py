@@ -42,6 +42,7 @@ REDUCTIONS = {"mean", "sum", "var", "std", "var_mean", "norm", "amax", "logsumex
 class Heads:
     heads: int = 0  # attention heads of the unit (0: none found)
     kv_heads: int = 0  # key/value heads (= heads without grouped-query attention)
+    kv_width: int = 0  # output features of a key or value projection (kv_heads x head dim)
 
 
 def _param(node: object, gm: fx.GraphModule) -> nn.Parameter | None:
@@ -121,7 +122,7 @@ def _heads(nodes: list[fx.Node], gm: fx.GraphModule, sources: Iterable[fx.Node])
             heads, head_dim = int(q.shape[1]), int(q.shape[-1])
             widths = [linear_shape(s, gm)[1] // head_dim for s in sources if linear_shape(s, gm)]
             kv = min([w for w in widths if w], default=heads)
-            return Heads(heads, min(kv, heads))
+            return Heads(heads, min(kv, heads), min(kv, heads) * head_dim)
     return Heads()
 
 

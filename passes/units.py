@@ -8,7 +8,7 @@ blocks become units of their own. Costs are lowered from sympy to `Poly` so solv
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import sympy
 import torch.fx as fx
@@ -18,7 +18,7 @@ from .costs import NodeCost, storage_of
 from .meta_keys import COST, MODULE, TENSOR, TP, UNIT
 from .poly import Poly
 from .shapes import B, TensorInfo
-from .tp import activation_input, annotate_tp_roles
+from .tp import Heads, activation_input, annotate_tp_roles, linear_shape
 
 __all__ = ["Part", "Unit", "group_nodes", "lower_units"]
 
@@ -60,6 +60,7 @@ class Unit:
     tp_layout: tuple[tuple[str, str], ...] = ()  # (linear module path, "colwise" | "rowwise")
     heads: int = 0  # attention heads (0: no attention found); tensor parallelism must divide them
     kv_heads: int = 0  # key/value heads (fewer than heads under grouped-query attention)
+    kv: Part = field(default_factory=Part)  # the key/value projections (inside `sharded`): replicated past kv_heads
 
     @property
     def params(self) -> int:
@@ -226,8 +227,18 @@ def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
                           tp_fwd_allreduce_bytes=Poly.of(fwd_ar, B), tp_bwd_allreduce_bytes=Poly.of(bwd_ar, B),
                           tp_allreduces=count, tp_layout=_tp_layout(nodes, root),
                           heads=heads[index].heads, kv_heads=heads[index].kv_heads,
+                          kv=_kv_part(nodes, heads[index], gm),
                           matmuls=sum(1 for n in nodes if n.meta[COST].mm_flops != 0)))
     return units
+
+
+def _kv_part(nodes: list[fx.Node], heads: Heads, gm: fx.GraphModule) -> Part:
+    """Time and weights of the key/value projections of grouped-query attention (no activations:
+    they are counted in the sharded part), for pricing them replicated when t exceeds kv_heads."""
+    if not heads.kv_width or heads.kv_heads >= heads.heads:
+        return Part()
+    kv = [n for n in nodes if n.meta[TP] == "col" and (linear_shape(n, gm) or (0, 0))[1] == heads.kv_width]
+    return replace(_part(kv, set()), saved_bytes=Poly(), selective_bytes=Poly())
 
 
 def _tp_layout(nodes: list[fx.Node], root: nn.Module) -> tuple[tuple[str, str], ...]:

@@ -91,8 +91,8 @@ def tp_reason(t: int, heads: Iterable[tuple[int, int]]) -> str | None:
     for h, kv in heads:
         if h and h % t:
             return f"t={t} does not divide the {h} attention heads"
-        if kv and kv % t:  # Megatron-Core requires it too (num_query_groups % tensor_model_parallel_size)
-            return f"t={t} does not divide the {kv} key/value heads (replicating kv heads is not priced yet)"
+        if kv and kv % t and t % kv:  # below t, each kv head is replicated on t / kv ranks
+            return f"t={t} neither divides nor is a multiple of the {kv} key/value heads"
     return None
 
 

@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from costmodels.memory import param_count
 from passes.meta_keys import MODULE, TP
+from planner.config import ParallelConfig
 from passes.pipeline import analyze
 from planner.search import tp_reason
 from tests.conftest import EXAMPLES, FIXTURES
@@ -120,9 +122,15 @@ def test_every_linear_of_a_llama_block_is_sharded_and_heads_are_found(llama):
     block = next(u for u in prof.units if u.kind == "block")
     assert (block.heads, block.kv_heads) == (4, 2) and block.tp_allreduces == 2
     assert block.replicated.params == 2 * 64  # the two norms
-    assert tp_reason(2, [(4, 2)]) is None
+    assert tp_reason(2, [(4, 2)]) is None and tp_reason(4, [(4, 2)]) is None
     assert "does not divide the 4 attention heads" in tp_reason(3, [(4, 2)])
-    assert "key/value heads" in tp_reason(4, [(4, 2)])
+    assert "key/value heads" in tp_reason(4, [(8, 3)])
+    # grouped-query attention: kv heads are split up to t = kv_heads and replicated beyond
+    kv = 2 * 64 * 32  # the k and v projections: h x (2 heads x head dim 16) each
+    assert block.kv.params == kv
+    held = lambda t: param_count(block, ParallelConfig(tp=t, pp=1, dp=1, b=1, m=1))  # noqa: E731
+    assert held(2) == pytest.approx(block.sharded.params / 2 + block.replicated.params)
+    assert held(4) == pytest.approx(block.sharded.params / 4 + block.replicated.params + kv / 2 - kv / 4)
 
 
 def test_causal_flash_attention_is_priced_as_it_executes(llama):
