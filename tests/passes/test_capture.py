@@ -144,3 +144,17 @@ def test_causal_flash_attention_is_priced_as_it_executes(llama):
     assert block.sharded.model_flops(1) == pytest.approx(dense + attn)
     assert block.sharded.mm_flops(1) == pytest.approx(dense + attn * (s + 1) / (2 * s))
     assert block.sharded.selective_bytes(1) == pytest.approx(2 * s * h + 4 * 4 * s + 24)  # output, lse, rng state
+
+
+@pytest.mark.parametrize("path,args", [("gpt.py", {"preset": "tiny"}), ("mlp.py", {}), ("resnet.py", {}),
+                                       ("bert.py", {"preset": "tiny"})])
+def test_units_are_named_alike_by_both_front_ends(path, args):
+    """The runtime splits stages from a symbolic_trace graph and places its nodes by unit name."""
+    from passes.load import load_model_file
+    from passes.trace import trace_model
+    from passes.units import group_nodes
+
+    prof, _ = analyze(EXAMPLES / path, args)
+    model = load_model_file(EXAMPLES / path, args).build("meta")
+    assert prof.frontend == "export"
+    assert [u.name for u in prof.units] == [name for name, _, _ in group_nodes(trace_model(model), model)]
