@@ -55,7 +55,7 @@ ELEMENTWISE: dict[str, tuple[int, int, str]] = {
     "layer_norm": (8, 14, "in"), "batch_norm": (8, 14, "in"), "group_norm": (8, 14, "in"),
     "rms_norm": (5, 9, "in"), "adaptive_avg_pool2d": (1, 1, ""), "avg_pool2d": (1, 1, ""),
     "max_pool2d": (1, 1, "in"), "mean": (1, 1, ""), "sum": (1, 1, ""), "cross_entropy": (8, 6, "in"),
-    "to": (0, 0, ""), "square": (1, 2, "in"), "abs": (1, 1, "in"), "clamp": (1, 1, "in"), "erf": (8, 8, "in"),
+    "square": (1, 2, "in"), "abs": (1, 1, "in"), "clamp": (1, 1, "in"), "erf": (8, 8, "in"),
     "reciprocal": (1, 2, "out"), "log": (1, 1, "in"), "cos": (4, 4, "in"), "sin": (4, 4, "in"),
 }
 # torch function / aten op names that mean the same as a name above

@@ -155,8 +155,8 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
     sel_b = _selective_bytes(nodes, selective, saved)
     p = lambda e: Poly.of(e, B)  # noqa: E731
     kernels = sum(1 for n in nodes if n.meta[COST].kind not in ("view", "none"))
-    return Part(fwd_flops=p(fw), bwd_flops=p(bw), mm_flops=p(mm), mm_bytes=p(mmb), model_flops=p(full), fwd_bytes=p(fb), bwd_bytes=p(bb),
-                saved_bytes=p(sum(saved.values(), z)), selective_bytes=p(sel_b), selective_flops=p(sel_f),
+    return Part(fwd_flops=p(fw), bwd_flops=p(bw), mm_flops=p(mm), mm_bytes=p(mmb), model_flops=p(full),
+                fwd_bytes=p(fb), bwd_bytes=p(bb), saved_bytes=p(sum(saved.values(), z)), selective_bytes=p(sel_b), selective_flops=p(sel_f),
                 params=sum(params.values()), kernels=kernels)
 
 
@@ -256,13 +256,14 @@ def _tp_layout(nodes: list[fx.Node], root: nn.Module) -> tuple[tuple[str, str], 
 def _tp_allreduces(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr, int]:
     """All-reduce bytes (forward, backward) and count that tensor parallelism adds to a unit."""
     z = sympy.Integer(0)
-    fwd, bwd, count = z, z, 0
+    fwd, count = z, 0
+    grads: dict[str, sympy.Expr] = {}  # column-parallel linears reading one input (q, k, v) share its all-reduce
     for n in nodes:
         role = n.meta[TP]
         if role in ("row", "vocab-emb"):
             fwd += n.meta[TENSOR].nbytes
             count += 1
-        if role in ("col", "vocab-col"):
-            act = activation_input(n)
-            bwd += act.meta[TENSOR].nbytes if act is not None and isinstance(act.meta.get(TENSOR), TensorInfo) else z
-    return fwd, bwd, count
+        act = activation_input(n) if role in ("col", "vocab-col") else None
+        if act is not None and isinstance(act.meta.get(TENSOR), TensorInfo):
+            grads[storage_of(act).name] = act.meta[TENSOR].nbytes
+    return fwd, sum(grads.values(), z), count

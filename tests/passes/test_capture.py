@@ -121,6 +121,8 @@ def test_every_linear_of_a_llama_block_is_sharded_and_heads_are_found(llama):
                      "layers.0.gate": "col", "layers.0.up": "col", "layers.0.down": "row"}
     block = next(u for u in prof.units if u.kind == "block")
     assert (block.heads, block.kv_heads) == (4, 2) and block.tp_allreduces == 2
+    s, h = 32, 64  # one all-reduce of b*s*h bf16 values per column group backward (q/k/v, gate/up): thesis 4.3.2
+    assert block.tp_bwd_allreduce_bytes(1) == block.tp_fwd_allreduce_bytes(1) == 2 * s * h * 2
     assert block.replicated.params == 2 * 64  # the two norms
     assert tp_reason(2, [(4, 2)]) is None and tp_reason(4, [(4, 2)]) is None
     assert "does not divide the 4 attention heads" in tp_reason(3, [(4, 2)])
