@@ -57,7 +57,7 @@ class Conservation:
 def _used_params(gm: fx.GraphModule) -> dict[int, tuple[str, int]]:
     used: dict[int, tuple[str, int]] = {}
     for n in gm.graph.nodes:
-        if n.op == "get_attr":
+        if n.op == "get_attr" and n.users:
             obj: Any = gm
             for part in str(n.target).split("."):
                 obj = getattr(obj, part)
@@ -82,12 +82,11 @@ def conservation(model: nn.Module, gm: fx.GraphModule, units: list[Unit], inputs
     priced = sum(u.sharded.model_flops(_B) + u.replicated.model_flops(_B) for u in units)
     largest = max(units, key=lambda u: u.fwd_flops(_B)).name if units else ""
     notes = []
-    held = {id(p): (n, p.numel()) for n, p in model.named_parameters()}
-    unused = [name for key, (name, _) in held.items() if key not in _used_params(gm)]
+    used = _used_params(gm)
+    unused = [(name, p.numel()) for name, p in model.named_parameters() if id(p) not in used]
     if unused:
-        count = sum(held[k][1] for k in held if held[k][0] in unused)
-        notes.append(f"{len(unused)} parameter tensors ({count:,} values) are never used by the forward "
-                     f"(e.g. {unused[0]}); they are held in memory by no unit")
+        notes.append(f"{len(unused)} parameter tensors ({sum(n for _, n in unused):,} values) are never used by "
+                     f"the forward (e.g. {unused[0][0]}); they are held in memory by no unit")
     shares: Counter[str] = Counter()
     total = 0.0
     for n in gm.graph.nodes:

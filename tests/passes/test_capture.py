@@ -160,3 +160,16 @@ def test_units_are_named_alike_by_both_front_ends(path, args):
     model = load_model_file(EXAMPLES / path, args).build("meta")
     assert prof.frontend == "export"
     assert [u.name for u in prof.units] == [name for name, _, _ in group_nodes(trace_model(model), model)]
+
+
+def test_parameters_the_forward_never_uses_are_reported(tmp_path):
+    path = tmp_path / "spare.py"
+    path.write_text("import torch\nfrom torch import nn\n"
+                    "class Net(nn.Module):\n"
+                    "    def __init__(self):\n"
+                    "        super().__init__(); self.a = nn.Linear(8, 8); self.spare = nn.Linear(8, 8)\n"
+                    "    def forward(self, x):\n        return self.a(x)\n"
+                    "def build_model():\n    return Net()\n"
+                    "def example_inputs(b):\n    return (torch.randn(b, 8),)\n")
+    prof, _ = analyze(path, {})
+    assert any("2 parameter tensors (72 values) are never used" in n and "spare.weight" in n for n in prof.notes)
