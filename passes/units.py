@@ -178,6 +178,26 @@ def _selective_bytes(nodes: list[fx.Node], core: set[str], saved: dict[str, symp
     return sum(saved.values(), sympy.Integer(0)) - sum(kept.values(), sympy.Integer(0))
 
 
+SPLIT_OUTPUTS = {"col", "sharded", "vocab-col"}  # roles whose outputs each TP rank holds 1/t of
+
+
+def _saved_by_layout(nodes: list[fx.Node], core: set[str], role_of: dict[str, str]) -> tuple[dict, dict]:
+    """Saved bytes of the sharded and the replicated part, split by where each tensor lives: a tensor
+    is divided over the tensor-parallel ranks when the op that produced it works on a shard, whatever
+    op saves it. The input of a column-parallel linear (a norm's output) is whole on every rank
+    (Korthikanti et al. 2022: sbh(10 + 24/t + 5as/ht) per GPT layer, not all of it over t)."""
+    saved: dict[str, sympy.Expr] = {}
+    for n in nodes:
+        saved.update(n.meta[COST].saved)
+    split = {k: v for k, v in saved.items() if role_of.get(k.split(".")[0], "replicated") in SPLIT_OUTPUTS}
+    whole = {k: v for k, v in saved.items() if k not in split}
+    z = sympy.Integer(0)
+    freed = _selective_bytes(nodes, core, saved)  # the attention core works on shards
+    p = lambda e: Poly.of(e, B)  # noqa: E731
+    return ({"saved_bytes": p(sum(split.values(), z)), "selective_bytes": p(freed)},
+            {"saved_bytes": p(sum(whole.values(), z)), "selective_bytes": Poly()})
+
+
 def _boundary_bytes(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr]:
     inside = set(nodes)
     ins: dict[fx.Node, sympy.Expr] = {}
@@ -209,6 +229,7 @@ def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
     """Group, mark tensor-parallel roles, and lower node costs to plain `Unit`s."""
     groups = group_nodes(gm, root)
     heads = annotate_tp_roles(gm, [nodes for _, _, nodes in groups])
+    role_of = {n.name: n.meta.get(TP, "replicated") for n in gm.graph.nodes}
     units = []
     for index, (name, kind, nodes) in enumerate(groups):
         for n in nodes:
@@ -220,9 +241,10 @@ def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
         replicated = [n for n in nodes if n.meta[TP] == "replicated"]
         fwd_ar, bwd_ar, count = _tp_allreduces(nodes)
         mod_type = type(root.get_submodule(name)).__name__ if "+" not in name and name else kind
+        split, whole = _saved_by_layout(nodes, selective, role_of)
         units.append(Unit(index=index, name=name, kind=kind, module_type=mod_type,
-                          nodes=tuple(n.name for n in nodes), sharded=_part(sharded, selective),
-                          replicated=_part(replicated, selective), param_bytes_per_param=elem,
+                          nodes=tuple(n.name for n in nodes), sharded=replace(_part(sharded, selective), **split),
+                          replicated=replace(_part(replicated, selective), **whole), param_bytes_per_param=elem,
                           input_bytes=Poly.of(in_b, B), output_bytes=Poly.of(out_b, B),
                           tp_fwd_allreduce_bytes=Poly.of(fwd_ar, B), tp_bwd_allreduce_bytes=Poly.of(bwd_ar, B),
                           tp_allreduces=count, tp_layout=_tp_layout(nodes, root),

@@ -91,3 +91,18 @@ def test_planning_never_materializes_weights(gpt):
     _, ctx = gpt
     assert all(p.device.type == "meta" for p in ctx.model.parameters())
     assert all(p.dtype == torch.bfloat16 for p in ctx.model.parameters())
+
+
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_activations_under_tensor_parallelism_match_korthikanti(gpt, t):
+    """Per GPT layer and TP rank: sbh(10 + 24/t + 5as/ht) (Korthikanti et al. 2022, eq. 2). The 10sbh are
+    the norms' inputs, the column-parallel linears' inputs and the residual dropout masks: whole on every
+    rank. Plus each LayerNorm's fp32 mean and 1/std, also whole."""
+    from costmodels.recompute import RECOMPUTE
+
+    prof, _ = gpt
+    s, h, a, b = 64, 96, 4, 2
+    block = next(u for u in prof.units if u.kind == "block")
+    expected = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) + 2 * 2 * s * b * 4
+    assert RECOMPUTE["none"].kept_bytes(block, b, t) == pytest.approx(expected)
+    assert RECOMPUTE["selective"].kept_bytes(block, b, t) == pytest.approx(expected - 5 * a * s * s * b / t)
