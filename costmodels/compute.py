@@ -64,7 +64,9 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
         rf_, rb_ = _part_time(unit.kv, b, unit.kv_heads, hw, unit.matmuls, cfg.precision)
         df, db = _part_time(unit.kv, b, t, hw, unit.matmuls, cfg.precision)
         sf, sb = sf + rf_ - df, sb + rb_ - db
-    rf, rb = _part_time(unit.replicated, b, 1, hw, unit.matmuls, cfg.precision)
+    # sequence parallelism: the norms, dropouts and residual adds run on 1/t of the sequence; the
+    # all-reduces become a reduce-scatter and an all-gather of the same volume (the same ring time)
+    rf, rb = _part_time(unit.replicated, b, cfg.sp_degree, hw, unit.matmuls, cfg.precision)
     n = max(unit.tp_allreduces, 1)
     ar_f = n * tp_allreduce_s(unit.tp_fwd_allreduce_bytes(b) / n, t, hw) if unit.tp_allreduces else 0.0
     ar_b = tp_allreduce_s(unit.tp_bwd_allreduce_bytes(b) / n, t, hw) * n if t > 1 else 0.0

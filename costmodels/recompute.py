@@ -21,8 +21,9 @@ __all__ = ["RecomputeMode", "RECOMPUTE", "register_recompute", "recompute_mode"]
 class RecomputeMode:
     name: str
     help: str
-    kept_bytes: Callable[[Unit, float, int], float]
-    """(unit, b, t) -> bytes one microbatch keeps from the unit's forward until its backward."""
+    kept_bytes: Callable[..., float]
+    """(unit, b, t, r=1) -> bytes one microbatch keeps from the unit's forward until its backward; the
+    sharded part is split over t, the rest over r (t under sequence parallelism, else 1)."""
     extra_backward_s: Callable[[Unit, float, int, Hardware, str, float], float]
     """(unit, b, t, hardware, precision, forward seconds) -> seconds the backward spends recomputing."""
     extra_flops: Callable[[Unit], float]
@@ -33,13 +34,18 @@ class RecomputeMode:
     """The runtime wraps each block in activation checkpointing."""
 
 
-def _plain_bytes(u: Unit, b: float, t: int) -> float:
-    return u.sharded.saved_bytes(b) / t + u.replicated.saved_bytes(b)
+def _plain_bytes(u: Unit, b: float, t: int, r: int = 1) -> float:
+    return u.sharded.saved_bytes(b) / t + u.replicated.saved_bytes(b) / r
 
 
-def _selective_bytes(u: Unit, b: float, t: int) -> float:
-    s, r = u.sharded, u.replicated
-    return (s.saved_bytes(b) - s.selective_bytes(b)) / t + r.saved_bytes(b) - r.selective_bytes(b)
+def _selective_bytes(u: Unit, b: float, t: int, r: int = 1) -> float:
+    s, w = u.sharded, u.replicated
+    return (s.saved_bytes(b) - s.selective_bytes(b)) / t + (w.saved_bytes(b) - w.selective_bytes(b)) / r
+
+
+def _full_bytes(u: Unit, b: float, t: int, r: int = 1) -> float:
+    """A block keeps its input (split over the sequence under sequence parallelism, as Megatron does)."""
+    return u.input_bytes(b) / r if u.kind == "block" else _selective_bytes(u, b, t, r)
 
 
 def _selective_s(u: Unit, b: float, t: int, hw: Hardware, precision: str, fwd_s: float) -> float:
@@ -81,7 +87,7 @@ register_recompute(RecomputeMode(
 
 register_recompute(RecomputeMode(
     name="full", help="keep each block's input only and redo its whole forward in the backward",
-    kept_bytes=lambda u, b, t: u.input_bytes(b) if u.kind == "block" else _selective_bytes(u, b, t),
+    kept_bytes=_full_bytes,
     extra_backward_s=lambda u, b, t, hw, prec, fwd: fwd if u.kind == "block" else 0.0,
     extra_flops=lambda u: u.fwd_flops(1) if u.kind == "block" else 0.0,
     working_set=True, checkpoint_blocks=True))

@@ -42,6 +42,9 @@ def plan(
     schedule: Optional[str] = typer.Option(None, "--schedule", help=f"pin: {_choices(SCHEDULES)}"),
     allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let t span nodes"),
     shard_optimizer: bool = typer.Option(False, "--shard-optimizer", help="shard optimizer state over d (ZeRO-1)"),
+    sequence_parallel: Optional[bool] = typer.Option(
+        None, "--sequence-parallel/--no-sequence-parallel",
+        help="pin sequence parallelism (Korthikanti et al. 2022); by default the search tries both where t > 1"),
     dtype: str = typer.Option("bf16", "--dtype", help=f"training precision: {_choices(PRECISIONS)}"),
     calibration: Optional[str] = typer.Option(None, "--calibration", help="file from `planner calibrate`"),
     fill: Optional[str] = typer.Option(None, "--fill", help="fill-job YAML: pack these jobs into the bubbles"),
@@ -67,7 +70,8 @@ def plan(
         spec = load_fill_spec(fill) if fill else None
         cal = load_calibration(calibration) if calibration else None
         pins = Pins(tp=tp, pp=pp, dp=dp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
-                    zero=1 if shard_optimizer else 0, precision=dtype, allow_cross_node_tp=allow_cross_node_tp)
+                    zero=1 if shard_optimizer else 0, sp=sequence_parallel, precision=dtype,
+                    allow_cross_node_tp=allow_cross_node_tp)
         if global_batch < 1:
             raise UserError(f"--global-batch must be positive, got {global_batch}")
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

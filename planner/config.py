@@ -119,6 +119,12 @@ class ParallelConfig:
         """Microbatches (of a whole stage) whose activations pipeline rank `rank` holds at its peak."""
         return self.schedule_kind.inflight(self.pp, self.v, self.m, rank)
 
+    @property
+    def sp_degree(self) -> int:
+        """What divides the activations outside the tensor-parallel regions (norms, dropout, residual):
+        t under sequence parallelism, else 1."""
+        return self.tp if self.sp else 1
+
     def unit_key(self) -> tuple:
         """The fields a unit's own time and memory depend on (the evaluator caches by it)."""
         return (self.b, self.tp, self.cp, self.sp, self.recompute, self.precision)

@@ -79,7 +79,7 @@ class Evaluator:
             kept = c.recompute_mode.kept_bytes
             for u in self.units:
                 ut = unit_time(u, self.hw, c)
-                rows.append((ut.fwd_s, ut.bwd_s, ut.tp_comm_s, kept(u, c.b, c.tp)))
+                rows.append((ut.fwd_s, ut.bwd_s, ut.tp_comm_s, kept(u, c.b, c.tp, c.sp_degree)))
             self._cache[key] = tuple(zip(*rows))
         return self._cache[key]
 
@@ -107,8 +107,8 @@ class Evaluator:
         return (static + c.inflight(c.pp - 1) * sum(act)) / c.pp + self.hw.reserve_bytes
 
     def evaluate(self, c: ParallelConfig) -> Evaluation:
-        if c.cp > 1 or c.sp:
-            raise ValueError(f"{c}: context and sequence parallelism are not priced yet")
+        if c.cp > 1:
+            raise ValueError(f"{c}: context parallelism is not priced yet")
         fwd, bwd, tpc, act = self.unit_costs(c)
         k = c.stages
         if k > len(self.units):

@@ -39,6 +39,7 @@ class Pins:
     recompute: str | None = None
     schedule: str | None = None
     zero: int = 0
+    sp: bool | None = None  # sequence parallelism; None: the search tries both where t > 1
     precision: str = "bf16"
     max_microbatch: int = 16
     max_v: int = 8
@@ -59,7 +60,7 @@ class Pins:
                 raise UserError(f"a pinned {name} must be a positive integer, got {value}")
 
     def pinned(self) -> list[str]:
-        return [k for k in ("tp", "pp", "dp", "b", "v", "recompute", "schedule") if getattr(self, k) is not None]
+        return [k for k in ("tp", "pp", "dp", "b", "v", "recompute", "schedule", "sp") if getattr(self, k) is not None]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -144,9 +145,11 @@ def _per_replica(t: int, p: int, d: int, n_units: int, per_replica: int, pins: P
                     rejected["more stages than units"] += 1
                     continue
                 for rc in RECOMPUTE:
-                    if pins.recompute in (None, rc):
+                    if pins.recompute not in (None, rc):
+                        continue
+                    for sp in ((False, True) if pins.sp is None else (pins.sp,)) if t > 1 else (False,):
                         yield ParallelConfig(tp=t, pp=p, dp=d, b=b, m=m, v=v, zero=pins.zero, recompute=rc,
-                                             schedule=name, precision=pins.precision)
+                                             sp=sp, schedule=name, precision=pins.precision)
 
 
 def _optimistic_iteration(ev: Evaluator, c: ParallelConfig) -> float:

@@ -106,3 +106,6 @@ def test_activations_under_tensor_parallelism_match_korthikanti(gpt, t):
     expected = s * b * h * (10 + 24 / t + 5 * a * s / (h * t)) + 2 * 2 * s * b * 4
     assert RECOMPUTE["none"].kept_bytes(block, b, t) == pytest.approx(expected)
     assert RECOMPUTE["selective"].kept_bytes(block, b, t) == pytest.approx(expected - 5 * a * s * s * b / t)
+    # sequence parallelism splits the 10sbh (and the norms' statistics) over t too: sbh(34/t + 5as/ht)
+    with_sp = s * b * h * (34 / t + 5 * a * s / (h * t)) + 2 * 2 * s * b * 4 / t
+    assert RECOMPUTE["none"].kept_bytes(block, b, t, t) == pytest.approx(with_sp)

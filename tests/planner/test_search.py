@@ -22,10 +22,11 @@ def _ev(units, n=64, B=256):
 
 
 def test_pinning_every_dimension_evaluates_exactly_one_configuration(gpt_units):
-    pins = Pins(tp=4, pp=4, dp=4, b=2, v=2, recompute="selective", schedule="interleaved")
+    pins = Pins(tp=4, pp=4, dp=4, b=2, v=2, recompute="selective", schedule="interleaved", sp=True)
     r = search(_ev(gpt_units), pins)
     c = r.best.config
-    assert (c.tp, c.pp, c.dp, c.b, c.v, c.recompute, c.schedule) == (4, 4, 4, 2, 2, "selective", "interleaved")
+    assert (c.tp, c.pp, c.dp, c.b, c.v, c.recompute, c.schedule, c.sp) == (4, 4, 4, 2, 2, "selective", "interleaved",
+                                                                          True)
     assert r.evaluated == 1 and r.runners_up == ()
 
 
@@ -55,3 +56,13 @@ def test_cross_node_tensor_parallelism_needs_the_flag(gpt_units):
     assert r.best.config.tp <= 8
     wide = search(_ev(gpt_units, n=16, B=64), Pins(tp=16, allow_cross_node_tp=True, recompute="full"))
     assert wide.best.config.tp == 16
+
+
+def test_sequence_parallelism_is_searched_and_saves_memory_and_time(gpt_units):
+    ev = _ev(gpt_units)
+    on, off = (search(ev, Pins(tp=4, pp=4, dp=4, b=1, v=1, recompute="none", schedule="1f1b", sp=sp)).best
+               for sp in (True, False))
+    assert on.config.sp and not off.config.sp
+    assert max(m.activations for m in on.rank_memory) < max(m.activations for m in off.rank_memory)
+    assert on.iteration_s < off.iteration_s  # the norms and dropouts run on 1/t of the sequence
+    assert search(ev, Pins(tp=4)).best.config.sp  # left free, the search takes it where t > 1
