@@ -134,7 +134,7 @@ def _per_replica(t: int, p: int, d: int, n_units: int, per_replica: int, pins: P
         for name, kind in SCHEDULES.items():
             if pins.schedule not in (None, name):
                 continue
-            for v in kind.v_choices(p, pins.max_v):
+            for v in kind.v_choices(p, max(pins.max_v, pins.v or 0)):  # a pinned v is always a choice
                 if pins.v not in (None, v):
                     continue
                 why = kind.check(p, v, m)

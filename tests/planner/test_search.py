@@ -66,3 +66,9 @@ def test_sequence_parallelism_is_searched_and_saves_memory_and_time(gpt_units):
     assert max(m.activations for m in on.rank_memory) < max(m.activations for m in off.rank_memory)
     assert on.iteration_s < off.iteration_s  # the norms and dropouts run on 1/t of the sequence
     assert search(ev, Pins(tp=4)).best.config.sp  # left free, the search takes it where t > 1
+
+
+def test_a_pinned_vp_beyond_the_default_range_is_a_choice(gpt_units):
+    """NeMo's GPT-3 175B recipe runs 12 model chunks per rank (more than the default max_v=8)."""
+    r = search(_ev(gpt_units), Pins(tp=4, pp=2, dp=8, b=1, v=12, recompute="selective"))
+    assert (r.best.config.v, r.best.config.schedule) == (12, "interleaved")

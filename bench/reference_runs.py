@@ -1,0 +1,61 @@
+"""Price the published runs of ../shared/references/reference_runs.json at their own configuration.
+
+    python bench/reference_runs.py [--json out.json]
+
+Every row is planned with all its stated dimensions pinned (t, p, d, microbatch, vp, sequence
+parallelism; H100 rows also shard the optimizer, as NeMo's distributed optimizer does). The planner
+chooses only what the row leaves open (recompute when null). Prints predicted against measured
+iteration time. Rows whose configuration the planner cannot price yet (context parallelism) are
+listed with the reason. No constant is fitted to these rows.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from planner.api import make_plan  # noqa: E402
+from planner.search import Pins  # noqa: E402
+
+REFS = ROOT.parent / "shared" / "references"
+TARGETS = {"a100-80": "a100-80gb", "h100": "h100-sxm"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--only", help="substring of the row ids to run")
+    args = ap.parse_args()
+    rows = json.loads((REFS / "reference_runs.json").read_text())["runs"]
+    out = []
+    for r in rows:
+        if args.only and args.only not in r["id"]:
+            continue
+        if r["cp"] > 1:
+            print(f"{r['id']:22s} skipped: context parallelism (cp={r['cp']}) is not priced yet")
+            continue
+        h100 = r["gpu"] == "h100"
+        pins = Pins(tp=r["tp"], pp=r["pp"], dp=r["dp"], b=r["microbatch"], v=r["vp"], recompute=r["recompute"],
+                    sp=r["sequence_parallel"], zero=1 if h100 else 0, max_v=max(8, r["vp"] or 0),
+                    schedule=("interleaved" if r["vp"] else None) if r["pp"] > 1 else None)
+        plan, _ = make_plan(str(REFS / "models" / r["model"]), gpus=r["gpus"], global_batch=r["global_batch"],
+                            target=TARGETS[r["gpu"]], model_args=r["model_args"], pins=pins)
+        pred, meas = plan.predictions.iteration_s, r["measured_iter_s"]
+        row = {"id": r["id"], "predicted_s": pred, "measured_s": meas, "error": pred / meas - 1,
+               "config": str(plan.config.to_config()), "mfu": plan.predictions.mfu}
+        out.append(row)
+        print(f"{r['id']:22s} predicted {pred:8.3f}s measured {meas:8.3f}s {row['error']:+7.1%}  MFU {row['mfu']:.1%}  "
+              f"{row['config']}")
+    if out:
+        errs = [abs(r["error"]) for r in out]
+        print(f"{len(out)} rows: worst |error| {max(errs):.1%}, mean {sum(errs) / len(errs):.1%}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
