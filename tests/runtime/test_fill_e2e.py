@@ -73,8 +73,10 @@ def run(tmp_path_factory) -> dict[str, Any]:
         proc = torchrun(2, [*(str(tmp / f"{n}.json") for n in PLANS), *common, "--metrics", str(tmp / "fill.json")],
                         cwd=tmp)
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-        first = load_metrics(tmp / "fill.json").runs[0]
-        if sum(_job(rep).units_done for _, rep in _reports(first)) > 0:
+        runs = dict(zip(PLANS, load_metrics(tmp / "fill.json").runs))
+        progressed = sum(_job(rep).units_done for _, rep in _reports(runs["planned"])) > 0
+        raised = any(rep.errors for _, rep in _reports(runs["raise"]))  # its job reached the step that raises
+        if progressed and raised:
             break
     base = torchrun(2, [str(tmp / "planned.json"), *common, "--no-fill", "--metrics", str(tmp / "nofill.json")],
                     cwd=tmp)
