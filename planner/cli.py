@@ -103,6 +103,7 @@ def profile(
 
     from .api import parse_model_args, profile_rows
     from .config import ParallelConfig
+    from .search import tp_reason
 
     with user_errors():
         if batch < 1:
@@ -113,6 +114,9 @@ def profile(
         with status(not as_json, "tracing") as st:
             prof, _ = analyze(model, kwargs, leaves=tuple(leaf), dtype=dtype,
                               progress=(lambda name: st.update(f"pass: {name}")) if st else None)
+        why = tp_reason(tp, {(u.heads, u.kv_heads) for u in prof.units})
+        if why is not None:
+            raise UserError(f"--tp {tp}: {why}; choose a t that divides them")
         rows = profile_rows(prof, Hardware(target=tg), cfg)
         if measure:
             from passes.profile import measure_units
