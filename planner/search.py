@@ -220,7 +220,10 @@ def _no_fit_message(ev: Evaluator, leanest: tuple[float, ParallelConfig] | None,
         why = "; ".join(f"{k}: {v}" for k, v in rejected.items())
         return f"no configuration of {ev.n_gpus} GPUs works ({why})"
     need, c = leanest
+    node = ev.hw.cluster.gpus_per_node
     more = int(-(-ev.n_gpus * need // ev.capacity))
+    more = -(-more // node) * node  # whole nodes
     return (f"the model fits no configuration on {ev.n_gpus} x {ev.hw.name}: the leanest ({c}) needs "
-            f"{need / 2**30:.1f} GiB per GPU against {cap:.0f} GiB; use about {more} or more GPUs, a GPU "
+            f"{need / 2**30:.1f} GiB per GPU against {cap:.0f} GiB; use about {more} or more GPUs "
+            f"({more // node} nodes of {node}), a GPU "
             "with more memory (--target), a smaller microbatch or global batch, or sharded optimizer state")
