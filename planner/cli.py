@@ -76,7 +76,8 @@ def targets(as_json: bool = typer.Option(False, "--json", help="machine-readable
     for col in ("name", "GPU", "bf16 TFLOP/s", "HBM GiB", "HBM TB/s", "GPUs/node", "NVLink GB/s", "inter-node GB/s"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r["name"] + (" (default)" if r["default"] else ""), r["gpu"], f"{r['bf16_tflops']:.0f}",
+        table.add_row(r["name"] + (" (default)" if r["default"] else ""), r["gpu"],
+                      f"{r['bf16_tflops']:.0f}" if r["bf16_tflops"] else "none (use --dtype fp16)",
                       f"{r['hbm_gib']:.0f}", f"{r['hbm_tb_s']:.2f}", str(r["gpus_per_node"]),
                       f"{r['nvlink_gb_s']:.0f}", f"{r['internode_gb_s']:.1f}")
     out.print(table)

@@ -91,8 +91,10 @@ class GPUSpec:
         try:
             return self.peak_flops[name]
         except KeyError:
+            usable = [d for d in ("bf16", "fp16", "fp32") if d in self.peak_flops]
             raise TargetError(f"GPU {self.name!r} has no {name} peak — it supports "
-                              f"{', '.join(sorted(self.peak_flops))}") from None
+                              f"{', '.join(sorted(self.peak_flops))}; plan with --dtype {usable[0] if usable else 'fp32'}"
+                              ) from None
 
     @property
     def dtypes(self) -> tuple[str, ...]:

@@ -28,6 +28,7 @@ def run(*args: str):
     (["profile", str(EXAMPLES / "mlp.py"), "--model-arg", "width"], "not key=value"),
     (["profile", str(EXAMPLES / "gpt.py"), "--model-arg", "layers=2", "--tp", "5"],
      "t=5 does not divide the 48 attention heads"),
+    (["plan", str(EXAMPLES / "gpt.py"), "--gpus", "64", "--target", "v100-32gb"], "plan with --dtype fp16"),
     (["plan", str(EXAMPLES / "gpt.py"), "--gpus", "48", "--gpus-per-node", "6", "--tp", "5"],
      "t=5 does not divide the 48 attention heads"),
     (["plan", str(EXAMPLES / "gpt.py"), "--gpus", "12"], "do not fill whole nodes of 8"),
