@@ -173,14 +173,26 @@ def show(plan_file: str = typer.Argument("plan.json"),
     text = grid(sched)
     lines = text.splitlines()
     out.print("schedule (rank x step):", highlight=False)
-    for line in lines[:16]:
-        out.print(line[:400], highlight=False, soft_wrap=True)
-    bub = Table(title=f"bubbles ({len(p.bubbles)})")
+    for line in lines[:GRID_RANKS]:
+        cut = f" … ({len(line) - GRID_WIDTH} more characters)" if len(line) > GRID_WIDTH else ""
+        out.print(line[:GRID_WIDTH] + cut, highlight=False, soft_wrap=True)
+    if len(lines) > GRID_RANKS:
+        out.print(f"… {len(lines) - GRID_RANKS} more ranks (`planner chart` draws them all)", highlight=False)
+    shown = p.bubbles[:BUBBLE_ROWS]
+    bub = Table(title=f"bubbles ({len(p.bubbles)}; showing {len(shown)})" if len(shown) < len(p.bubbles)
+                else f"bubbles ({len(p.bubbles)})")
     for col in ("rank", "id", "start", "duration", "kind", "free GiB"):
         bub.add_column(col, justify="right")
-    for b in p.bubbles[:60]:
+    for b in shown:
         bub.add_row(str(b.rank), str(b.id), _ms(b.start_s), _ms(b.duration_s), b.kind, f"{b.free_bytes / GiB:.1f}")
+    if len(shown) < len(p.bubbles):
+        bub.add_row("…", f"{len(p.bubbles) - len(shown)} more", "", "", "", "")
     out.print(bub)
+    out.print("bubble kinds (FreeRide): A = fill/drain at the start or end of the iteration, B = before a "
+              "backward (waiting for a gradient), C = before a forward (waiting for an activation)", highlight=False)
+
+
+GRID_RANKS, GRID_WIDTH, BUBBLE_ROWS = 16, 400, 60  # what `show` prints before it says "… more"
 
 
 @app.command()
