@@ -37,8 +37,12 @@ def launch(
     with user_errors():
         plan = load_plan(plan_file)
         if not local:
-            out.print("multi-node runs start on each node with the plan's commands (or launch.sh);"
-                      " add --local to run every rank here:", highlight=False)
+            script = Path(plan_file).with_name("launch.sh")
+            script.write_text(plan.launch.script)
+            script.chmod(0o755)
+            out.print(f"multi-node runs start on each node with the plan's commands, or `{script} NODE_RANK` "
+                      f"(written now; RDZV_ENDPOINT=host:port of node 0); add --local to run every rank here:",
+                      highlight=False)
             for cmd in plan.launch.commands:
                 out.print(f"  {cmd}", highlight=False, soft_wrap=True)
             return

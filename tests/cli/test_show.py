@@ -19,3 +19,16 @@ def test_show_says_what_it_cuts_and_explains_bubble_kinds(tmp_path):
     assert "more" in res.stdout.split("bubbles (")[1]  # the bubble table says how many rows it left out
     assert "showing 60" in res.stdout
     assert "A = fill/drain" in res.stdout and "B = before a backward" in res.stdout
+
+
+def test_launch_without_local_writes_the_launch_script(tmp_path):
+    path = tmp_path / "plan.json"
+    runner = CliRunner()
+    assert runner.invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "16", "-o", str(path)]).exit_code == 0
+    res = runner.invoke(app, ["launch", str(path)])
+    assert res.exit_code == 0, res.stdout
+    script = tmp_path / "launch.sh"
+    assert script.is_file() and script.stat().st_mode & 0o111
+    text = script.read_text()
+    assert "--nnodes 2 --nproc-per-node 8" in text and 'NODE_RANK="${1:?' in text and str(path) in text
+    assert str(script) in res.stdout
