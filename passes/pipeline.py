@@ -142,6 +142,10 @@ def _check(ctx: Context) -> None:
         ctx.conservation = conservation(ctx.model, ctx.gm, ctx.priced, _inputs(ctx, 2))
         if ctx.frontend == "export":
             ctx.notes.extend(_runtime_note(ctx.model))
+    missing = [f"{fn}()" for fn in ("sample_batch", "loss_fn") if not ctx.model_file.has(fn)]
+    if missing:
+        ctx.notes.append(f"the plan cannot be launched: {ctx.path.name} defines no {' and no '.join(missing)}, "
+                         "which the fxplanner runtime calls for each step's data and loss")
     if not ctx.conservation.flops_ok:
         raise PricingError(ctx.conservation.flops_message())
 

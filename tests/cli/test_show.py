@@ -32,3 +32,12 @@ def test_launch_without_local_writes_the_launch_script(tmp_path):
     text = script.read_text()
     assert "--nnodes 2 --nproc-per-node 8" in text and 'NODE_RANK="${1:?' in text and str(path) in text
     assert str(script) in res.stdout
+
+
+def test_a_model_the_runtime_cannot_feed_is_flagged_at_plan_time():
+    from tests.conftest import FIXTURES
+
+    res = CliRunner().invoke(app, ["plan", str(FIXTURES / "cnn_bias.py"), "--gpus", "8", "-o", "/dev/null"])
+    assert res.exit_code == 0, res.stdout
+    assert "the plan cannot be launched: cnn_bias.py defines no sample_batch() and no loss_fn()" in res.stdout
+    assert "samples/s" in res.stdout and "tokens/s" not in res.stdout  # an image model
