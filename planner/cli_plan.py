@@ -151,6 +151,8 @@ def _print_fill(p: Plan) -> None:
     out.print(table)
     for name, why in fp.unplaceable.items():
         out.print(f"[yellow]unplaceable[/] {name}: {why}", highlight=False)
+    for name, why in fp.not_chosen.items():
+        out.print(f"[yellow]not chosen[/] {name}: {why}", highlight=False)
 
 
 @app.command()

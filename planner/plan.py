@@ -182,6 +182,8 @@ class FillPredictions(_Model):
     total_useful_tflops_per_gpu: float
     offload_optimizer: bool
     unplaceable: dict[str, str] = Field(default_factory=dict, description="job -> why it fits no bubble")
+    not_chosen: dict[str, str] = Field(default_factory=dict, description="job -> why it fits but runs nowhere "
+                                       "(every job of the spec is placed, unplaceable, or here)")
 
 
 class Fill(_Model):

@@ -65,6 +65,7 @@ class FillAssignment:
     fill_flops_per_gpu_s: float  # averaged over pipeline ranks
     bubble_time_used: float  # fraction of all bubble time
     unplaceable: dict[str, str] = field(default_factory=dict)
+    not_chosen: dict[str, str] = field(default_factory=dict)  # jobs that fit, outscored on every rank
 
 
 def load_overhead_s(profile: FillProfile, hw: Hardware) -> float:
@@ -134,11 +135,17 @@ def assign_fill(cycles: list[list[BubbleSlot]], iteration_s: float, jobs: dict[s
     rank runs the job that recovers the most FLOPs there."""
     per_rank: list[RankFill | None] = []
     feasible: set[str] = set()  # jobs that fit some bubble somewhere, chosen or not
+    closest: dict[str, tuple[float, int, RankFill]] = {}  # job -> (its share of the winner, rank, winner)
     for r, cycle in enumerate(cycles):
         options = [best_fill(r, cycle, profiles, hw, safety_margin=safety_margin) for profiles in jobs.values()
                    if cycle]
         feasible.update(o.profile.job for o in options if o is not None)
         best = max((o for o in options if o is not None), key=lambda o: o.packing.flops_per_cycle, default=None)
+        for o in options:
+            if o is not None and best is not None and o.profile.job != best.profile.job:
+                share = o.packing.flops_per_cycle / max(best.packing.flops_per_cycle, 1e-30)
+                closest[o.profile.job] = max(closest.get(o.profile.job, (-1.0, r, best)), (share, r, best),
+                                             key=lambda x: x[0])
         if best is not None and solver != "greedy":
             best = best_fill(r, cycle, jobs[best.profile.job], hw, safety_margin=safety_margin,
                              solver=solver, time_limit_s=time_limit_s)
@@ -147,6 +154,11 @@ def assign_fill(cycles: list[list[BubbleSlot]], iteration_s: float, jobs: dict[s
     used = sum(sum(ch.time_s for ch in rf.packing.chunks) / rf.packing.params.cycles for rf in per_rank if rf)
     flops = sum(rf.packing.flops_per_cycle for rf in per_rank if rf)
     unplaceable = {name: _why_not(profs, cycles, safety_margin) for name, profs in jobs.items() if name not in feasible}
+    chosen = {rf.profile.job for rf in per_rank if rf}
+    not_chosen = {name: (f"it fits, but each rank runs the one job that recovers the most; its best is rank {r}, "
+                         f"where it would recover {share:.0%} of what {win.profile.job} does")
+                  for name, (share, r, win) in closest.items() if name not in chosen}
     return FillAssignment(per_rank=tuple(per_rank), iteration_s=iteration_s,
                           fill_flops_per_gpu_s=flops / (len(cycles) * iteration_s) if cycles else 0.0,
-                          bubble_time_used=used / total_bubble if total_bubble else 0.0, unplaceable=unplaceable)
+                          bubble_time_used=used / total_bubble if total_bubble else 0.0, unplaceable=unplaceable,
+                          not_chosen=not_chosen)

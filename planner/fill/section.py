@@ -35,4 +35,5 @@ def fill_section(joint: JointChoice, spec: FillSpec) -> Fill:
                                             bubble_time_used=fa.bubble_time_used,
                                             total_useful_tflops_per_gpu=(joint.main_useful_per_gpu +
                                                                          fa.fill_flops_per_gpu_s) / 1e12,
-                                            offload_optimizer=joint.offload, unplaceable=fa.unplaceable))
+                                            offload_optimizer=joint.offload, unplaceable=fa.unplaceable,
+                                            not_chosen=fa.not_chosen))

@@ -41,3 +41,18 @@ def test_a_model_the_runtime_cannot_feed_is_flagged_at_plan_time():
     assert res.exit_code == 0, res.stdout
     assert "the plan cannot be launched: cnn_bias.py defines no sample_batch() and no loss_fn()" in res.stdout
     assert "samples/s" in res.stdout and "tokens/s" not in res.stdout  # an image model
+
+
+def test_every_fill_job_is_accounted_for(tmp_path):
+    from planner.plan import load_plan
+
+    path = tmp_path / "plan.json"
+    res = CliRunner().invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "64", "--fill",
+                                   str(EXAMPLES / "fill" / "jobs.yaml"), "-o", str(path)])
+    assert res.exit_code == 0, res.stdout
+    fill = load_plan(path).fill
+    placed = {j.name.split("@")[0] for j in fill.jobs}
+    accounted = placed | set(fill.predictions.unplaceable) | set(fill.predictions.not_chosen)
+    assert accounted == {"bert-infer", "mlp-train", "resnet-train"}
+    for name, why in fill.predictions.not_chosen.items():
+        assert f"not chosen {name}: it fits" in " ".join(res.stdout.split())
