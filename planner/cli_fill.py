@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -47,7 +48,8 @@ def simulate_fill(
     summary = {"policy": report.policy, "gpus": report.gpus, "bubble_ratio": report.bubble_ratio,
                "bubble_time_used": report.bubble_s_used / report.bubble_s_total if report.bubble_s_total else 0.0,
                "fill_tflops_per_gpu": report.fill_tflops_per_gpu, "gpus_saved": report.gpus_saved,
-               "mean_jct_s": report.mean_jct_s, "makespan_s": report.makespan_s,
+               "mean_jct_s": _number(report.mean_jct_s), "makespan_s": _number(report.makespan_s),
+               "jobs_finished": len(report.finished),
                "cost_savings": report.cost.savings if report.cost else None,
                "time_increase": report.cost.time_increase if report.cost else None,
                "jobs": [{"name": j.name, "rank": j.rank, "arrival_s": j.arrival_s, "completion_s": j.completion_s,
@@ -66,9 +68,16 @@ def simulate_fill(
                       f"{j.work_done / j.work:.0%}", f"{j.dedicated_s:.0f}s")
     out.print(table)
     s = summary
+    timing = (f"mean JCT {s['mean_jct_s']:.0f}s, makespan {s['makespan_s']:.0f}s" if s["jobs_finished"] else
+              "no job finished within the horizon (raise --horizon), so no JCT or makespan")
     out.print(f"bubble ratio {s['bubble_ratio']:.1%}, bubble time used {s['bubble_time_used']:.1%}, fill "
-              f"{s['fill_tflops_per_gpu']:.2f} TFLOP/s/GPU, GPUs saved {s['gpus_saved']:.1f} (C*B*P), mean JCT "
-              f"{s['mean_jct_s']:.0f}s, makespan {s['makespan_s']:.0f}s"
+              f"{s['fill_tflops_per_gpu']:.2f} TFLOP/s/GPU, GPUs saved {s['gpus_saved']:.1f} (PipeFill's C*B*P: "
+              f"{s['gpus']} GPUs x bubble ratio x the fill's speed in bubbles relative to a dedicated GPU), {timing}"
               + (f", cost savings S {s['cost_savings']:.1%}" if s["cost_savings"] is not None else ""), highlight=False)
     for name, why in s["unplaceable"].items():
         out.print(f"[yellow]unplaceable[/] {name}: {why}", highlight=False)
+
+
+def _number(x: float) -> float | None:
+    """JSON has no NaN: an undefined figure (no job finished) is null."""
+    return None if math.isnan(x) else x

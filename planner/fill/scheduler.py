@@ -267,13 +267,13 @@ def placement(job: TraceJob, ranks: Sequence[Rank]) -> tuple[int, ...] | Unplace
     if not fits:
         most = max((r.max_free_bytes for r in ranks), default=0)
         return Unplaceable(job=job.name, reason="memory", detail=(
-            f"needs {job.mem_bytes} bytes; the most any bubble has free is {most} bytes"))
+            f"it needs {job.mem_bytes / 2**30:.2f} GiB, more than any bubble has free ({most / 2**30:.2f} GiB)"))
     ok = tuple(i for i in fits if job.plans[i] is not None and job.plans[i].work_per_cycle > 0)
     if not ok:
         longest = max((s.duration_s for i in fits for s in ranks[i].slots), default=0.0)
         return Unplaceable(job=job.name, reason="time", detail=(
             f"memory fits on {len(fits)} rank(s) but no bubble there is long enough to complete "
-            f"any work (longest bubble {longest:.6f} s)"))
+            f"any work (longest bubble {longest * 1e3:.1f} ms)"))
     return ok
 
 

@@ -56,3 +56,20 @@ def test_every_fill_job_is_accounted_for(tmp_path):
     assert accounted == {"bert-infer", "mlp-train", "resnet-train"}
     for name, why in fill.predictions.not_chosen.items():
         assert f"not chosen {name}: it fits" in " ".join(res.stdout.split())
+
+
+def test_simulate_fill_says_when_no_job_finished_and_labels_gpus_saved(tmp_path):
+    import json
+
+    path = tmp_path / "plan.json"
+    runner = CliRunner()
+    jobs = str(EXAMPLES / "fill" / "jobs.yaml")
+    made = runner.invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "64", "--fill", jobs, "-o", str(path)])
+    assert made.exit_code == 0, made.stdout
+    res = runner.invoke(app, ["simulate-fill", str(path), jobs, "--horizon", "10"])
+    assert res.exit_code == 0, res.stdout
+    text = " ".join(res.stdout.split())
+    assert "nan" not in text and "no job finished within the horizon" in text
+    assert "C*B*P: 64 GPUs x bubble ratio x" in text
+    data = json.loads(runner.invoke(app, ["simulate-fill", str(path), jobs, "--horizon", "10", "--json"]).stdout)
+    assert data["mean_jct_s"] is None and data["jobs_finished"] == 0

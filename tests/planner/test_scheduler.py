@@ -130,7 +130,7 @@ def test_job_needing_more_memory_than_any_bubble_is_unplaceable_for_memory():
     big = job("big", 1, 2, mem=8 * GB)
     where = placement(big, [rank(0), rank(1)])
     assert isinstance(where, Unplaceable) and where.reason == "memory"
-    assert str(8 * GB) in where.detail and str(4 * GB) in where.detail
+    assert f"{8 * GB / 2**30:.2f} GiB" in where.detail and f"{4 * GB / 2**30:.2f} GiB" in where.detail
 
 
 def test_job_whose_units_fit_no_bubble_is_unplaceable_for_time():
