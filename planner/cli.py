@@ -95,6 +95,7 @@ def profile(
     measure: bool = typer.Option(False, "--measure", help="also time each unit on this machine"),
     repeats: int = typer.Option(5, help="timed repetitions per unit with --measure"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
+    all_rows: bool = typer.Option(False, "--all", help="print every unit (by default 40 rows at most)"),
 ) -> None:
     """Trace MODEL on meta tensors and price every unit on the target."""
     from passes.pipeline import analyze
@@ -137,20 +138,21 @@ def profile(
                                    "unpriced": [{"op": op, "share_of_bytes": share} for op, share in prof.unpriced],
                                    "passes": [{"name": n, "seconds": s} for n, s in prof.pass_times]}))
         return
-    _print_profile(prof, tg.name, batch, tp, rows, totals, measure)
+    _print_profile(prof, tg.name, batch, tp, rows, totals, measure, all_rows)
 
 
-def _print_profile(prof, target: str, batch: int, tp: int, rows: list[dict], totals: dict, measured: bool) -> None:
+def _print_profile(prof, target: str, batch: int, tp: int, rows: list[dict], totals: dict, measured: bool,
+                   all_rows: bool = False) -> None:
     table = Table(title=f"{prof.name}: {len(rows)} units, b={batch}, t={tp}, on {target}")
     cols = ["#", "unit", "kind", "params", "fwd FLOPs", "bwd FLOPs", "activations", "fwd (pred)", "bwd (pred)"]
     if measured:
         cols += ["fwd (here)", "bwd (here)"]
     for col in cols:
         table.add_column(col, justify="right" if col not in ("unit", "kind") else "left")
-    shown = rows if len(rows) <= 40 else rows[:20] + [None] + rows[-19:]
+    shown = rows if len(rows) <= 40 or all_rows else rows[:20] + [None] + rows[-19:]
     for i, r in enumerate(shown):
         if r is None:
-            table.add_row("…", f"{len(rows) - 39} more", *[""] * (len(cols) - 2))
+            table.add_row("…", f"{len(rows) - 39} more units (--all)", *[""] * (len(cols) - 2))
             continue
         idx = rows.index(r)
         cells = [str(idx), r["unit"], r["kind"], _si(r["params"]), _si(r["fwd_flops"]), _si(r["bwd_flops"]),

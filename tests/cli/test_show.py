@@ -73,3 +73,12 @@ def test_simulate_fill_says_when_no_job_finished_and_labels_gpus_saved(tmp_path)
     assert "C*B*P: 64 GPUs x bubble ratio x" in text
     data = json.loads(runner.invoke(app, ["simulate-fill", str(path), jobs, "--horizon", "10", "--json"]).stdout)
     assert data["mean_jct_s"] is None and data["jobs_finished"] == 0
+
+
+def test_profile_says_how_many_units_it_left_out_and_prints_all_on_request():
+    runner = CliRunner()
+    args = ["profile", str(EXAMPLES / "gpt.py"), "--model-arg", "layers=48"]
+    cut = runner.invoke(app, args, env={"COLUMNS": "200"})
+    assert cut.exit_code == 0 and "11 more units (--all)" in cut.stdout
+    full = runner.invoke(app, [*args, "--all"], env={"COLUMNS": "200"})
+    assert full.exit_code == 0 and all(f"layers.{i} " in full.stdout for i in range(48))
