@@ -2,11 +2,10 @@
 
     python bench/reference_runs.py [--json out.json]
 
-Every row is planned with all its stated dimensions pinned (t, p, d, microbatch, vp, sequence
+Every row is planned with all its stated dimensions pinned (t, p, d, cp, microbatch, vp, sequence
 parallelism; H100 rows also shard the optimizer, as NeMo's distributed optimizer does). The planner
 chooses only what the row leaves open (recompute when null). Prints predicted against measured
-iteration time. Rows whose configuration the planner cannot price yet (context parallelism) are
-listed with the reason. No constant is fitted to these rows.
+iteration time. No constant is fitted to these rows.
 """
 from __future__ import annotations
 
@@ -35,11 +34,8 @@ def main() -> None:
     for r in rows:
         if args.only and args.only not in r["id"]:
             continue
-        if r["cp"] > 1:
-            print(f"{r['id']:22s} skipped: context parallelism (cp={r['cp']}) is not priced yet")
-            continue
         h100 = r["gpu"] == "h100"
-        pins = Pins(tp=r["tp"], pp=r["pp"], dp=r["dp"], b=r["microbatch"], v=r["vp"], recompute=r["recompute"],
+        pins = Pins(tp=r["tp"], pp=r["pp"], dp=r["dp"], cp=r["cp"], b=r["microbatch"], v=r["vp"], recompute=r["recompute"],
                     sp=r["sequence_parallel"], zero=1 if h100 else 0, max_v=max(8, r["vp"] or 0),
                     schedule=("interleaved" if r["vp"] else None) if r["pp"] > 1 else None)
         plan, _ = make_plan(str(REFS / "models" / r["model"]), gpus=r["gpus"], global_batch=r["global_batch"],

@@ -33,7 +33,8 @@ def main() -> None:
         t0 = time.perf_counter()
         prof, _ = analyze(ROOT / "examples" / "gpt.py", {"preset": preset})
         t1 = time.perf_counter()
-        ev = Evaluator(units=prof.units, hw=Hardware(target=get_target("a100-80gb")), global_batch=B, n_gpus=n)
+        ev = Evaluator(units=prof.units, hw=Hardware(target=get_target("a100-80gb")), global_batch=B, n_gpus=n,
+                       tokens_per_sample=prof.tokens_per_sample)
         r = search(ev)
         t2 = time.perf_counter()
         rows.append({"model": preset, "gpus": n, "batch": B, "trace_s": t1 - t0, "search_s": t2 - t1,

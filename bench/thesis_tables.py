@@ -37,7 +37,7 @@ TABLE_4_2 = [
 
 
 def published_pins(t: int, p: int, n: int, b: int | None) -> Pins:
-    return Pins(tp=t, pp=p, dp=n // (t * p), b=b, recompute="full", sp=False, schedule="interleaved" if p > 1 else None)
+    return Pins(tp=t, pp=p, dp=n // (t * p), b=b, recompute="full", sp=False, cp=1, schedule="interleaved" if p > 1 else None)
 
 
 def run_row(row, profiles: dict) -> dict:

@@ -14,20 +14,21 @@ from typing import TYPE_CHECKING
 
 from passes.units import Part, Unit
 
-from .comm import allreduce_time
+from .comm import allreduce_time, p2p_time
 from .hardware import Hardware, gemm_efficiency
 
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
-__all__ = ["UnitTime", "unit_time", "tp_allreduce_s"]
+__all__ = ["UnitTime", "unit_time", "tp_allreduce_s", "cp_ring_s"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class UnitTime:
-    fwd_s: float  # forward compute + forward TP all-reduces
-    bwd_s: float  # backward (+ recomputation) + backward TP all-reduces
+    fwd_s: float  # forward compute + forward TP all-reduces + exposed context-parallel ring
+    bwd_s: float  # backward (+ recomputation) + backward TP all-reduces + exposed ring
     tp_comm_s: float  # of which TP communication, forward + backward
+    cp_comm_s: float = 0.0  # of which the context-parallel ring's exposed part, forward + backward
 
 
 def _part_time(part: Part, b: float, t: int, hw: Hardware, gemms: int, precision: str) -> tuple[float, float]:
@@ -55,10 +56,30 @@ def tp_allreduce_s(nbytes: float, t: int, hw: Hardware) -> float:
     return allreduce_time(nbytes, per_node, t // per_node, hw.links)
 
 
+def cp_ring_s(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> tuple[float, float]:
+    """Exposed seconds (forward, backward) of ring attention over cfg.cp ranks, as Megatron-Core and
+    Transformer Engine run it: each rank holds 1/cp of the sequence (two load-balanced chunks under a
+    causal mask) and passes its keys and values around the ring in cp - 1 steps, each sent while the
+    previous block of attention computes; the backward passes keys, values and their gradients. What a
+    step's transfer takes beyond its share of the attention stays exposed."""
+    if cfg.cp == 1 or not unit.attn_kv_bytes:
+        return 0.0, 0.0
+    b, t, cp = cfg.local_b, cfg.tp, cfg.cp
+    kv_split = min(t, unit.kv_heads) if unit.kv_heads else t  # kv heads past t are replicated
+    cl, eff = hw.cluster, hw.eff
+    near = t * cp <= cl.gpus_per_node  # ranks ordered tp, cp: the ring stays inside a node
+    bw = (cl.nvlink_bw if near else cl.internode_bw) * eff.link
+    send = p2p_time(unit.attn_kv_bytes(b) / kv_split, bw, cl.nvlink_latency_s if near else cl.internode_latency_s)
+    flops = unit.sharded.selective_flops(b) / t  # the attention core this rank computes
+    peak = hw.gpu.peak(cfg.precision)
+    step = flops / (peak * gemm_efficiency(flops, eff, peak)) * eff.calibration / cp if flops else 0.0
+    return (cp - 1) * max(0.0, send - step), (cp - 1) * max(0.0, 2 * send - 2.5 * step)
+
+
 def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
-    """Forward and backward seconds of `unit` for one microbatch of cfg.b samples at cfg.tp, with
-    cfg.recompute's recomputation inside the backward."""
-    b, t = cfg.b, cfg.tp
+    """Forward and backward seconds of `unit` for one microbatch of cfg.b samples at cfg.tp and cfg.cp,
+    with cfg.recompute's recomputation inside the backward."""
+    b, t = cfg.local_b, cfg.tp
     sf, sb = _part_time(unit.sharded, b, t, hw, unit.matmuls, cfg.precision)
     if 0 < unit.kv_heads < t:  # grouped-query attention: each kv head is replicated on t / kv_heads ranks
         rf_, rb_ = _part_time(unit.kv, b, unit.kv_heads, hw, unit.matmuls, cfg.precision)
@@ -70,8 +91,9 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     n = max(unit.tp_allreduces, 1)
     ar_f = n * tp_allreduce_s(unit.tp_fwd_allreduce_bytes(b) / n, t, hw) if unit.tp_allreduces else 0.0
     ar_b = tp_allreduce_s(unit.tp_bwd_allreduce_bytes(b) / n, t, hw) * n if t > 1 else 0.0
+    cp_f, cp_b = cp_ring_s(unit, hw, cfg)
     kf, kb = hw.eff.unit_factor(unit.kind)
-    fwd = (sf + rf) * kf + ar_f
-    bwd = (sb + rb) * kb + ar_b
+    fwd = (sf + rf) * kf + ar_f + cp_f
+    bwd = (sb + rb) * kb + ar_b + cp_b
     bwd += cfg.recompute_mode.extra_backward_s(unit, b, t, hw, cfg.precision, fwd)
-    return UnitTime(fwd_s=fwd, bwd_s=bwd, tp_comm_s=ar_f + ar_b)
+    return UnitTime(fwd_s=fwd, bwd_s=bwd, tp_comm_s=ar_f + ar_b, cp_comm_s=cp_f + cp_b)

@@ -61,6 +61,8 @@ class Unit:
     heads: int = 0  # attention heads (0: no attention found); tensor parallelism must divide them
     kv_heads: int = 0  # key/value heads (fewer than heads under grouped-query attention)
     kv: Part = field(default_factory=Part)  # the key/value projections (inside `sharded`): replicated past kv_heads
+    attn_kv_bytes: Poly = field(default_factory=Poly)  # keys + values the attention core reads (all heads): what
+    # context parallelism passes around its ring
 
     @property
     def params(self) -> int:
@@ -249,9 +251,26 @@ def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
                           tp_fwd_allreduce_bytes=Poly.of(fwd_ar, B), tp_bwd_allreduce_bytes=Poly.of(bwd_ar, B),
                           tp_allreduces=count, tp_layout=_tp_layout(nodes, root),
                           heads=heads[index].heads, kv_heads=heads[index].kv_heads,
-                          kv=_kv_part(nodes, heads[index], gm),
+                          kv=_kv_part(nodes, heads[index], gm), attn_kv_bytes=Poly.of(_attention_kv_bytes(nodes), B),
                           matmuls=sum(1 for n in nodes if n.meta[COST].mm_flops != 0)))
     return units
+
+
+def _attention_kv_bytes(nodes: list[fx.Node]) -> sympy.Expr:
+    """Bytes of the keys and values the unit's attention reads: inputs 1 and 2 of a fused kernel, or the
+    second operand of each product of two activations (K^T in Q K^T, V in P V)."""
+    total = sympy.Integer(0)
+    for n in nodes:
+        kind = n.meta[COST].kind
+        if kind == "attention":
+            operands = n.all_input_nodes[1:3]
+        elif kind == "matmul" and len(n.all_input_nodes) == 2 and all(a.op != "get_attr" for a in n.all_input_nodes):
+            operands = n.all_input_nodes[1:2]
+        else:
+            continue
+        total += sum((a.meta[TENSOR].nbytes for a in operands if isinstance(a.meta.get(TENSOR), TensorInfo)),
+                     sympy.Integer(0))
+    return total
 
 
 def _kv_part(nodes: list[fx.Node], heads: Heads, gm: fx.GraphModule) -> Part:

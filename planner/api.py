@@ -72,7 +72,8 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     if calibration is not None:
         hw = apply_calibration(calibration, hw)
     profile, _ = analyze(model, model_args, leaves=leaves, dtype=pins.precision, progress=progress)
-    ev = Evaluator(units=profile.units, hw=hw, global_batch=global_batch, n_gpus=gpus)
+    ev = Evaluator(units=profile.units, hw=hw, global_batch=global_batch, n_gpus=gpus,
+                   tokens_per_sample=profile.tokens_per_sample)
     start = time.perf_counter()
     if main_slack < 0:
         raise UserError(f"--main-slack must be >= 0, got {main_slack}")

@@ -92,7 +92,7 @@ def _report(metrics: MetricsDocument, baseline: MetricsDocument | None, as_json:
     out.print(table)
     for run in metrics.runs:
         c = run.config
-        out.print(f"predicted iteration on {c.pp}x{c.dp}x{c.tp} (pp x dp x tp) target GPUs: "
+        out.print(f"predicted iteration on {c.pp}x{c.dp}x{c.cp}x{c.tp} (pp x dp x cp x tp) target GPUs: "
                   f"{_ms(run.predicted_iteration_s)}; measured here: "
                   f"{_ms(mean_iteration_s(metrics.model_copy(update={'runs': [run]})))}", highlight=False)
         _print_fill(run)

@@ -36,6 +36,7 @@ def plan(
     tp: Optional[int] = typer.Option(None, "--tp", help="pin the tensor-parallel degree"),
     pp: Optional[int] = typer.Option(None, "--pp", help="pin the pipeline-parallel degree"),
     dp: Optional[int] = typer.Option(None, "--dp", help="pin the data-parallel degree"),
+    cp: Optional[int] = typer.Option(None, "--cp", help="pin the context-parallel degree (ring attention)"),
     microbatch: Optional[int] = typer.Option(None, "--microbatch", help="pin the microbatch size"),
     vp: Optional[int] = typer.Option(None, "--vp", help="pin model chunks per rank (interleaving)"),
     recompute: Optional[str] = typer.Option(None, "--recompute", help=f"pin: {_choices(RECOMPUTE)}"),
@@ -69,7 +70,7 @@ def plan(
             raise UserError(f"--fill-solver takes {_choices(PACKERS)}, got {fill_solver!r}")
         spec = load_fill_spec(fill) if fill else None
         cal = load_calibration(calibration) if calibration else None
-        pins = Pins(tp=tp, pp=pp, dp=dp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
+        pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
                     zero=1 if shard_optimizer else 0, sp=sequence_parallel, precision=dtype,
                     allow_cross_node_tp=allow_cross_node_tp)
         if global_batch < 1:

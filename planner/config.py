@@ -120,6 +120,12 @@ class ParallelConfig:
         return self.schedule_kind.inflight(self.pp, self.v, self.m, rank)
 
     @property
+    def local_b(self) -> float:
+        """Samples' worth of tokens one rank works on per microbatch: context parallelism gives each of its
+        cp ranks 1/cp of every sequence (Megatron's load-balanced split: equal attention work per rank)."""
+        return self.b / self.cp
+
+    @property
     def sp_degree(self) -> int:
         """What divides the activations outside the tensor-parallel regions (norms, dropout, residual):
         t under sequence parallelism, else 1."""

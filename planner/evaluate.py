@@ -7,7 +7,8 @@ timelines and bubbles.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from costmodels.comm import allreduce_time, p2p_time
 from costmodels.compute import unit_time
@@ -65,22 +66,30 @@ class Evaluator:
     hw: Hardware
     global_batch: int
     n_gpus: int
+    tokens_per_sample: int = 0  # sequence length of token-id input (context parallelism splits it); 0: none
     _cache: dict = field(default_factory=dict)
 
     @property
     def capacity(self) -> float:
         return self.hw.capacity
 
+    @cached_property
+    def _twins(self) -> tuple[int, ...]:
+        """For each unit, the first unit with the same costs (repeated blocks are priced once)."""
+        first: dict[Unit, int] = {}
+        return tuple(first.setdefault(replace(u, index=0, name="", nodes=(), tp_layout=()), i) for i, u in enumerate(self.units))
+
     def unit_costs(self, c: ParallelConfig) -> tuple[tuple[float, ...], ...]:
         """(fwd_s, bwd_s, tp_comm_s, activation bytes) per unit, cached by what they depend on."""
         key = c.unit_key()
         if key not in self._cache:
-            rows = []
             kept = c.recompute_mode.kept_bytes
-            for u in self.units:
+            rows = {}
+            for i in set(self._twins):
+                u = self.units[i]
                 ut = unit_time(u, self.hw, c)
-                rows.append((ut.fwd_s, ut.bwd_s, ut.tp_comm_s, kept(u, c.b, c.tp, c.sp_degree)))
-            self._cache[key] = tuple(zip(*rows))
+                rows[i] = (ut.fwd_s, ut.bwd_s, ut.tp_comm_s, kept(u, c.local_b, c.tp, c.sp_degree))
+            self._cache[key] = tuple(zip(*(rows[i] for i in self._twins)))
         return self._cache[key]
 
     def model_flops(self) -> float:
@@ -102,13 +111,14 @@ class Evaluator:
 
     def memory_lower_bound(self, c: ParallelConfig) -> float:
         """No rank can need less than the average rank (the last rank holds the fewest activations)."""
-        _, _, _, act = self.unit_costs(c)
-        static = sum(param_count(u, c) for u in self.units) * static_bytes_per_param(c)
-        return (static + c.inflight(c.pp - 1) * sum(act)) / c.pp + self.hw.reserve_bytes
+        key = ("bound", c.unit_key(), c.optimizer_shards)
+        if key not in self._cache:
+            _, _, _, act = self.unit_costs(c)
+            self._cache[key] = (sum(param_count(u, c) for u in self.units) * static_bytes_per_param(c), sum(act))
+        static, act = self._cache[key]
+        return (static + c.inflight(c.pp - 1) * act) / c.pp + self.hw.reserve_bytes
 
     def evaluate(self, c: ParallelConfig) -> Evaluation:
-        if c.cp > 1:
-            raise ValueError(f"{c}: context parallelism is not priced yet")
         fwd, bwd, tpc, act = self.unit_costs(c)
         k = c.stages
         if k > len(self.units):
@@ -160,24 +170,26 @@ class Evaluator:
                 for r in range(c.pp)]
 
     def _p2p_s(self, c: ParallelConfig, bounds: tuple[int, ...]) -> float:
-        """Largest activation crossing a stage boundary, split over t (scatter/gather, thesis 4.4.1)."""
+        """Largest activation crossing a stage boundary, split over t (scatter/gather, thesis 4.4.1) and over
+        the context-parallel ranks (each sends its part of the sequence)."""
         if c.pp == 1:
             return 0.0
-        nbytes = max(self.units[i - 1].output_bytes(c.b) for i in bounds[1:-1]) / c.tp
+        nbytes = max(self.units[i - 1].output_bytes(c.local_b) for i in bounds[1:-1]) / c.tp
         cl = self.hw.cluster
-        # Megatron orders ranks tp, then dp, then pp: adjacent stages are t*d ranks apart.
-        same_node = c.tp * c.dp < cl.gpus_per_node
+        # Megatron orders ranks tp, cp, dp, then pp: adjacent stages are t*cp*d ranks apart.
+        same_node = c.tp * c.cp * c.dp < cl.gpus_per_node
         bw = (cl.nvlink_bw if same_node else cl.internode_bw) * self.hw.eff.link
         lat = cl.nvlink_latency_s if same_node else cl.internode_latency_s
         return p2p_time(nbytes, bw, lat)
 
     def _allreduce_opt(self, c: ParallelConfig, mems: list[StageMemory]) -> tuple[tuple[float, ...], tuple[float, ...]]:
         ar, opt, num = [], [], c.numerics
-        per_node = max(1, min(c.dp, self.hw.cluster.gpus_per_node // c.tp))
+        group = c.dp * c.cp  # gradients are reduced over the data- and context-parallel ranks (Megatron)
+        per_node = max(1, min(group, self.hw.cluster.gpus_per_node // c.tp))
         for mem in mems:
             params = mem.weights / num.weight_bytes
-            ar.append(allreduce_time(params * num.grad_bytes, per_node, c.dp // per_node, self.hw.links)
-                      if c.dp > 1 else 0.0)
+            ar.append(allreduce_time(params * num.grad_bytes, per_node, group // per_node, self.hw.links)
+                      if group > 1 else 0.0)
             # Adam reads and writes weights, grads, master weights and both moments once
             opt.append(2 * params * static_bytes_per_param(c) / (self.hw.gpu.hbm_bw * self.hw.eff.hbm))
         return tuple(ar), tuple(opt)

@@ -38,6 +38,7 @@ class Pins:
     v: int | None = None
     recompute: str | None = None
     schedule: str | None = None
+    cp: int | None = None  # context parallelism; None: the search tries the degrees a ring inside one node allows
     zero: int = 0
     sp: bool | None = None  # sequence parallelism; None: the search tries both where t > 1
     precision: str = "bf16"
@@ -54,13 +55,14 @@ class Pins:
             raise UserError(f"--dtype must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.zero not in ZERO_STAGES:
             raise UserError(f"optimizer sharding stage must be one of {ZERO_STAGES}, got {self.zero!r}")
-        for name in ("tp", "pp", "dp", "b", "v"):
+        for name in ("tp", "pp", "dp", "cp", "b", "v"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"a pinned {name} must be a positive integer, got {value}")
 
     def pinned(self) -> list[str]:
-        return [k for k in ("tp", "pp", "dp", "b", "v", "recompute", "schedule", "sp") if getattr(self, k) is not None]
+        return [k for k in ("tp", "pp", "dp", "cp", "b", "v", "recompute", "schedule", "sp")
+                if getattr(self, k) is not None]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -97,8 +99,37 @@ def tp_reason(t: int, heads: Iterable[tuple[int, int]]) -> str | None:
     return None
 
 
+def cp_reason(cp: int, seq: int) -> str | None:
+    """Why context-parallel degree cp cannot split sequences of `seq` tokens, or None."""
+    if cp == 1:
+        return None
+    if not seq:
+        return f"cp={cp} needs a model whose input is token ids (context parallelism splits the sequence)"
+    if seq % (2 * cp):
+        return f"cp={cp} does not split the {seq}-token sequence into 2*cp equal chunks (Megatron's load balance)"
+    return None
+
+
+def cp_choices(t: int, rest: int, gpus_per_node: int, seq: int, pins: Pins, rejected: Counter) -> list[int]:
+    """Context-parallel degrees for tensor-parallel degree t with `rest` GPUs per t left: the pinned one, or
+    every degree whose ring stays inside a node (t * cp GPUs) and splits the sequence."""
+    if pins.cp is not None:
+        pool = [pins.cp] if rest % pins.cp == 0 else []
+        if not pool:
+            rejected[f"cp={pins.cp} does not divide the {rest} GPUs left per tensor-parallel group"] += 1
+    else:
+        pool = [c for c in divisors(rest) if t * c <= gpus_per_node] if seq else [1]
+    out = []
+    for c in pool:
+        if (why := cp_reason(c, seq)) is not None:
+            rejected[why] += 1
+        else:
+            out.append(c)
+    return out
+
+
 def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int, pins: Pins,
-               rejected: Counter, heads: Iterable[tuple[int, int]] = ()) -> Iterator[ParallelConfig]:
+               rejected: Counter, heads: Iterable[tuple[int, int]] = (), seq: int = 0) -> Iterator[ParallelConfig]:
     heads = set(heads)
     t_pool = divisors(n_gpus) if pins.allow_cross_node_tp else divisors(min(gpus_per_node, n_gpus))
     if pins.tp is not None and pins.tp not in t_pool:
@@ -112,20 +143,21 @@ def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int,
         if (why := tp_reason(t, heads)) is not None:
             rejected[why] += 1
             continue
-        for p in divisors(n_gpus // t):
-            d = n_gpus // (t * p)
-            if pins.pp not in (None, p) or pins.dp not in (None, d):
-                continue
-            if p > n_units:
-                rejected["more stages than units"] += 1
-                continue
-            if global_batch % d:
-                rejected["global batch not divisible by d"] += 1
-                continue
-            yield from _per_replica(t, p, d, n_units, global_batch // d, pins, rejected)
+        for cp in cp_choices(t, n_gpus // t, gpus_per_node, seq, pins, rejected):
+            for p in divisors(n_gpus // (t * cp)):
+                d = n_gpus // (t * cp * p)
+                if pins.pp not in (None, p) or pins.dp not in (None, d):
+                    continue
+                if p > n_units:
+                    rejected["more stages than units"] += 1
+                    continue
+                if global_batch % d:
+                    rejected["global batch not divisible by d"] += 1
+                    continue
+                yield from _per_replica(t, p, d, cp, n_units, global_batch // d, pins, rejected)
 
 
-def _per_replica(t: int, p: int, d: int, n_units: int, per_replica: int, pins: Pins,
+def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int, pins: Pins,
                  rejected: Counter) -> Iterator[ParallelConfig]:
     for b in divisors(per_replica):
         if pins.b not in (None, b) or (pins.b is None and b > pins.max_microbatch):
@@ -148,7 +180,7 @@ def _per_replica(t: int, p: int, d: int, n_units: int, per_replica: int, pins: P
                     if pins.recompute not in (None, rc):
                         continue
                     for sp in ((False, True) if pins.sp is None else (pins.sp,)) if t > 1 else (False,):
-                        yield ParallelConfig(tp=t, pp=p, dp=d, b=b, m=m, v=v, zero=pins.zero, recompute=rc,
+                        yield ParallelConfig(tp=t, pp=p, dp=d, cp=cp, b=b, m=m, v=v, zero=pins.zero, recompute=rc,
                                              sp=sp, schedule=name, precision=pins.precision)
 
 
@@ -167,7 +199,7 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
     check_cluster(ev.n_gpus, cl.gpus_per_node)
     rejected: Counter = Counter()
     pool = list(candidates(len(ev.units), ev.n_gpus, cl.gpus_per_node, ev.global_batch, pins, rejected,
-                           heads=((u.heads, u.kv_heads) for u in ev.units)))
+                           heads=((u.heads, u.kv_heads) for u in ev.units), seq=ev.tokens_per_sample))
     if not pool:
         raise NoFeasibleConfig(_no_candidates_message(ev, pins, rejected))
     leanest: tuple[float, ParallelConfig] | None = None

@@ -42,5 +42,5 @@ def simulate_trace(plan: Plan, spec: FillSpec, *, policy: str = "fifo", horizon_
         jobs.append(TraceJob(name=js.name, work=float(js.iterations(prof.batch_size) * per_iter), plans=tuple(plans),
                             mem_bytes=prof.resident_bytes, arrival_s=js.arrival_s, deadline_s=js.deadline_s,
                             priority=js.priority, kind=js.kind, dedicated_s_per_work=prof.iteration_s / per_iter))
-    gpus_per_rank = plan.config.tp * plan.config.dp
+    gpus_per_rank = plan.config.tp * plan.config.cp * plan.config.dp
     return simulate(jobs, ranks, policy, horizon_s=horizon_s, gpus_per_rank=gpus_per_rank, prices=prices)

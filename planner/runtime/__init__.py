@@ -73,7 +73,7 @@ def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
                         f"{c.dp}*{c.b}*{c.m}; the plan is inconsistent - re-run `planner plan`")
     if c.cp > 1 or c.sp:
         raise UserError(f"plan {path} uses {'context parallelism (cp=' + str(c.cp) + ')' if c.cp > 1 else 'sequence parallelism'}, "
-                        "which this runtime does not run yet; re-plan with cp=1 and --no-sequence-parallel")
+                        "which this runtime does not run yet; re-plan with --cp 1 --no-sequence-parallel")
     need = c.world
     if need != world_size:
         raise UserError(f"plan {path} needs tp*pp*dp = {c.tp}*{c.pp}*{c.dp} = {need} processes, but this launch has "

@@ -28,7 +28,7 @@ def plan_file(path: Path, model: Path, model_args: dict[str, Any], *, gpus: int,
               t: int, p: int, d: int, b: int, v: int, schedule: str, recompute: str = "none") -> Plan:
     plan, _ = make_plan(str(model), gpus=gpus, global_batch=global_batch, target="a100-80gb", gpus_per_node=gpus,
                         model_args=model_args,
-                        pins=Pins(tp=t, pp=p, dp=d, b=b, v=v, schedule=schedule, recompute=recompute, sp=False,
+                        pins=Pins(tp=t, pp=p, dp=d, b=b, v=v, schedule=schedule, recompute=recompute, sp=False, cp=1,
                                   precision="fp32"))
     c = plan.config
     assert (c.tp, c.pp, c.dp, c.microbatch, c.vp, c.schedule) == (t, p, d, b, v, schedule)
