@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -48,7 +49,8 @@ def main() -> None:
               f"{row['config']}")
     if out:
         errs = [abs(r["error"]) for r in out]
-        print(f"{len(out)} rows: worst |error| {max(errs):.1%}, mean {sum(errs) / len(errs):.1%}")
+        print(f"{len(out)} rows: median |error| {statistics.median(errs):.1%}, max {max(errs):.1%}, "
+              f"mean {sum(errs) / len(errs):.1%}")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
 
