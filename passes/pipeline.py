@@ -20,6 +20,7 @@ from .load import ModelFile, file_sha256, load_model_file
 from .capture import capture
 from .measure import measure
 from .repeat import Cut, expand, representatives
+from .shape import model_shape
 from .trace import trace_model
 from .units import Unit, lower_units
 
@@ -58,6 +59,7 @@ class ModelProfile:
     frontend: str  # "export" (torch.export) or "fx" (symbolic_trace)
     total_params: int  # unique parameters (tied weights once)
     tokens_per_sample: int  # sequence length of a token-id input; 0 when the input is not token ids
+    model_shape: dict[str, Any]  # passes.shape: layers, hidden, heads, ... in the engines' words ({} if unknown)
     unpriced: tuple[tuple[str, float], ...]  # (op, share of the forward's bytes) the tables do not know
     notes: tuple[str, ...]  # what the user should know about how the model was priced
     units: tuple[Unit, ...]
@@ -191,7 +193,8 @@ def analyze(path: str | Path, kwargs: dict[str, Any] | None = None, *, leaves: t
     profile = ModelProfile(name=ctx.path.stem, path=str(ctx.path), sha256=file_sha256(ctx.path),
                            kwargs=dict(ctx.kwargs), dtype=dtype, frontend=ctx.frontend,
                            total_params=sum(p.numel() for p in ctx.model.parameters()),
-                           tokens_per_sample=_tokens_per_sample(ctx), unpriced=ctx.conservation.unpriced,
+                           tokens_per_sample=(seq := _tokens_per_sample(ctx)),
+                           model_shape=model_shape(ctx.model, tuple(ctx.units), seq), unpriced=ctx.conservation.unpriced,
                            notes=tuple(ctx.notes) + ctx.conservation.notes + ((f"captured with torch.fx ({ctx.export_error})",)
                                                           if ctx.export_error else ()),
                            units=tuple(ctx.units), pass_times=tuple(times))

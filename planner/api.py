@@ -136,6 +136,7 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
     gpu = asdict(hw.gpu) | {"peak_flops": dict(hw.gpu.peak_flops)}
     return Plan(
         source=Source(model_file=profile.path, model_sha256=profile.sha256, model_args=profile.kwargs, frontend=profile.frontend,
+                      model_shape=profile.model_shape,
                       notes=[*(f"unpriced op {op} ({share:.1%} of the forward's bytes)" for op, share in profile.unpriced),
                              *profile.notes],
                       leaves=list(leaves), target=hw.name, gpu=gpu, cluster=asdict(hw.cluster),

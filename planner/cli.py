@@ -188,3 +188,4 @@ from . import cli_launch  # noqa: E402,F401  (registers launch)
 from . import cli_calibrate  # noqa: E402,F401
 from . import cli_fill  # noqa: E402,F401
 from . import cli_validate  # noqa: E402,F401
+from . import cli_export  # noqa: E402,F401

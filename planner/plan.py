@@ -37,6 +37,8 @@ class Source(_Model):
                              "parameters, layers priced without a parallelism they need")
     frontend: Literal["export", "fx"] = Field("export", description="how the model was captured: torch.export, or "
                                               "torch.fx.symbolic_trace where export could not take it (or leaves)")
+    model_shape: dict[str, ArgValue] = Field(default_factory=dict, description="layers, hidden, heads, kv_heads, ffn, "
+                                             "vocab, seq, gated, norm, position, tied, bias (passes.shape), for exports")
     target: str = Field(description="target name")
     gpu: dict[str, float | str | dict[str, float]] = Field(description="GPU figures used")
     cluster: dict[str, float | int] = Field(description="cluster figures used")

@@ -1,0 +1,57 @@
+"""The transformer shape of a model, in the words the engines' configurations use.
+
+Recorded in the plan (`source.model_shape`) so an exporter can write Megatron-LM's model arguments or
+pick torchtitan's model config without running the model file again. A Hugging Face model states its
+shape in `model.config`; any other model is read off its modules: the repeated blocks, the largest
+embedding (vocabulary x hidden), the widest projection out of the hidden size (the MLP), a second one
+as wide (a gated MLP: SwiGLU), RMSNorm against LayerNorm, a position embedding table against rotary
+positions, a head that reuses the embedding's weight. Empty when the model has no repeated blocks.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from .units import Unit
+
+__all__ = ["model_shape"]
+
+_GATED_HF = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma", "gemma2")
+
+
+def model_shape(root: nn.Module, units: tuple[Unit, ...], seq: int) -> dict[str, Any]:
+    blocks = [u for u in units if u.kind == "block"]
+    if not blocks:
+        return {}
+    cfg = getattr(root, "config", None)
+    if cfg is not None and hasattr(cfg, "hidden_size") and hasattr(cfg, "num_hidden_layers"):
+        return _from_hf(cfg, seq)
+    emb = max((m for m in root.modules() if isinstance(m, nn.Embedding)), key=lambda m: m.num_embeddings, default=None)
+    if emb is None:
+        return {}
+    hidden, vocab = emb.embedding_dim, emb.num_embeddings
+    first = root.get_submodule(blocks[0].name)
+    ups = [m.out_features for m in first.modules() if isinstance(m, nn.Linear) and m.in_features == hidden]
+    downs = [m for m in first.modules() if isinstance(m, nn.Linear) and m.out_features == hidden]
+    ffn = max((d.in_features for d in downs), default=4 * hidden)
+    positions = any(isinstance(m, nn.Embedding) and m is not emb and m.num_embeddings == seq for m in root.modules())
+    rms = any(type(m).__name__.lower().endswith("rmsnorm") for m in first.modules())
+    tied = any(isinstance(m, nn.Linear) and m.weight is emb.weight for m in root.modules())
+    return {"family": type(root).__name__.lower(), "layers": len(blocks), "hidden": hidden,
+            "heads": blocks[0].heads, "kv_heads": blocks[0].kv_heads or blocks[0].heads, "ffn": ffn, "vocab": vocab,
+            "seq": seq, "gated": ups.count(ffn) >= 2, "norm": "RMSNorm" if rms else "LayerNorm",
+            "position": "learned_absolute" if positions else "rope", "tied": tied,
+            "bias": any(m.bias is not None for m in first.modules() if isinstance(m, nn.Linear))}
+
+
+def _from_hf(cfg: Any, seq: int) -> dict[str, Any]:
+    kind = getattr(cfg, "model_type", "")
+    heads = cfg.num_attention_heads
+    gated = kind in _GATED_HF
+    return {"family": kind, "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "heads": heads,
+            "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+            "ffn": getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size, "vocab": cfg.vocab_size,
+            "seq": seq, "gated": gated, "norm": "RMSNorm" if gated else "LayerNorm",
+            "position": "rope" if gated else "learned_absolute", "tied": bool(getattr(cfg, "tie_word_embeddings", False)),
+            "bias": bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False)) if gated else True}

@@ -1,0 +1,54 @@
+"""`planner export`: a plan as torchtitan's or Megatron-LM's configuration."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from passes.errors import UserError
+
+from .cli import app, err, out, user_errors
+
+
+@app.command()
+def export(
+    plan_file: str = typer.Argument("plan.json", help="plan written by `planner plan`"),
+    to: str = typer.Option(..., "--to", help="engine: torchtitan or megatron"),
+    output: Optional[str] = typer.Option(None, "-o", "--output", help="where to write (default: beside the plan, "
+                                         "torchtitan.sh or megatron.sh)"),
+    titan_module: Optional[str] = typer.Option(None, "--titan-module", help="torchtitan model module (e.g. llama3), "
+                                               "for a model torchtitan does not ship"),
+    titan_config: Optional[str] = typer.Option(None, "--titan-config", help="its config_registry function "
+                                               "(e.g. llama3_8b)"),
+    check: bool = typer.Option(False, "--check", help="load the result with the engine's own config code "
+                               "(needs `pip install -e .[engines]`) and compare its parallel degrees with the plan"),
+) -> None:
+    """Write PLAN as a torchtitan job (its command line) or Megatron-LM pretrain_gpt.py arguments."""
+    from .export import ENGINES, check_megatron, check_torchtitan, to_megatron, to_torchtitan
+    from .plan import load_plan
+
+    with user_errors():
+        if to not in ENGINES:
+            raise UserError(f"--to takes {' or '.join(ENGINES)}, got {to!r}")
+        if to != "torchtitan" and (titan_module or titan_config):
+            raise UserError("--titan-module/--titan-config apply to --to torchtitan only")
+        plan = load_plan(plan_file)
+        ex = (to_torchtitan(plan, module=titan_module, config=titan_config) if to == "torchtitan"
+              else to_megatron(plan))
+        path = Path(output) if output else Path(plan_file).with_name(f"{to}.sh")
+        path.write_text(ex.text)
+        path.chmod(0o755)
+        out.print(f"{to} configuration written to {path}", highlight=False)
+        for u in ex.unexpressed:
+            err.print(f"[yellow]not expressed[/] {u}", highlight=False)
+        if check:
+            try:
+                seen = check_torchtitan(ex, plan.source.gpus) if to == "torchtitan" else check_megatron(ex)
+            except ImportError as e:
+                raise UserError(f"--check needs the engines extra ({e.name} is not installed): "
+                                "pip install -e '.[engines]'") from None
+            except (AssertionError, ValueError, SystemExit) as e:
+                raise UserError(f"{to} refused the configuration: {str(e).strip() or type(e).__name__}") from None
+            out.print(f"{to} reads: " + ", ".join(f"{k}={v}" for k, v in seen.items() if k != "layout"),
+                      highlight=False)

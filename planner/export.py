@@ -1,0 +1,332 @@
+"""Export a plan as the configuration of the engines people already run: torchtitan and Megatron-LM.
+
+Each exporter returns the file's text, the argument list it holds (what tests feed to the engine's own
+config code), and what the engine cannot express: a fill job, a partition it has no knob for, a
+precision or optimizer it lacks. That list heads the file as comments and is printed on the terminal;
+nothing is dropped silently.
+
+torchtitan (0.3 and later) takes no TOML job file: a job is a `config_registry` function of a model
+module plus command-line overrides (`--module llama3 --config llama3_8b --parallelism.… …`), parsed by
+its `ConfigManager`. The export is that command line, in a shell script that runs `torchtitan.train`.
+Megatron-LM's export is the `pretrain_gpt.py` argument list, with the model's shape where the plan
+records one (`source.model_shape`).
+"""
+from __future__ import annotations
+
+import re
+import shlex
+from dataclasses import dataclass, field
+
+from passes.errors import UserError
+
+from .plan import Plan
+
+__all__ = ["Export", "ENGINES", "export", "layout", "to_megatron", "to_torchtitan"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Export:
+    engine: str
+    argv: list[str]  # the engine's own arguments, in order
+    unexpressed: list[str] = field(default_factory=list)  # what the plan says and the engine cannot
+    text: str = ""
+
+
+_BLOCK = re.compile(r"\.(\d+)$")
+
+
+def layout(plan: Plan) -> list[list[tuple[str, int]]] | None:
+    """Per virtual stage (in the plan's order: chunk c of rank r is stage c*p + r), its units as
+    ("embedding" | "block" | "head", block index). None when a unit is none of these (a model whose
+    layers are not one repeated block stack cannot be described to either engine)."""
+    stages = sorted(plan.partition, key=lambda s: s.stage)
+    names = [u for s in stages for u in s.units]
+    blocks = [i for i, n in enumerate(names) if _BLOCK.search(n)]
+    if not blocks:
+        return None
+    first, last = blocks[0], blocks[-1]
+    if blocks != list(range(first, last + 1)) or first > 1 or last < len(names) - 2:
+        return None
+    out = []
+    for s in stages:
+        row = []
+        for n in s.units:
+            i = names.index(n)
+            row.append(("embedding", -1) if i < first else ("head", -1) if i > last
+                       else ("block", blocks.index(i)))
+        out.append(row)
+    return out
+
+
+def _common_unexpressed(plan: Plan, engine: str) -> list[str]:
+    out = []
+    if plan.fill is not None:
+        jobs = ", ".join(j.name for j in plan.fill.jobs)
+        out.append(f"fill jobs ({jobs}): {engine} runs no work in the pipeline bubbles; run the plan with "
+                   "`python -m planner.runtime` to fill them")
+    return out
+
+
+# -- torchtitan -----------------------------------------------------------------------------------
+
+TITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
+TITAN_AC = {"none": "activation-checkpoint:none", "selective": "activation-checkpoint:selective",
+            "full": "activation-checkpoint:full"}
+TITAN_LLAMA3 = {(32, 4096): "llama3_8b", (80, 8192): "llama3_70b", (126, 16384): "llama3_405b"}
+
+
+def titan_config(plan: Plan) -> tuple[str, str] | None:
+    """torchtitan's (module, config function) for the plan's model, when it is one torchtitan ships."""
+    shape = plan.source.model_shape
+    if shape.get("family") == "llama" and shape.get("gated"):
+        name = TITAN_LLAMA3.get((shape.get("layers"), shape.get("hidden")))
+        if name:
+            return "llama3", name
+    return None
+
+
+def _titan_fqns(rows: list[list[tuple[str, int]]]) -> list[str]:
+    names = {"embedding": ["tok_embeddings"], "head": ["norm", "output"]}
+    return [",".join(n for kind, i in row for n in (names[kind] if kind in names else [f"layers.{i}"]))
+            for row in rows]
+
+
+def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None = None) -> Export:
+    c, src = plan.config, plan.source
+    known = titan_config(plan)
+    unexpressed = _common_unexpressed(plan, "torchtitan")
+    if module is None or config is None:
+        if known is None:
+            raise UserError(f"torchtitan ships no model matching {src.model_file} "
+                            f"({src.model_shape.get('family', 'unknown family')}); name the config_registry "
+                            "function to use with --titan-module and --titan-config (e.g. llama3 llama3_8b)")
+        module, config = module or known[0], config or known[1]
+    argv = ["--module", module, "--config", config,
+            "--parallelism.data_parallel_replicate_degree", str(1 if c.zero else c.dp),
+            "--parallelism.data_parallel_shard_degree", str(c.dp if c.zero else 1),
+            "--parallelism.tensor_parallel_degree", str(c.tp),
+            "--parallelism.pipeline_parallel_degree", str(c.pp),
+            "--parallelism.context_parallel_degree", str(c.cp)]
+    if c.zero:
+        argv += ["--parallelism.fsdp_reshard_after_forward", "never"]
+        unexpressed.append("sharded optimizer (ZeRO-1): torchtitan shards with FSDP only; exported as FSDP over the "
+                           "data-parallel ranks without resharding after the forward (ZeRO-2: gradients are "
+                           "sharded too, parameters gathered once per step)")
+    argv += ["--parallelism.enable_sequence_parallel" if c.sp else "--parallelism.no_enable_sequence_parallel"]
+    if c.pp > 1:
+        argv += ["--parallelism.pipeline_parallel_schedule", TITAN_SCHEDULES[c.schedule],
+                 "--parallelism.pipeline_parallel_microbatch_size", str(c.microbatch),
+                 "--training.disable_cuda_graphs"]
+        rows = layout(plan)
+        if rows is None:
+            unexpressed.append("the plan's partition: its units are not one stack of repeated blocks, so torchtitan's "
+                               "module_fqns_per_model_part cannot name them; torchtitan splits the layers itself")
+        else:
+            argv += ["--parallelism.module_fqns_per_model_part", *_titan_fqns(rows)]
+    # per data-parallel rank and step: b*m samples (split into m microbatches by the pipeline schedule,
+    # or accumulated m times without pipelining)
+    local = c.microbatch * c.microbatches if c.pp > 1 else c.microbatch
+    argv += ["--training.local_batch_size", str(local), "--training.global_batch_size", str(src.global_batch)]
+    if src.model_shape.get("seq"):
+        argv += ["--training.seq_len", str(src.model_shape["seq"])]
+    precision = {"bf16": "bfloat16", "fp32": "float32"}.get(c.precision)
+    if precision is None:
+        unexpressed.append(f"precision {c.precision}: torchtitan trains in bf16 or fp32 only; exported as bf16")
+        precision = "bfloat16"
+    argv += ["--training.mixed_precision_param", precision, "--training.dtype", "float32"]
+    if c.recompute == "selective":
+        unexpressed.append("selective recomputation: torchtitan's selective AC recomputes per op (every second "
+                           "matmul and cheap ops), not the attention core the plan prices")
+    argv.append(TITAN_AC[c.recompute])
+    launch = (f"torchrun --nnodes {plan.launch.nnodes} --nproc-per-node {plan.launch.nproc_per_node} "
+              "--rdzv-backend c10d --rdzv-endpoint ${RDZV_ENDPOINT:-localhost:29500} -m torchtitan.train")
+    return Export(engine="torchtitan", argv=argv, unexpressed=unexpressed,
+                  text=_script(plan, "torchtitan", launch, argv, unexpressed))
+
+
+# -- Megatron-LM ----------------------------------------------------------------------------------
+
+def _megatron_layout(rows: list[list[tuple[str, int]]]) -> str:
+    """Megatron-Core's --pipeline-model-parallel-layout: stages in virtual order split by '|', E the
+    embedding, t a transformer layer, L the loss (final norm and output layer)."""
+    letters = {"embedding": "E", "block": "t", "head": "L"}
+    return "|".join("".join(letters[k] for k, _ in row) for row in rows)
+
+
+def _even_split(rows: list[list[tuple[str, int]]], p: int) -> bool:
+    counts = [sum(1 for k, _ in row if k == "block") for row in rows]
+    ends = rows[0][0][0] == "embedding" and rows[-1][-1][0] == "head" and all(
+        k == "block" for row in rows[1:] for k, _ in row[:1]) and all(k == "block" for row in rows[:-1] for k, _ in row[-1:])
+    return ends and len(set(counts)) == 1 and len(rows) >= p
+
+
+def to_megatron(plan: Plan) -> Export:
+    c, src, shape = plan.config, plan.source, plan.source.model_shape
+    unexpressed = _common_unexpressed(plan, "Megatron-LM")
+    argv = ["--tensor-model-parallel-size", str(c.tp), "--pipeline-model-parallel-size", str(c.pp),
+            "--context-parallel-size", str(c.cp), "--micro-batch-size", str(c.microbatch),
+            "--global-batch-size", str(src.global_batch)]
+    if c.sp:
+        argv.append("--sequence-parallel")
+    rows = layout(plan) if c.pp > 1 else None
+    if c.pp > 1 and rows is None:
+        unexpressed.append("the plan's partition: its units are not one stack of repeated blocks; Megatron splits "
+                           "the layers evenly")
+    if rows is not None and not _even_split(rows, c.pp):
+        argv += ["--pipeline-model-parallel-layout", _megatron_layout(rows)]
+    elif c.vp > 1:
+        argv += ["--num-layers-per-virtual-pipeline-stage", str(shape.get("layers", 0) // (c.pp * c.vp))]
+    if c.vp > 1 and c.microbatches % c.pp:
+        unexpressed.append(f"interleaving with m={c.microbatches} microbatches not a multiple of p={c.pp}: Megatron's "
+                           "interleaved schedule needs m divisible by p")
+    if c.zero:
+        argv.append("--use-distributed-optimizer")
+    if c.dp * c.cp > 1:
+        argv.append("--overlap-grad-reduce")
+        if c.zero:
+            argv.append("--overlap-param-gather")
+    if c.recompute == "selective":
+        argv += ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
+    elif c.recompute == "full":
+        argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    if c.precision in ("bf16", "fp16"):
+        argv.append(f"--{c.precision}")
+    if shape:
+        argv += ["--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
+                 "--num-attention-heads", str(shape["heads"]), "--ffn-hidden-size", str(shape["ffn"]),
+                 "--seq-length", str(shape["seq"]), "--max-position-embeddings", str(shape["seq"]),
+                 "--position-embedding-type", str(shape["position"]), "--normalization", str(shape["norm"])]
+        if shape["kv_heads"] != shape["heads"]:
+            argv += ["--group-query-attention", "--num-query-groups", str(shape["kv_heads"])]
+        if shape["gated"]:
+            argv.append("--swiglu")
+        if not shape["tied"]:
+            argv.append("--untie-embeddings-and-output-weights")
+        if not shape["bias"]:
+            argv.append("--disable-bias-linear")
+    else:
+        unexpressed.append(f"the model: {src.model_file} is not a transformer stack the exporter can describe; add "
+                           "your model's --num-layers/--hidden-size/... arguments")
+    launch = (f"torchrun --nnodes {plan.launch.nnodes} --nproc-per-node {plan.launch.nproc_per_node} "
+              "--rdzv-backend c10d --rdzv-endpoint ${RDZV_ENDPOINT:-localhost:29500} pretrain_gpt.py")
+    return Export(engine="megatron", argv=argv, unexpressed=unexpressed,
+                  text=_script(plan, "Megatron-LM", launch, argv, unexpressed,
+                               tail="  # data, tokenizer, optimizer and checkpoint arguments: your own"))
+
+
+def _script(plan: Plan, engine: str, launch: str, argv: list[str], unexpressed: list[str], tail: str = "") -> str:
+    c = plan.config
+    head = [f"#!/usr/bin/env bash", f"# {engine} configuration of an fxplanner plan ({plan.source.model_file}, "
+            f"{plan.source.gpus} GPUs: t={c.tp} p={c.pp} d={c.dp} cp={c.cp} b={c.microbatch} m={c.microbatches} "
+            f"v={c.vp} {c.schedule} recompute={c.recompute}; predicted {plan.predictions.iteration_s:.3f} s/iteration)"]
+    head += ["# not expressed:" if unexpressed else "# everything in the plan is expressed"]
+    head += [f"#   - {u}" for u in unexpressed]
+    pairs, i = [], 0
+    while i < len(argv):  # one option per line, with its values
+        j = i + 1
+        while j < len(argv) and not argv[j].startswith("-") and ":" not in argv[j]:
+            j += 1
+        pairs.append(" ".join(shlex.quote(a) for a in argv[i:j]))
+        i = j
+    last = [pairs.pop()] if pairs and pairs[-1].startswith("activation-checkpoint:") else []  # tyro: subcommand last
+    body = " \\\n  ".join([launch, *pairs, '"$@"', *last]) + (f"\n{tail}" if tail else "")
+    return "\n".join(head) + "\nset -euo pipefail\n" + body + "\n"
+
+
+ENGINES = {"torchtitan": to_torchtitan, "megatron": to_megatron}
+
+
+# -- the engines' own config code ---------------------------------------------------------------------
+
+def check_torchtitan(ex: Export, world: int) -> dict[str, int]:
+    """Parse the export with torchtitan's ConfigManager and build its ParallelDims; the degrees it reports."""
+    import logging
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchtitan.config.manager import ConfigManager
+        from torchtitan.distributed.parallel_dims import ParallelDims
+
+        titan_log = logging.getLogger()  # torchtitan logs on the root logger: its notes about checkpoints and tokenizer files not here
+        level, titan_log.level = titan_log.level, logging.ERROR
+        try:
+            cfg = ConfigManager().parse_args(list(ex.argv))
+        finally:
+            titan_log.setLevel(level)
+    dims = ParallelDims.from_config(cfg.parallelism, world)
+    return {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp,
+            "microbatch": cfg.parallelism.pipeline_parallel_microbatch_size,
+            "local_batch": cfg.training.local_batch_size, "global_batch": cfg.training.global_batch_size,
+            "seq": cfg.training.seq_len, "parts": len(cfg.parallelism.module_fqns_per_model_part or []),
+            "sequence_parallel": cfg.parallelism.enable_sequence_parallel,
+            "recompute": type(cfg.activation_checkpoint).__qualname__.split(".")[0] if cfg.activation_checkpoint
+            else "none"}
+
+
+def megatron_args(argv: list[str]) -> dict[str, object]:
+    """Megatron-LM's argparse destinations of an argument list (flags True, values as given)."""
+    out: dict[str, object] = {}
+    i = 0
+    while i < len(argv):
+        key = argv[i].lstrip("-").replace("-", "_")
+        vals = []
+        while i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            i += 1
+            vals.append(argv[i])
+        out[key] = True if not vals else vals[0] if len(vals) == 1 else vals
+        i += 1
+    return out
+
+
+def check_megatron(ex: Export) -> dict[str, object]:
+    """Build megatron-core's TransformerConfig (a ModelParallelConfig) and DistributedDataParallelConfig from the
+    export, as Megatron-LM's core_transformer_config_from_args does; their checks run in __post_init__."""
+    import warnings
+
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.transformer.transformer_config import TransformerConfig
+
+        return _megatron_configs(megatron_args(ex.argv), torch, TransformerConfig, DistributedDataParallelConfig)
+
+
+def _megatron_configs(a, torch, TransformerConfig, DistributedDataParallelConfig) -> dict[str, object]:  # noqa: N803
+    num = lambda k, d=None: int(a[k]) if k in a else d  # noqa: E731
+    dtype = torch.bfloat16 if a.get("bf16") else torch.float16 if a.get("fp16") else torch.float32
+    pp, layers = num("pipeline_model_parallel_size", 1), num("num_layers")
+    vp = layers // (pp * num("num_layers_per_virtual_pipeline_stage")) if "num_layers_per_virtual_pipeline_stage" in a \
+        else None
+    cfg = TransformerConfig(
+        tensor_model_parallel_size=num("tensor_model_parallel_size", 1), pipeline_model_parallel_size=pp,
+        context_parallel_size=num("context_parallel_size", 1), virtual_pipeline_model_parallel_size=vp,
+        sequence_parallel=bool(a.get("sequence_parallel")), pipeline_model_parallel_layout=a.get(
+            "pipeline_model_parallel_layout"),
+        num_layers=layers, hidden_size=num("hidden_size"), num_attention_heads=num("num_attention_heads"),
+        ffn_hidden_size=num("ffn_hidden_size"), num_query_groups=num("num_query_groups"),
+        gated_linear_unit=bool(a.get("swiglu")), normalization=a.get("normalization", "LayerNorm"),
+        add_bias_linear=not a.get("disable_bias_linear"), recompute_granularity=a.get("recompute_granularity"),
+        recompute_method=a.get("recompute_method"), recompute_num_layers=num("recompute_num_layers"),
+        recompute_modules=[a["recompute_modules"]] if isinstance(a.get("recompute_modules"), str)
+        else a.get("recompute_modules"),
+        bf16=bool(a.get("bf16")), fp16=bool(a.get("fp16")), params_dtype=dtype, pipeline_dtype=dtype)
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
+                                        overlap_grad_reduce=bool(a.get("overlap_grad_reduce")),
+                                        overlap_param_gather=bool(a.get("overlap_param_gather")))
+    layout = cfg.pipeline_model_parallel_layout
+    return {"tp": cfg.tensor_model_parallel_size, "pp": cfg.pipeline_model_parallel_size,
+            "cp": cfg.context_parallel_size, "sp": cfg.sequence_parallel,
+            "vp": (layout.virtual_pipeline_model_parallel_size if layout is not None
+                   else cfg.virtual_pipeline_model_parallel_size or 1),
+            "distributed_optimizer": ddp.use_distributed_optimizer, "recompute": cfg.recompute_granularity or "none",
+            "microbatch": num("micro_batch_size"), "global_batch": num("global_batch_size"),
+            "layout": layout}
+
+
+def export(plan: Plan, engine: str, **kw) -> Export:
+    if engine not in ENGINES:
+        raise UserError(f"--to takes {', '.join(ENGINES)}, got {engine!r}")
+    return ENGINES[engine](plan, **kw) if engine == "torchtitan" else ENGINES[engine](plan)

@@ -1,0 +1,109 @@
+"""`planner export`: plans as torchtitan and Megatron-LM configurations, loaded by the engines' own config code
+(the `engines` extra: torchtitan, megatron-core) with every parallel degree equal to the plan's."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from typer.testing import CliRunner
+
+from planner.api import make_plan
+from planner.cli import app
+from planner.export import check_megatron, check_torchtitan, layout, to_megatron, to_torchtitan
+from planner.plan import save_plan
+from planner.search import Pins
+from tests.conftest import EXAMPLES
+
+needs_titan = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
+                                 reason="torchtitan is not installed (pip install -e '.[engines]')")
+needs_megatron = pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                    reason="megatron-core is not installed (pip install -e '.[engines]')")
+
+
+def _plan(model: str, gpus: int, batch: int, **pins):
+    return make_plan(str(EXAMPLES / model), gpus=gpus, global_batch=batch, target="h100-sxm", pins=Pins(**pins))[0]
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """examples/gpt.py on 64 GPUs as planned freely; the Llama-3 8B HF example; and a plan with interleaving,
+    sequence parallelism, a sharded optimizer and context parallelism."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    return {"gpt": _plan("gpt.py", 64, 512),
+            "llama": _plan("hf_llama.py", 64, 256),
+            "modern": _plan("hf_llama.py", 64, 256, tp=2, pp=2, cp=2, v=2, zero=1, sp=True, schedule="interleaved")}
+
+
+def test_the_modern_plan_has_every_dimension(plans):
+    c = plans["modern"].config
+    assert (c.tp, c.pp, c.cp, c.vp, c.sp, c.zero, c.schedule) == (2, 2, 2, 2, True, 1, "interleaved")
+
+
+@needs_megatron
+@pytest.mark.parametrize("name", ["gpt", "llama", "modern"])
+def test_megatron_core_builds_the_exported_configuration_with_the_plans_degrees(plans, name):
+    plan = plans[name]
+    c = plan.config
+    seen = check_megatron(to_megatron(plan))
+    assert (seen["tp"], seen["pp"], seen["cp"], seen["vp"]) == (c.tp, c.pp, c.cp, c.vp)
+    assert plan.source.gpus // (seen["tp"] * seen["pp"] * seen["cp"]) == c.dp  # Megatron's data-parallel size
+    assert seen["sp"] == c.sp and seen["distributed_optimizer"] == bool(c.zero)
+    assert seen["recompute"] == c.recompute and (seen["microbatch"], seen["global_batch"]) == (c.microbatch,
+                                                                                              plan.source.global_batch)
+    if seen["layout"] is not None:  # an uneven partition: each virtual stage holds the plan's layers
+        rows = layout(plan)
+        expected = [sum(1 for k, _ in row if k == "block") for row in rows]
+        assert [sum(1 for ch in stage if ch == "t") for stage in str(seen["layout"]).split("|")] == expected
+
+
+@needs_titan
+@pytest.mark.parametrize("name", ["gpt", "llama", "modern"])
+def test_torchtitan_parses_the_exported_job_with_the_plans_degrees(plans, name):
+    plan = plans[name]
+    c = plan.config
+    kw = {"module": "llama3", "config": "llama3_debugmodel"} if name == "gpt" else {}  # torchtitan ships no GPT
+    seen = check_torchtitan(to_torchtitan(plan, **kw), plan.source.gpus)
+    assert (seen["tp"], seen["pp"], seen["cp"], seen["dp_replicate"] * seen["dp_shard"]) == (c.tp, c.pp, c.cp, c.dp)
+    assert seen["dp_shard"] == (c.dp if c.zero else 1)  # the sharded optimizer is FSDP there
+    assert seen["global_batch"] == plan.source.global_batch and seen["sequence_parallel"] == c.sp
+    if c.pp > 1:
+        assert seen["microbatch"] == c.microbatch and seen["local_batch"] == c.microbatch * c.microbatches
+        assert seen["parts"] == c.pp * c.vp
+    assert seen["recompute"] == {"none": "none", "selective": "SelectiveAC", "full": "FullAC"}[c.recompute]
+    if name != "gpt":
+        assert seen["seq"] == 8192
+
+
+def test_what_an_engine_cannot_express_heads_the_file(plans):
+    modern = to_torchtitan(plans["modern"])
+    assert any("ZeRO-1" in u for u in modern.unexpressed)
+    assert "# not expressed:" in modern.text and "ZeRO-1" in modern.text.split("set -euo")[0]
+    filled = plans["llama"].model_copy(update={"fill": _fill()})
+    for ex in (to_megatron(filled), to_torchtitan(filled)):
+        assert any("fill jobs (bert-infer)" in u for u in ex.unexpressed)
+
+
+def _fill():
+    from planner.plan import Fill, FillJob, FillPredictions
+
+    job = FillJob(name="bert-infer", model_file="bert.py", model_sha256="0" * 64, model_args={}, kind="infer", config="plain",
+                  batch_size=1, units=["a"], unit_time_s=[0.1], resident=True)
+    return Fill(safety_margin=0.1, jobs=[job], chunks=[], predictions=FillPredictions(
+        fill_tflops_per_gpu=0, bubble_time_used=0, total_useful_tflops_per_gpu=0, offload_optimizer=False))
+
+
+def test_export_cli_writes_the_file_and_refuses_what_it_cannot_name(plans, tmp_path):
+    path = tmp_path / "plan.json"
+    save_plan(plans["gpt"], path)
+    runner = CliRunner()
+    res = runner.invoke(app, ["export", str(path), "--to", "megatron"])
+    assert res.exit_code == 0, res.output
+    text = (tmp_path / "megatron.sh").read_text()
+    assert "pretrain_gpt.py" in text and f"--tensor-model-parallel-size {plans['gpt'].config.tp}" in text
+    bad = runner.invoke(app, ["export", str(path), "--to", "torchtitan"])
+    assert bad.exit_code == 2 and "--titan-config" in bad.output and "Traceback" not in bad.output
+    other = runner.invoke(app, ["export", str(path), "--to", "deepspeed"])
+    assert other.exit_code == 2 and "torchtitan or megatron" in other.output
+    ok = runner.invoke(app, ["export", str(path), "--to", "torchtitan", "--titan-module", "llama3", "--titan-config",
+                             "llama3_debugmodel", "-o", str(tmp_path / "job.sh")])
+    assert ok.exit_code == 0 and "torchtitan.train" in (tmp_path / "job.sh").read_text()
