@@ -21,6 +21,8 @@ def export(
                                                "for a model torchtitan does not ship"),
     titan_config: Optional[str] = typer.Option(None, "--titan-config", help="its config_registry function "
                                                "(e.g. llama3_8b)"),
+    toml: bool = typer.Option(False, "--toml", help="torchtitan 0.1-0.2: a TOML job file (--job.config_file); "
+                              "--titan-config is then the model flavor"),
     check: bool = typer.Option(False, "--check", help="load the result with the engine's own config code "
                                "(needs `pip install -e .[engines]`) and compare its parallel degrees with the plan"),
 ) -> None:
@@ -34,11 +36,15 @@ def export(
         if to != "torchtitan" and (titan_module or titan_config):
             raise UserError("--titan-module/--titan-config apply to --to torchtitan only")
         plan = load_plan(plan_file)
-        ex = (to_torchtitan(plan, module=titan_module, config=titan_config) if to == "torchtitan"
+        if toml and (to != "torchtitan" or check):
+            raise UserError("--toml writes torchtitan 0.1-0.2 job files: use it with --to torchtitan and without --check "
+                            "(the installed engines extra is torchtitan >= 0.3)")
+        ex = (to_torchtitan(plan, module=titan_module, config=titan_config, toml=toml) if to == "torchtitan"
               else to_megatron(plan))
-        path = Path(output) if output else Path(plan_file).with_name(f"{to}.sh")
+        path = Path(output) if output else Path(plan_file).with_name(f"{to}.toml" if toml else f"{to}.sh")
         path.write_text(ex.text)
-        path.chmod(0o755)
+        if not toml:
+            path.chmod(0o755)
         out.print(f"{to} configuration written to {path}", highlight=False)
         for u in ex.unexpressed:
             err.print(f"[yellow]not expressed[/] {u}", highlight=False)

@@ -91,7 +91,14 @@ def _titan_fqns(rows: list[list[tuple[str, int]]]) -> list[str]:
             for row in rows]
 
 
-def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None = None) -> Export:
+TITAN_FLAVORS = {"llama3_8b": "8B", "llama3_70b": "70B", "llama3_405b": "405B", "llama3_debugmodel": "debugmodel"}
+
+
+def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None = None, toml: bool = False) -> Export:
+    """torchtitan >= 0.3's command line, or with `toml` the job file of torchtitan 0.1-0.2
+    (`--job.config_file job.toml`; `config` is then the model flavor, or a 0.3 config name mapped to it)."""
+    if toml:
+        return _titan_toml(plan, module, config)
     c, src = plan.config, plan.source
     known = titan_config(plan)
     unexpressed = _common_unexpressed(plan, "torchtitan")
@@ -142,6 +149,55 @@ def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None =
               "--rdzv-backend c10d --rdzv-endpoint ${RDZV_ENDPOINT:-localhost:29500} -m torchtitan.train")
     return Export(engine="torchtitan", argv=argv, unexpressed=unexpressed,
                   text=_script(plan, "torchtitan", launch, argv, unexpressed))
+
+
+def _titan_toml(plan: Plan, module: str | None, flavor: str | None) -> Export:
+    c, src = plan.config, plan.source
+    cli = to_torchtitan(plan, module=module, config=flavor)  # the same choices, and what they leave out
+    name, flavor = cli.argv[1], TITAN_FLAVORS.get(cli.argv[3], cli.argv[3])
+    unexpressed = list(cli.unexpressed)
+    if c.tp > 1 and not c.sp:
+        unexpressed.append("tensor parallelism without sequence parallelism: torchtitan 0.2 always runs it with "
+                           "sequence parallelism")
+    rows = layout(plan) if c.pp > 1 else None
+    parallel = {"data_parallel_replicate_degree": 1 if c.zero else c.dp,
+                "data_parallel_shard_degree": c.dp if c.zero else 1, "tensor_parallel_degree": c.tp,
+                "pipeline_parallel_degree": c.pp, "context_parallel_degree": c.cp}
+    if c.zero:
+        parallel["fsdp_reshard_after_forward"] = "never"
+    if c.pp > 1:
+        parallel.update(pipeline_parallel_schedule=TITAN_SCHEDULES[c.schedule],
+                        pipeline_parallel_microbatch_size=c.microbatch)
+        if rows is not None:
+            parallel["module_fqns_per_model_part"] = [f.split(",") for f in _titan_fqns(rows)]
+    local = c.microbatch * c.microbatches if c.pp > 1 else c.microbatch
+    training = {"local_batch_size": local, "global_batch_size": src.global_batch,
+                "mixed_precision_param": "float32" if c.precision == "fp32" else "bfloat16", "dtype": "float32"}
+    if src.model_shape.get("seq"):
+        training["seq_len"] = src.model_shape["seq"]
+    sections = {"model": {"name": name, "flavor": flavor}, "training": training, "parallelism": parallel,
+                "activation_checkpoint": {"mode": c.recompute}}
+    head = [f"# torchtitan (0.1-0.2) job of an fxplanner plan ({src.model_file}, {src.gpus} GPUs: t={c.tp} p={c.pp} "
+            f"d={c.dp} cp={c.cp} b={c.microbatch} m={c.microbatches} v={c.vp} {c.schedule} recompute={c.recompute}; "
+            f"predicted {plan.predictions.iteration_s:.3f} s/iteration)",
+            f"# run: torchrun --nnodes {plan.launch.nnodes} --nproc-per-node {plan.launch.nproc_per_node} "
+            "-m torchtitan.train --job.config_file THIS_FILE",
+            "# not expressed:" if unexpressed else "# everything in the plan is expressed",
+            *(f"#   - {u}" for u in unexpressed)]
+    body = [f"\n[{sec}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in kv.items())
+            for sec, kv in sections.items()]
+    return Export(engine="torchtitan", argv=[], unexpressed=unexpressed, text="\n".join(head) + "\n" +
+                  "\n".join(body) + "\n")
+
+
+def _toml_value(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return str(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 # -- Megatron-LM ----------------------------------------------------------------------------------

@@ -107,3 +107,25 @@ def test_export_cli_writes_the_file_and_refuses_what_it_cannot_name(plans, tmp_p
     ok = runner.invoke(app, ["export", str(path), "--to", "torchtitan", "--titan-module", "llama3", "--titan-config",
                              "llama3_debugmodel", "-o", str(tmp_path / "job.sh")])
     assert ok.exit_code == 0 and "torchtitan.train" in (tmp_path / "job.sh").read_text()
+
+
+def test_torchtitan_toml_job_for_versions_before_0_3_holds_the_plans_degrees(plans):
+    """torchtitan 0.1-0.2 read a TOML job file (run on an H100 with torchtitan 0.2.2: see bench/titan_smoke.py)."""
+    import tomllib
+
+    for name in ("llama", "modern"):
+        plan = plans[name]
+        c = plan.config
+        job = tomllib.loads(to_torchtitan(plan, toml=True).text)
+        par = job["parallelism"]
+        assert (par["tensor_parallel_degree"], par["pipeline_parallel_degree"], par["context_parallel_degree"]) == (
+            c.tp, c.pp, c.cp)
+        assert par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"] == c.dp
+        assert job["model"] == {"name": "llama3", "flavor": "8B"}
+        assert job["activation_checkpoint"]["mode"] == c.recompute and job["training"]["seq_len"] == 8192
+        if c.pp > 1:
+            assert len(par["module_fqns_per_model_part"]) == c.pp * c.vp
+            assert par["pipeline_parallel_schedule"] == {"1f1b": "1F1B", "interleaved": "Interleaved1F1B",
+                                                         "gpipe": "GPipe"}[c.schedule]
+    no_sp = plans["modern"].model_copy(update={"config": plans["modern"].config.model_copy(update={"sp": False})})
+    assert any("always runs it with sequence parallelism" in u for u in to_torchtitan(no_sp, toml=True).unexpressed)
