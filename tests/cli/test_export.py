@@ -129,3 +129,12 @@ def test_torchtitan_toml_job_for_versions_before_0_3_holds_the_plans_degrees(pla
                                                          "gpipe": "GPipe"}[c.schedule]
     no_sp = plans["modern"].model_copy(update={"config": plans["modern"].config.model_copy(update={"sp": False})})
     assert any("always runs it with sequence parallelism" in u for u in to_torchtitan(no_sp, toml=True).unexpressed)
+
+
+@needs_megatron
+@pytest.mark.parametrize("recompute", ["selective", "full"])
+def test_megatron_accepts_each_recomputation_mode(plans, recompute):
+    plan = plans["modern"]
+    plan = plan.model_copy(update={"config": plan.config.model_copy(update={"recompute": recompute})})
+    seen = check_megatron(to_megatron(plan))
+    assert seen["recompute"] == recompute
