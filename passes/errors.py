@@ -22,7 +22,10 @@ def invalid_file(kind: str, path: object, exc: Exception) -> UserError:
     err = errors[0]
     where = ".".join(str(x) for x in err["loc"]) or "(top level)"
     more = f" ({len(errors)} problems in all)" if len(errors) > 1 else ""
-    return UserError(f"{kind} {path}: field {where}: {err['msg']}{more}")
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    if not err["loc"]:  # a rule between fields (a model validator): its sentence says which
+        return UserError(f"{kind} {path} is inconsistent: {msg}{more}")
+    return UserError(f"{kind} {path}: field {where}: {msg}{more}")
 
 
 def load_document(path: object, kind: str, schema: str, model: type, *, missing: str, other_schema: str):
