@@ -1,14 +1,19 @@
-"""torchrun commands that run a plan: one per node, rendezvous endpoint as a parameter."""
+"""torchrun commands that run a plan: one per node, rendezvous endpoint as a parameter.
+
+They call torchrun through `python -m planner.runtime.torchrun` (the same arguments), which ends a failed
+rank with one line instead of torchrun's own traceback."""
 from __future__ import annotations
 
-__all__ = ["torchrun_commands", "launch_script"]
+__all__ = ["TORCHRUN", "torchrun_commands", "launch_script"]
+
+TORCHRUN = "python -m planner.runtime.torchrun"  # torchrun's arguments, a failure in one line
 
 
 def torchrun_commands(plan_path: str, n_gpus: int, gpus_per_node: int,
                       endpoint: str = "${RDZV_ENDPOINT:-localhost:29500}") -> tuple[int, int, list[str]]:
     nnodes = max(1, n_gpus // gpus_per_node)
     nproc = min(n_gpus, gpus_per_node)
-    cmds = [f"torchrun --nnodes {nnodes} --nproc-per-node {nproc} --node-rank {i} --rdzv-backend c10d "
+    cmds = [f"{TORCHRUN} --nnodes {nnodes} --nproc-per-node {nproc} --node-rank {i} --rdzv-backend c10d "
             f"--rdzv-endpoint {endpoint} --rdzv-id fxplanner -m planner.runtime {plan_path}"
             for i in range(nnodes)]
     return nnodes, nproc, cmds
@@ -21,7 +26,7 @@ def launch_script(plan_path: str, n_gpus: int, gpus_per_node: int) -> str:
         f"# Run on each of the {nnodes} node(s): ./launch.sh NODE_RANK  (RDZV_ENDPOINT=host:port of node 0)",
         "set -euo pipefail",
         'NODE_RANK="${1:?usage: launch.sh NODE_RANK}"',
-        f"exec torchrun --nnodes {nnodes} --nproc-per-node {nproc} --node-rank \"$NODE_RANK\" "
+        f"exec {TORCHRUN} --nnodes {nnodes} --nproc-per-node {nproc} --node-rank \"$NODE_RANK\" "
         f"--rdzv-backend c10d --rdzv-endpoint \"${{RDZV_ENDPOINT:-localhost:29500}}\" --rdzv-id fxplanner "
         f"-m planner.runtime {plan_path}",
         "",

@@ -109,7 +109,7 @@ class LocalRun:
 
 def torchrun_command(plan_path: str | Path, world: int, runtime_args: list[str]) -> list[str]:
     """``torchrun --standalone --nnodes 1 --nproc-per-node WORLD -m planner.runtime PLAN ...``."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+    return [sys.executable, "-m", "planner.runtime.torchrun", "--standalone", "--nnodes", "1",
             "--nproc-per-node", str(world), "--tee", "3", "-m", "planner.runtime", str(plan_path), *runtime_args]
 
 

@@ -161,3 +161,17 @@ def test_bad_plans_stop_every_rank(small_plan: Path, tmp_path: Path) -> None:
             lines = [line for line in rank_lines(stdout + "\n" + stderr, r) if line.strip()]
             assert len(lines) == 1, (name, r, lines)
             assert lines[0].startswith(f"error: rank {r}/{n}: ") and expected in lines[0], (name, lines[0])
+
+
+def test_the_plans_launcher_ends_a_failed_rank_in_one_line(small_plan: Path, tmp_path: Path) -> None:
+    """A 2-rank plan started with 3 processes through the plan's own launch command: each rank says why, and
+    torchrun's ChildFailedError report and traceback are replaced by one line."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "planner.runtime.torchrun", "--standalone", "--nproc-per-node", "3", "--tee", "3",
+         "-m", "planner.runtime", str(small_plan)], cwd=tmp_path, capture_output=True, text=True, env=child_env(),
+        timeout=120)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("error: 3 rank(s) failed (rank 0, 1, 2; exit code 2); each rank's "
+                                                    "message above says why")
+    assert all("start it with 2 processes" in " ".join(rank_lines(proc.stdout + proc.stderr, r)) for r in range(3))
