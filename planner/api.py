@@ -21,6 +21,7 @@ from .launch import launch_script, torchrun_commands
 from .plan import (Alternative, ConfigModel, Launch, Plan, Predictions, RankMemory, SearchInfo, Source,
                    Stage)
 from .fill.joint import choose_joint
+from .fill.packing import cpsat_budget
 from .fill.profiles import profile_job
 from .fill.section import fill_section
 from .fill.spec import FillSpec
@@ -66,7 +67,7 @@ def profile_rows(profile: ModelProfile, hw: Hardware, cfg: ParallelConfig) -> li
 def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per_node: int | None = None,
               model_args: dict[str, Any] | None = None, pins: Pins = Pins(), leaves: tuple[str, ...] = (),
               plan_path: str = "plan.json", fill: FillSpec | None = None, main_slack: float = 0.0, offload: str = "auto",
-              fill_solver: str = "greedy", calibration: Calibration | None = None, progress: Callable[[str], None] | None = None,
+              fill_solver: str = "greedy", fill_time_limit_s: float = 5.0, calibration: Calibration | None = None, progress: Callable[[str], None] | None = None,
               search_progress: Callable[[int, int], None] | None = None) -> tuple[Plan, SearchResult]:
     hw = Hardware(target=get_target(target, gpus_per_node))
     if calibration is not None:
@@ -84,15 +85,23 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
         if progress:
             progress("fill")
         jobs = {j.name: profile_job(j, hw, pins.precision) for j in fill.jobs}
-        joint = choose_joint(ev, [result.best, *result.runners_up], jobs, main_slack=main_slack, offload=offload,
-                             safety_margin=fill.safety_margin, solver=fill_solver)
+        if fill_time_limit_s <= 0:
+            raise UserError(f"--fill-time-limit must be positive, got {fill_time_limit_s}")
+        with cpsat_budget(fill_time_limit_s, progress=(lambda n, s: progress(f"fill: CP-SAT solve {n} ({s:.1f} s of "
+                                                                             f"{fill_time_limit_s:g})")) if progress
+                          else None) as budget:
+            joint = choose_joint(ev, [result.best, *result.runners_up], jobs, main_slack=main_slack, offload=offload,
+                                 safety_margin=fill.safety_margin, solver=fill_solver)
         best, sim = joint.evaluation, joint.simulation
     seconds = time.perf_counter() - start
     _check_physics(ev, best)
     runners = [e for e in (result.best, *result.runners_up) if e.config != best.config]
     plan = _to_plan(profile, ev, best, sim, runners, result, seconds, pins, plan_path, leaves)
     if joint is not None:
-        plan = plan.model_copy(update={"fill": fill_section(joint, fill)})
+        section = fill_section(joint, fill)
+        if fill_solver == "cpsat":
+            section.predictions.solver = budget.summary()
+        plan = plan.model_copy(update={"fill": section})
     return plan, result
 
 

@@ -52,6 +52,8 @@ def plan(
     main_slack: float = typer.Option(0.0, "--main-slack", help="main throughput the fill may cost (0.05 = 5%)"),
     offload: str = typer.Option("auto", "--offload", help="main-job optimizer offload to host: auto, on, off"),
     fill_solver: str = typer.Option("greedy", "--fill-solver", help=f"fill packer: {_choices(PACKERS)}"),
+    fill_time_limit: float = typer.Option(5.0, "--fill-time-limit", help="seconds for all CP-SAT solves together "
+                                          "(--fill-solver cpsat); past it the greedy packing stands"),
     output: str = typer.Option("plan.json", "-o", "--output", help="where to write the plan"),
     as_json: bool = typer.Option(False, "--json", help="print the plan JSON instead of the summary"),
 ) -> None:
@@ -81,7 +83,8 @@ def plan(
             plan_, _ = make_plan(model, gpus=gpus, global_batch=global_batch, target=target,
                                  gpus_per_node=gpus_per_node, model_args=parse_model_args(model_arg), pins=pins,
                                  leaves=tuple(leaf), plan_path=output, fill=spec,
-                                 main_slack=main_slack, offload=offload, fill_solver=fill_solver, calibration=cal,
+                                 main_slack=main_slack, offload=offload, fill_solver=fill_solver,
+                                 fill_time_limit_s=fill_time_limit, calibration=cal,
                                  progress=lambda name: bar.update(task, description=f"pass: {name}"),
                                  search_progress=lambda i, n: bar.update(task, description="searching",
                                                                          completed=i, total=n))
@@ -136,7 +139,7 @@ def _print_fill(p: Plan) -> None:
     fp = f.predictions
     out.print(f"fill: {fp.fill_tflops_per_gpu:.2f} TFLOP/s/GPU recovered, {fp.bubble_time_used:.0%} of bubble time "
               f"used, total useful {fp.total_useful_tflops_per_gpu:.1f} TFLOP/s/GPU; main optimizer offload: "
-              f"{'yes' if fp.offload_optimizer else 'no'}", highlight=False)
+              f"{'yes' if fp.offload_optimizer else 'no'}; packing: {fp.solver}", highlight=False)
     table = Table(title="fill per pipeline rank")
     for col in ("rank", "job", "resident", "chunks", "units/iteration", "busy in bubbles"):
         table.add_column(col)

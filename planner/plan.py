@@ -186,6 +186,8 @@ class FillPredictions(_Model):
     unplaceable: dict[str, str] = Field(default_factory=dict, description="job -> why it fits no bubble")
     not_chosen: dict[str, str] = Field(default_factory=dict, description="job -> why it fits but runs nowhere "
                                        "(every job of the spec is placed, unplaceable, or here)")
+    solver: str = Field("greedy", description="how the packing was solved: greedy, or CP-SAT's solves, time and "
+                        "gap to its proven bound")
 
 
 class Fill(_Model):

@@ -41,8 +41,10 @@ import bisect
 
 import dataclasses
 import time
-from dataclasses import dataclass
-from typing import Literal, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Literal, Sequence
 
 __all__ = [
     "DEFAULT_LAUNCH_OVERHEAD_S",
@@ -54,6 +56,8 @@ __all__ = [
     "PackingError",
     "PackingParams",
     "cpsat_pack",
+    "cpsat_budget",
+    "CpsatBudget",
     "greedy_pack",
     "validate_packing",
 ]
@@ -430,6 +434,60 @@ def _ends_of(packing: Packing, horizon: int) -> list[int]:
     return ends
 
 
+@dataclass(kw_only=True)
+class CpsatBudget:
+    """One time limit for all CP-SAT solves of a plan (there is one per rank, job, option and candidate
+    configuration), and what they achieved: a solve gets what is left, at most its own limit; once the
+    budget is spent the greedy packing stands. `gap_units` is the largest difference between CP-SAT's
+    proven bound and its best packing (0 when every solve proved optimality)."""
+
+    total_s: float
+    progress: Callable[[int, float], None] | None = None  # (solves so far, seconds so far)
+    solves: int = 0
+    optimal: int = 0
+    skipped: int = 0
+    gap_units: int = 0
+    seconds: float = 0.0
+    _start: float = field(default_factory=time.perf_counter)
+
+    def remaining_s(self) -> float:
+        return self.total_s - (time.perf_counter() - self._start)
+
+    def record(self, status: str, objective: float, bound: float, scale: int, wall_s: float) -> None:
+        self.solves += 1
+        self.seconds += wall_s
+        if status == "OPTIMAL":
+            self.optimal += 1
+        elif status == "FEASIBLE":
+            self.gap_units = max(self.gap_units, int(bound // scale) - int(objective // scale))
+        if self.progress:
+            self.progress(self.solves, self.seconds)
+
+    def summary(self) -> str:
+        if not self.solves and not self.skipped:
+            return "CP-SAT: no solve needed"
+        stopped = self.solves - self.optimal
+        gap = ("every solve proved optimal" if not stopped else
+               f"{stopped} stopped at their time limit with no unit left to gain (CP-SAT's bound)" if not self.gap_units
+               else f"{stopped} stopped at their time limit, at most {self.gap_units} units below CP-SAT's bound")
+        skipped = f"; {self.skipped} kept greedy (budget of {self.total_s:g} s spent)" if self.skipped else ""
+        return f"CP-SAT: {self.solves} solves in {self.seconds:.1f} s, {gap}{skipped}"
+
+
+BUDGET: ContextVar[CpsatBudget | None] = ContextVar("cpsat_budget", default=None)
+
+
+@contextmanager
+def cpsat_budget(total_s: float, progress: Callable[[int, float], None] | None = None) -> Iterator[CpsatBudget]:
+    """Every cpsat_pack inside shares `total_s` seconds."""
+    budget = CpsatBudget(total_s=total_s, progress=progress)
+    token = BUDGET.set(budget)
+    try:
+        yield budget
+    finally:
+        BUDGET.reset(token)
+
+
 def cpsat_pack(
     units: Sequence[FillUnit], cycle: Sequence[BubbleSlot], *, safety_margin: float = 0.1,
     launch_overhead_s: float = DEFAULT_LAUNCH_OVERHEAD_S, resident_bytes: int = 0, cycles: int = 1,
@@ -447,6 +505,12 @@ def cpsat_pack(
                   resident_bytes=resident_bytes, cycles=cycles, state_swap_bw=state_swap_bw)
     floor = max((greedy_pack(units, cycle, **kwargs, farthest_fit=ff) for ff in (False, True)),
                 key=lambda p: p.units_completed)
+    budget = BUDGET.get()
+    if budget is not None:
+        time_limit_s = min(time_limit_s, budget.remaining_s())
+        if time_limit_s <= 0.01:  # the overall CP-SAT budget is spent: keep the heuristic (never worse)
+            budget.skipped += 1
+            return dataclasses.replace(floor, solver="greedy-fallback", status="BUDGET_SPENT", solve_time_s=0.0)
     prob = _build(units, cycle, floor.params)
     horizon = cycles * len(cycle)
     start = time.perf_counter()
@@ -575,6 +639,9 @@ def _solve_cpsat(prob: _Problem, horizon: int, hint_ends: Sequence[int], *, time
     solver.parameters.num_workers = num_workers
     solver.parameters.random_seed = seed
     code = solver.Solve(model)
+    if BUDGET.get() is not None:
+        BUDGET.get().record(solver.StatusName(code), solver.ObjectiveValue(), solver.BestObjectiveBound(),
+                            horizon * ub + 1, solver.WallTime())
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, solver.StatusName(code)
     return [solver.Value(b.pos) for b in bounds[1:]], solver.StatusName(code)

@@ -37,6 +37,9 @@ def run(*args: str):
     (["plan", str(EXAMPLES / "gpt.py"), "--gpus", "8", "--model-arg", "preset=1t"], "fits no configuration"),
     (["plan", str(EXAMPLES / "gpt.py"), "--gpus", "8", "--schedule", "zigzag"], "--schedule must be one of"),
     (["show", str(FIXTURES / "bad_target.yaml")], "not valid JSON"),
+    (["plan", str(EXAMPLES / "gpt.py"), "--gpus", "16", "--fill", str(EXAMPLES / "fill" / "jobs.yaml"),
+      "--fill-solver", "cpsat", "--fill-time-limit", "0"], "--fill-time-limit must be positive"),
+    (["export", str(FIXTURES / "bad_target.yaml"), "--to", "megatron"], "not valid JSON"),
 ])
 def test_bad_input_is_one_clear_message(args, needle):
     result, text = run(*args)

@@ -82,3 +82,16 @@ def test_profile_says_how_many_units_it_left_out_and_prints_all_on_request():
     assert cut.exit_code == 0 and "11 more units (--all)" in cut.stdout
     full = runner.invoke(app, [*args, "--all"], env={"COLUMNS": "200"})
     assert full.exit_code == 0 and all(f"layers.{i} " in full.stdout for i in range(48))
+
+
+def test_cpsat_fill_has_one_time_limit_and_reports_its_gap(tmp_path):
+    import json
+
+    path = tmp_path / "plan.json"
+    jobs = str(EXAMPLES / "fill" / "jobs.yaml")
+    made = CliRunner().invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "64", "--fill", jobs, "--fill-solver",
+                                    "cpsat", "--fill-time-limit", "2", "-o", str(path)])
+    assert made.exit_code == 0, made.stdout
+    solver = json.loads(path.read_text())["fill"]["predictions"]["solver"]
+    assert solver.startswith("CP-SAT: ") and ("optimal" in solver or "bound" in solver or "kept greedy" in solver)
+    assert "packing: CP-SAT" in " ".join(made.stdout.split())

@@ -251,3 +251,18 @@ def test_inputs_are_checked_with_their_numbers():
         greedy_pack([unit("a", 1)], [bubble(0, 1), bubble(0, 2)])
     with pytest.raises(ValueError, match="must be > 0"):
         greedy_pack([unit("a", 0)], [bubble(0, 1)])
+
+
+def test_one_cpsat_budget_covers_every_solve_and_reports_its_gap():
+    units = [unit("fwd", 1, state=3), unit("bwd", 8)]
+    cycle = [bubble(0, 13), bubble(1, 10)]
+    kwargs = dict(EXACT, state_swap_bw=1.0 / MS, cycles=3)
+    with packing_mod.cpsat_budget(30.0) as budget:
+        best = cpsat_pack(units, cycle, **kwargs, time_limit_s=2.0)
+    assert best.units_per_cycle == 4 and (budget.solves, budget.optimal, budget.skipped) == (1, 1, 0)
+    assert budget.summary().startswith("CP-SAT: 1 solves in") and "every solve proved optimal" in budget.summary()
+    with packing_mod.cpsat_budget(0.0) as spent:  # nothing left: the heuristic stands, never worse than greedy
+        kept = [cpsat_pack(units, cycle, **kwargs, time_limit_s=2.0) for _ in range(3)]
+    assert all(k.solver == "greedy-fallback" and k.status == "BUDGET_SPENT" for k in kept)
+    assert kept[0].units_completed >= greedy_pack(units, cycle, **kwargs).units_completed
+    assert (spent.solves, spent.skipped) == (0, 3) and "3 kept greedy (budget of 0 s spent)" in spent.summary()
