@@ -165,6 +165,11 @@ def _print_profile(prof, target: str, batch: int, tp: int, rows: list[dict], tot
                   _si(totals["activation_bytes"], "B"), _ms(totals["fwd_s"]), _ms(totals["bwd_s"]),
                   *([""] * (2 if measured else 0)), style="bold")
     out.print(table)
+    tied = sum(r["params"] for r in rows) - totals["params"]
+    if tied > 0:  # a weight two units use (a head tied to the embedding) is in both rows, once in the total
+        out.print(f"the unit rows add up to {_si(sum(r['params'] for r in rows))} parameters: {_si(tied)} of them are "
+                  "shared between units (a head tied to the embedding shows the embedding's weight again); the total "
+                  "counts each parameter once", highlight=False)
     print_model_notes(prof)
     out.print(f"captured with {'torch.export' if prof.frontend == 'export' else 'torch.fx'}; passes: "
               + ", ".join(f"{n} {s:.2f}s" for n, s in prof.pass_times), highlight=False)

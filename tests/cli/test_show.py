@@ -95,3 +95,13 @@ def test_cpsat_fill_has_one_time_limit_and_reports_its_gap(tmp_path):
     solver = json.loads(path.read_text())["fill"]["predictions"]["solver"]
     assert solver.startswith("CP-SAT: ") and ("optimal" in solver or "bound" in solver or "kept greedy" in solver)
     assert "packing: CP-SAT" in " ".join(made.stdout.split())
+
+
+def test_profile_says_why_tied_rows_add_up_to_more_than_the_total():
+    import pytest
+
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    res = CliRunner().invoke(app, ["profile", str(EXAMPLES / "hf_gpt2.py")])
+    assert res.exit_code == 0, res.stdout
+    text = " ".join(res.stdout.split())
+    assert "80.41 M of them are shared between units" in text and "counts each parameter once" in text
