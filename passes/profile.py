@@ -2,18 +2,23 @@
 
 The model is built with real weights, traced, split into the same units the planner prices,
 and each unit is timed in isolation on the inputs it sees in a real forward pass (warm-up runs
-first, then `repeats` timed runs). On CUDA, peak memory per unit comes from the allocator.
+first, then `repeats` timed runs). Repeated blocks (same modules, same weight and input shapes) are
+timed once and the others take that measurement. Before anything is allocated, the bytes the model
+needs here (fp32 weights and gradients) are compared with what the device has free: a model that
+cannot fit is refused with both numbers. On CUDA, peak memory per unit comes from the allocator.
 """
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from .errors import UserError
 from .load import load_model_file
 from .split import split_by, unit_of_nodes
 from .trace import trace_model
@@ -86,10 +91,48 @@ def _spread(xs: list[float]) -> float:
     return (max(xs) - min(xs)) / med if med > 0 else 0.0
 
 
+def available_bytes(dev: torch.device) -> int:
+    """Memory free for the model on `dev`: the GPU's free memory, or the host's MemAvailable."""
+    if dev.type == "cuda":
+        return torch.cuda.mem_get_info(dev)[0]
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fits(mf, dev: torch.device, path: str) -> int:
+    """Refuse before allocating when the model's weights and gradients cannot fit here; returns the need."""
+    params = sum(p.numel() for p in mf.build("meta").parameters())
+    need = int(params * 4 * 2 * 1.25)  # fp32 weights and gradients, and a quarter more for activations and buffers
+    have = available_bytes(dev)
+    if need > have:
+        raise UserError(f"measuring {path} here needs about {need / 2**30:.1f} GiB ({params / 1e9:.2f} B parameters in "
+                        f"fp32 with their gradients) but {dev} has {have / 2**30:.1f} GiB free; measure a smaller "
+                        "configuration of the model (--model-arg) or on a machine with more memory")
+    return need
+
+
+def _signature(mod: nn.Module, args: tuple[Any, ...]) -> tuple:
+    """What a unit's time depends on: its module types, weight shapes and input shapes."""
+    shapes = tuple((type(m).__name__, tuple(tuple(p.shape) for p in m.parameters(recurse=False)))
+                   for m in mod.modules())
+    return shapes, tuple(tuple(a.shape) if isinstance(a, torch.Tensor) else repr(a) for a in args)
+
+
 def measure_units(path: str, kwargs: dict[str, Any], batch: int, *, leaves: tuple[str, ...] = (),
-                  repeats: int = 5, warmup: int = 2, device: str | None = None, seed: int = 0) -> list[UnitMeasurement]:
+                  repeats: int = 5, warmup: int = 2, device: str | None = None, seed: int = 0,
+                  progress: Callable[[int, int, float], None] | None = None) -> list[UnitMeasurement]:
+    """Time each unit; `progress(done, total, eta_s)` after each distinct unit timed."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     mf = load_model_file(path, kwargs)
+    check_fits(mf, dev, path)
     torch.manual_seed(seed)
     model = mf.build(dev).train()
     gm = trace_model(model, leaves)
@@ -97,15 +140,25 @@ def measure_units(path: str, kwargs: dict[str, Any], batch: int, *, leaves: tupl
     split = split_by(gm, model, lambda name: owner[name])
     inputs = mf.inputs(batch, dev)
     seen = _capture_inputs(split, inputs)
-    results = []
-    for name, mod in split.named_children():
-        if not name.startswith("submod_"):
+    units = [(name, mod) for name, mod in split.named_children() if name.startswith("submod_")]
+    sigs = [_signature(mod, seen[name]) for name, mod in units]
+    distinct = len(set(sigs))
+    timed: dict[tuple, UnitMeasurement] = {}
+    results, start = [], time.perf_counter()
+    for (name, mod), sig in zip(units, sigs):
+        index = int(name.split("_")[1])
+        if sig in timed:  # a repeat of a block already timed
+            results.append(dataclasses.replace(timed[sig], unit=index))
             continue
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
         fwd, bwd = _time_unit(mod, seen[name], dev, warmup, repeats)
         peak = torch.cuda.max_memory_allocated(dev) if dev.type == "cuda" else 0
-        results.append(UnitMeasurement(unit=int(name.split("_")[1]), device=str(dev),
-                                       fwd_median_s=statistics.median(fwd), bwd_median_s=statistics.median(bwd),
-                                       fwd_spread=_spread(fwd), bwd_spread=_spread(bwd), peak_bytes=peak))
+        timed[sig] = UnitMeasurement(unit=index, device=str(dev), fwd_median_s=statistics.median(fwd),
+                                     bwd_median_s=statistics.median(bwd), fwd_spread=_spread(fwd),
+                                     bwd_spread=_spread(bwd), peak_bytes=peak)
+        results.append(timed[sig])
+        if progress:
+            spent = time.perf_counter() - start
+            progress(len(timed), distinct, spent / len(timed) * (distinct - len(timed)))
     return sorted(results, key=lambda r: r.unit)

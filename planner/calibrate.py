@@ -111,7 +111,7 @@ def fit_comm(repeats: int = 10) -> CommFit:
 
 
 def calibrate(model: str, kwargs: dict[str, Any], *, batch: int, target: Target, repeats: int = 5,
-              comm: CommFit | None = None) -> tuple[Calibration, list[dict[str, Any]]]:
+              comm: CommFit | None = None, progress=None) -> tuple[Calibration, list[dict[str, Any]]]:
     """Time every unit here and compare with `target`'s prediction (fp32 on CPU, bf16 on CUDA)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = "bf16" if device == "cuda" else "fp32"
@@ -119,7 +119,7 @@ def calibrate(model: str, kwargs: dict[str, Any], *, batch: int, target: Target,
     old = torch.get_num_threads()
     torch.set_num_threads(1)  # as each runtime rank runs on CPU
     try:
-        measured = measure_units(model, kwargs, batch, repeats=repeats, device=device)
+        measured = measure_units(model, kwargs, batch, repeats=repeats, device=device, progress=progress)
     finally:
         torch.set_num_threads(old)
     rows, sums = [], {}

@@ -49,6 +49,13 @@ def status(enabled: bool, text: str) -> Iterator[Any]:
         yield st
 
 
+def unit_progress(st: Any):
+    """A measure_units progress callback that updates a status line (None: no status shown)."""
+    if st is None:
+        return None
+    return lambda done, total, eta: st.update(f"timed {done}/{total} distinct units, about {eta:.0f} s left")
+
+
 def _si(x: float, unit: str = "") -> str:
     for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= scale:
@@ -123,8 +130,9 @@ def profile(
         if measure:
             from passes.profile import measure_units
 
-            with status(not as_json, "measuring units on this machine"):
-                measured = measure_units(model, kwargs, batch, leaves=tuple(leaf), repeats=repeats)
+            with status(not as_json, "measuring units on this machine") as mst:
+                measured = measure_units(model, kwargs, batch, leaves=tuple(leaf), repeats=repeats,
+                                         progress=unit_progress(mst))
             for row, m in zip(rows, measured):
                 row.update(measured_fwd_s=m.fwd_median_s, measured_bwd_s=m.bwd_median_s,
                            measured_fwd_spread=m.fwd_spread, measured_bwd_spread=m.bwd_spread,

@@ -9,7 +9,7 @@ from rich.table import Table
 
 from passes.errors import UserError
 
-from .cli import _ms, app, err, out, user_errors
+from .cli import _ms, app, err, out, unit_progress, user_errors
 
 
 @app.command()
@@ -44,8 +44,9 @@ def calibrate(
         with err.status("measuring the interconnect and the device"):
             fit = fit_comm() if comm else None
             tg = get_target(target) if target else machine_target(target_out, fit)
-        with err.status(f"timing the units of {model}"):
-            cal, rows = run(model, kwargs, batch=batch, target=tg, repeats=repeats, comm=fit)
+        with err.status(f"timing the units of {model}") as st:
+            cal, rows = run(model, kwargs, batch=batch, target=tg, repeats=repeats, comm=fit,
+                            progress=unit_progress(st))
         with open(output, "w") as fh:
             fh.write(cal.model_dump_json(by_alias=True, indent=1) + "\n")
     if as_json:

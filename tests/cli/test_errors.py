@@ -40,6 +40,8 @@ def run(*args: str):
     (["plan", str(EXAMPLES / "gpt.py"), "--gpus", "16", "--fill", str(EXAMPLES / "fill" / "jobs.yaml"),
       "--fill-solver", "cpsat", "--fill-time-limit", "0"], "--fill-time-limit must be positive"),
     (["export", str(FIXTURES / "bad_target.yaml"), "--to", "megatron"], "not valid JSON"),
+    (["calibrate", str(EXAMPLES / "gpt.py"), "--measure", "--no-comm", "--model-arg", "preset=1t"],
+     "B parameters in fp32 with their gradients"),
 ])
 def test_bad_input_is_one_clear_message(args, needle):
     result, text = run(*args)

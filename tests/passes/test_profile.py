@@ -13,3 +13,13 @@ def test_mlp_measured_times_are_positive_and_grow_with_batch():
         assert m.fwd_median_s > 0 and m.bwd_median_s > 0 and m.device == "cpu"
     total = lambda ms: sum(m.fwd_median_s + m.bwd_median_s for m in ms)  # noqa: E731
     assert total(large) > 2 * total(small)  # 128x the work: far above timer noise
+
+
+def test_repeated_blocks_are_timed_once_with_progress_per_distinct_unit():
+    calls = []
+    rows = measure_units(str(EXAMPLES / "gpt.py"), {"preset": "tiny"}, 2, repeats=2, warmup=1,
+                         progress=lambda done, total, eta: calls.append((done, total, eta)))
+    blocks = rows[1:-1]
+    assert len(blocks) == 4 and len({(r.fwd_median_s, r.bwd_median_s) for r in blocks}) == 1
+    assert [r.unit for r in rows] == list(range(len(rows)))
+    assert [(d, t) for d, t, _ in calls] == [(1, 3), (2, 3), (3, 3)] and calls[-1][2] == 0  # embedding, block, head
