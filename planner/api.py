@@ -98,7 +98,7 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     runners = [e for e in (result.best, *result.runners_up) if e.config != best.config]
     plan = _to_plan(profile, ev, best, sim, runners, result, seconds, pins, plan_path, leaves)
     if joint is not None:
-        section = fill_section(joint, fill)
+        section = fill_section(joint.fill, fill, offload=joint.offload, main_useful_per_gpu=joint.main_useful_per_gpu)
         if fill_solver == "cpsat":
             section.predictions.solver = budget.summary()
         plan = plan.model_copy(update={"fill": section})

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from passes.errors import UserError
 
-from .cli import _ms, app, err, out, user_errors
+from .cli import _ms, app, err, out, status, user_errors
 
 GiB = 2**30
 
@@ -73,18 +73,31 @@ def refit(
     plan_file: str = typer.Argument(..., help="plan to update"),
     measured: str = typer.Option(..., "--measured", help="metrics JSON of a run of this plan"),
     output: Optional[str] = typer.Option(None, "-o", "--output", help="new plan (default: overwrite)"),
+    fill: Optional[str] = typer.Option(None, "--fill", help="the fill YAML the plan was made with: every batch size "
+                                       "competes again (default: the plan's own jobs at their chosen batch size)"),
 ) -> None:
-    """Write the measured bubble durations back into the plan, so fill packing uses them."""
+    """Write the measured bubble durations back into the plan and re-pack its fill jobs into them."""
+    from .fill.spec import load_fill_spec
     from .metrics import load_metrics
     from .plan import load_plan, save_plan
-    from .validate import refit as do_refit
+    from .validate import refit as do_refit, repack_fill
 
     with user_errors():
         plan = load_plan(plan_file)
         new = do_refit(plan, load_metrics(measured))
+        if new.fill is not None:
+            with status(True, "re-packing the fill into the measured bubbles"):
+                new = repack_fill(new, load_fill_spec(fill) if fill else None)
+        elif fill:
+            raise UserError(f"plan {plan_file} has no fill to re-pack; plan it with --fill {fill}")
         save_plan(new, output or plan_file)
     changed = sum(1 for a, b in zip(plan.bubbles, new.bubbles) if a.duration_s != b.duration_s)
     out.print(f"{changed} of {len(plan.bubbles)} bubbles now carry measured durations; written {output or plan_file}")
+    if new.fill is not None:
+        was, now = plan.fill.predictions, new.fill.predictions
+        out.print(f"fill re-packed: {was.fill_tflops_per_gpu:.2f} -> {now.fill_tflops_per_gpu:.2f} TFLOP/s/GPU recovered, "
+                  f"bubble time used {was.bubble_time_used:.0%} -> {now.bubble_time_used:.0%}, "
+                  f"{len(plan.fill.chunks)} -> {len(new.fill.chunks)} chunks", highlight=False)
 
 
 @app.command()

@@ -17,7 +17,7 @@ from .metrics import (Comparison, MetricsDocument, RankComparison, RankValidatio
                       ValidationReport)
 from .plan import Plan
 
-__all__ = ["compare", "refit", "error", "fit_action_overhead"]
+__all__ = ["compare", "refit", "repack_fill", "fill_spec_of", "error", "fit_action_overhead"]
 
 
 def error(measured: float | None, predicted: float | None) -> float | None:
@@ -107,6 +107,43 @@ def refit(plan: Plan, metrics: MetricsDocument, skip: int = 1) -> Plan:
                         start_s=statistics.fmean(x.start_s for x in seen))
         bubbles.append(b)
     return plan.model_copy(update={"bubbles": bubbles})
+
+
+def fill_spec_of(plan: Plan):
+    """The plan's fill jobs as a fill spec: each at the batch size the plan chose (its configurations are
+    re-priced; the YAML the plan was made from, when at hand, lets every batch size compete again)."""
+    from .fill.spec import FillJobSpec, FillSpec, Work
+
+    jobs = {}
+    for j in plan.fill.jobs:
+        name = j.name.split("@")[0]
+        jobs.setdefault(name, FillJobSpec(name=name, model=j.model_file, model_args=j.model_args, kind=j.kind,
+                                          batch_sizes=[j.batch_size], leaves=list(j.leaves),
+                                          work=Work(iterations=j.iterations or 1)))
+    return FillSpec(jobs=list(jobs.values()), safety_margin=plan.fill.safety_margin)
+
+
+def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy") -> Plan:
+    """Pack the fill jobs again into the plan's bubbles (measured ones after `refit`), and update the fill
+    predictions. `spec` is the fill YAML's spec, or None for the plan's own jobs (`fill_spec_of`)."""
+    from .fill.assign import assign_fill
+    from .fill.packing import BubbleSlot
+    from .fill.profiles import profile_job
+    from .fill.section import fill_section
+    from .plan import plan_hardware
+
+    if plan.fill is None:
+        return plan
+    spec = spec or fill_spec_of(plan)
+    hw = plan_hardware(plan)
+    jobs = {j.name: profile_job(j, hw, plan.config.precision) for j in spec.jobs}
+    cycles = [[BubbleSlot(id=b.id, duration_s=b.duration_s, free_bytes=b.free_bytes) for b in plan.bubbles
+               if b.rank == r] for r in range(plan.config.pp)]
+    fa = assign_fill(cycles, plan.predictions.iteration_s, jobs, hw, safety_margin=spec.safety_margin, solver=solver)
+    old = plan.fill.predictions
+    fill = fill_section(fa, spec, offload=old.offload_optimizer,
+                        main_useful_per_gpu=(old.total_useful_tflops_per_gpu - old.fill_tflops_per_gpu) * 1e12)
+    return plan.model_copy(update={"fill": fill})
 
 
 def fit_action_overhead(plan: Plan, measured_iteration_s: float, *, hi: float = 1.0, rounds: int = 40) -> float:

@@ -1,19 +1,20 @@
-"""The plan file's fill section, from a joint choice."""
+"""The plan file's fill section, from a fill assignment."""
 from __future__ import annotations
 
 from planner.plan import Fill, FillChunk, FillJob, FillPredictions
 
-from .joint import JointChoice
+from .assign import FillAssignment
 from .spec import FillSpec
 
 __all__ = ["fill_section"]
 
 
-def fill_section(joint: JointChoice, spec: FillSpec) -> Fill:
+def fill_section(fa: FillAssignment, spec: FillSpec, *, offload: bool, main_useful_per_gpu: float) -> Fill:
+    """`main_useful_per_gpu`: the main job's useful FLOP/s per GPU, to which the fill's are added."""
     specs = {j.name: j for j in spec.jobs}
     jobs: dict[str, FillJob] = {}
     chunks: list[FillChunk] = []
-    for rf in joint.fill.per_rank:
+    for rf in fa.per_rank:
         if rf is None:
             continue
         prof = rf.profile
@@ -29,11 +30,10 @@ def fill_section(joint: JointChoice, spec: FillSpec) -> Fill:
         chunks.extend(FillChunk(job=key, rank=rf.rank, bubble_id=ch.bubble_id, first_unit=ch.first_unit,
                                 units=ch.num_units, expected_s=ch.time_s, memory_bytes=ch.mem_bytes)
                       for ch in first_cycle)
-    fa = joint.fill
     return Fill(safety_margin=spec.safety_margin, jobs=list(jobs.values()), chunks=chunks,
                 predictions=FillPredictions(fill_tflops_per_gpu=fa.fill_flops_per_gpu_s / 1e12,
                                             bubble_time_used=fa.bubble_time_used,
-                                            total_useful_tflops_per_gpu=(joint.main_useful_per_gpu +
+                                            total_useful_tflops_per_gpu=(main_useful_per_gpu +
                                                                          fa.fill_flops_per_gpu_s) / 1e12,
-                                            offload_optimizer=joint.offload, unplaceable=fa.unplaceable,
+                                            offload_optimizer=offload, unplaceable=fa.unplaceable,
                                             not_chosen=fa.not_chosen))

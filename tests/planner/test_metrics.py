@@ -294,3 +294,24 @@ def test_load_metrics_says_what_is_wrong_in_one_sentence(doc, tmp_path, case, me
     text = str(info.value)
     assert text.startswith(f"metrics file {path}") and message in text, text
     assert "\n" not in text and text.count(". ") == 0, text
+
+
+def test_refit_repacks_the_fill_into_the_measured_bubbles(plan):
+    """Bubbles measured longer than predicted: the fill is packed again into them and its predictions follow."""
+    from dataclasses import replace
+
+    from planner.validate import repack_fill
+
+    full, _ = plan
+    longest = max(b.duration_s for b in full.bubbles)
+    scaled = lambda s: full.model_copy(update={"bubbles": [replace(b, duration_s=b.duration_s * s / longest)  # noqa: E731
+                                                           for b in full.bubbles]})
+    short, long = scaled(0.05), scaled(0.5)  # the longest bubble 50 ms, then 500 ms
+    before, after = repack_fill(short), repack_fill(long)
+    for p in (before, after):
+        room = {(b.rank, b.id): b.duration_s * (1 - p.fill.safety_margin) for b in p.bubbles}
+        assert all(ch.expected_s <= room[(ch.rank, ch.bubble_id)] + 1e-12 for ch in p.fill.chunks)
+    units = lambda p: sum(c.units for c in p.fill.chunks)  # noqa: E731
+    assert units(after) > units(before) > 0
+    assert after.fill.predictions.fill_tflops_per_gpu > before.fill.predictions.fill_tflops_per_gpu > 0
+    assert {j.name.split("@")[0] for j in after.fill.jobs} == {"mlp"}
