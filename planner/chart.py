@@ -6,7 +6,7 @@ from passes.errors import UserError
 from .plan import Plan, plan_schedule
 from .simulate import SimCosts, SimResult, simulate
 
-__all__ = ["plan_simulation", "draw_plan"]
+__all__ = ["plan_simulation", "draw_plan", "figure"]
 
 COLORS = {"F": "#4c78a8", "B": "#f58518", "comm": "#54a24b", "OPT": "#b279a2", "bubble": "#e45756",
           "fill": "#72b7b2"}
@@ -35,18 +35,52 @@ def _color(action: str, kind: str) -> str:
 
 
 def _draw_fill(ax, plan: Plan, sim: SimResult, scale: float) -> None:
-    """Fill chunks drawn inside their bubbles (one iteration of the repeating cycle)."""
+    """Fill chunks inside their bubbles (one iteration of the repeating cycle), in the lower half of the bar
+    so that the bubble's label above stays readable."""
     if plan.fill is None:
         return
     where = {(b.rank, b.id): b for b in sim.bubbles}
     for ch in plan.fill.chunks:
         bub = where.get((ch.rank, ch.bubble_id))
         if bub is not None:
-            ax.barh(ch.rank, min(ch.expected_s, bub.duration_s) * scale, left=bub.start_s * scale,
-                    color=COLORS["fill"], height=0.45, hatch="//", edgecolor="black", linewidth=0.2)
+            ax.barh(ch.rank + 0.2, min(ch.expected_s, bub.duration_s) * scale, left=bub.start_s * scale,
+                    color=COLORS["fill"], height=0.38, hatch="//", edgecolor="black", linewidth=0.2)
 
 
-def draw_plan(plan: Plan, path: str, max_labels: int = 200) -> None:
+LABEL_SHARE = 0.03  # a bubble is labelled when at least this share of the iteration wide: its label fits inside
+BINS = 800  # columns the time axis is cut into: about two pixels each at the chart's size
+
+
+def _binned(sim: SimResult, p: int, bins: int):
+    """Per rank and column, the colour mix of what the rank does there (each kind weighted by its time)."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+
+    width = sim.iteration_s / bins
+    img = np.zeros((p, bins, 3))
+    for r, timeline in enumerate(sim.timelines):
+        for iv in timeline:
+            rgb = np.array(to_rgb(_color(iv.action, iv.kind)))
+            a, b = iv.start / width, iv.end / width
+            for col in range(int(a), min(int(np.ceil(b)), bins)):
+                img[r, col] += rgb * (min(b, col + 1) - max(a, col))
+    covered = img.sum(axis=2, keepdims=True) > 0
+    return np.where(covered, img, 1.0).clip(0, 1)  # idle time outside every interval stays white
+
+
+def draw_plan(plan: Plan, path: str, max_labels: int = 200) -> str:
+    """Draw the plan's iteration to `path`; returns what the chart had to aggregate or widen (also written on
+    it), or ''."""
+    import matplotlib.pyplot as plt
+
+    fig, note = figure(plan, max_labels)
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return note
+
+
+def figure(plan: Plan, max_labels: int = 200):
+    """(matplotlib figure, note): the chart of `draw_plan`, not yet saved."""
     try:
         import matplotlib
 
@@ -57,26 +91,68 @@ def draw_plan(plan: Plan, path: str, max_labels: int = 200) -> None:
         raise UserError("charts need matplotlib: pip install 'fxplanner[charts]'") from None
     sim = plan_simulation(plan)
     p = plan.config.pp
-    fig, ax = plt.subplots(figsize=(14, 0.6 * p + 1.8))
-    labels = 0
+    fig, ax = plt.subplots(figsize=(14, 0.6 * p + 2.2))
     scale, unit = (1e3, "ms") if sim.iteration_s < 10 else (1.0, "s")
-    for r, timeline in enumerate(sim.timelines):
-        for iv in timeline:
-            width = (iv.end - iv.start) * scale
-            ax.barh(r, width, left=iv.start * scale, color=_color(iv.action, iv.kind), edgecolor="white",
-                    linewidth=0.3, height=0.8)
-    _draw_fill(ax, plan, sim, scale)
+    column = sim.iteration_s / BINS
+    busiest = max(len(t) for t in sim.timelines)
+    notes = []
+    if busiest > BINS // 2:  # more intervals than the width can show apart: draw each column's mix
+        bins = max(50, min(BINS, busiest // 4))  # about four intervals a column: a mix, not stripes
+        column = sim.iteration_s / bins
+        ax.imshow(_binned(sim, p, bins), aspect="auto", interpolation="nearest",
+                  extent=(0, sim.iteration_s * scale, p - 0.5, -0.5))
+        ax.hlines([r + 0.5 for r in range(p - 1)], 0, sim.iteration_s * scale, color="white", linewidth=1.5)
+        notes.append(f"{busiest} intervals on the busiest rank are more than the chart can show apart: each of "
+                     f"{bins} columns ({column * scale:.3g} {unit}) shows the mix of what the rank does in it, "
+                     "bubbles as red in proportion to their time; bubble labels and fill chunks are left out "
+                     "(`planner show` lists them)")
+        labels = max_labels  # none
+    else:
+        short = 0
+        for bubbles in (False, True):  # bubbles last, so that a widened one is drawn over its neighbours
+            for r, timeline in enumerate(sim.timelines):
+                for iv in timeline:
+                    if (iv.kind == "bubble") != bubbles:
+                        continue
+                    width = (iv.end - iv.start) * scale
+                    if bubbles and iv.end - iv.start < column:  # would be invisible: one column wide
+                        width, short = column * scale, short + 1
+                    ax.barh(r, width, left=iv.start * scale, color=_color(iv.action, iv.kind), edgecolor="white",
+                            linewidth=0.3 if not bubbles or width > column * scale else 0, height=0.8)
+        if short:
+            notes.append(f"{short} bubbles shorter than a column ({column * scale:.3g} {unit}) are drawn one column "
+                         "wide so that they show")
+        _draw_fill(ax, plan, sim, scale)
+        labels = 0
     for bub in sim.bubbles:
-        if labels < max_labels and bub.duration_s > 0.02 * sim.iteration_s:
-            ax.text((bub.start_s + bub.duration_s / 2) * scale, bub.rank,
+        if labels < max_labels and bub.duration_s > LABEL_SHARE * sim.iteration_s:
+            ax.text((bub.start_s + bub.duration_s / 2) * scale, bub.rank - 0.2,
                     f"{bub.duration_s * scale:.3g}{unit}\n{bub.free_bytes / 2**30:.0f}GiB free",
-                    ha="center", va="center", fontsize=6, color="black")
+                    ha="center", va="center", fontsize=6, color="black",
+                    bbox=dict(boxstyle="round,pad=0.1", facecolor="white", edgecolor="none", alpha=0.8))
             labels += 1
-    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)])
-    ax.invert_yaxis()
+    hidden = sum(1 for b in sim.bubbles if b.duration_s > LABEL_SHARE * sim.iteration_s) - labels
+    if hidden > 0 and busiest <= BINS // 2:
+        notes.append(f"{hidden} more bubble labels left out (at most {max_labels})")
+    ax.set_yticks(range(p), [f"rank {r}" for r in range(p)], fontsize=7 if p > 16 else 9)
+    ax.set_ylim(p - 0.5, -0.5)
+    ax.set_xlim(0, sim.iteration_s * scale)
     ax.set_xlabel(f"time in iteration ({unit})")
-    ax.set_title(f"{plan.source.model_file}: {plan.config.to_config()}; bubble fraction {sim.bubble_fraction:.1%}")
-    ax.legend(handles=[Patch(color=v, label=k) for k, v in COLORS.items()], loc="upper right", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=130)
-    plt.close(fig)
+    ax.set_title(f"{plan.source.model_file}: {plan.config.to_config()}; bubble fraction {sim.bubble_fraction:.1%}",
+                 fontsize=9)
+    note = "; ".join(notes)
+    height = fig.get_size_inches()[1]
+    foot = (0.25 + (0.3 if note else 0.0)) / height  # figure share kept below the axes: legend, then the note
+    fig.legend(handles=[Patch(color=v, label=k) for k, v in COLORS.items()], loc="lower center",
+               bbox_to_anchor=(0.5, (0.3 if note else 0.02) / height), ncol=len(COLORS), fontsize=7, frameon=False)
+    if note:
+        fig.text(0.01, 0.02 / height, "\n".join(_wrap(note, 200)), fontsize=6.5, va="bottom", ha="left",
+                 color="#444444")
+    fig.tight_layout(rect=(0, foot, 1, 1))
+    return fig, note
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width)

@@ -208,5 +208,5 @@ def chart(plan_file: str = typer.Argument("plan.json"),
     from .chart import draw_plan
 
     with user_errors():
-        draw_plan(load_plan(plan_file), output)
-    out.print(f"chart written to {output}")
+        note = draw_plan(load_plan(plan_file), output)
+    out.print(f"chart written to {output}" + (f"; on it: {note}" if note else ""), highlight=False)
