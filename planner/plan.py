@@ -10,13 +10,13 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from passes.errors import load_document
+from passes.errors import UserError, load_document
 
 from .config import ParallelConfig
 from .simulate import Bubble
 
 __all__ = ["SCHEMA", "Plan", "ConfigModel", "load_plan", "save_plan", "json_schema", "plan_hardware",
-           "plan_schedule"]
+           "plan_schedule", "inconsistency"]
 
 SCHEMA = "fxplanner.plan/v2"
 ArgValue = Union[bool, int, float, str]
@@ -210,50 +210,51 @@ class Plan(_Model):
     search: SearchInfo
     fill: Fill | None = None
 
-    @model_validator(mode="after")
-    def _consistent(self) -> "Plan":
-        """The parts of a plan must agree with each other (an edited field is caught on every load)."""
-        c, src, pred = self.config, self.source, self.predictions
-        world = c.tp * c.pp * c.dp * c.cp
-        checks = [
-            (world == src.gpus, f"config.tp*pp*dp*cp = {world} GPUs but source.gpus = {src.gpus}"),
-            (c.dp * c.microbatch * c.microbatches == src.global_batch,
-             f"config.dp*microbatch*microbatches = {c.dp * c.microbatch * c.microbatches} samples but "
-             f"source.global_batch = {src.global_batch}"),
-            (len(self.partition) == c.pp * c.vp, f"partition has {len(self.partition)} stages but config.pp*vp = "
-                                                 f"{c.pp * c.vp}"),
-            (sorted(s.stage for s in self.partition) == list(range(len(self.partition))) and all(
-                s.rank == s.stage % c.pp for s in self.partition),
-             "partition stages must be numbered 0..pp*vp-1, stage s on rank s % pp"),
-            (len(pred.memory) == c.pp == len(pred.allreduce_s) == len(pred.optimizer_s),
-             f"predictions hold {len(pred.memory)} ranks' memory but config.pp = {c.pp}"),
-            (self.launch.nnodes * self.launch.nproc_per_node == src.gpus,
-             f"launch runs {self.launch.nnodes} x {self.launch.nproc_per_node} processes but source.gpus = {src.gpus}"),
-            (pred.iteration_s > 0 and abs(pred.samples_per_s * pred.iteration_s / src.global_batch - 1) < 1e-6,
-             f"predictions.samples_per_s {pred.samples_per_s:g} is not global_batch / iteration_s "
-             f"({src.global_batch} / {pred.iteration_s:g})"),
-            (0 <= pred.bubble_fraction < 1 and 0 <= pred.mfu <= 1 and 0 <= pred.hfu <= 1,
-             "predictions: bubble_fraction must lie in [0, 1), mfu and hfu in [0, 1]"),
-        ]
-        for ok, why in checks:
-            if not ok:
-                raise ValueError(why)
-        busiest = max((sum(s.forward_s + s.backward_s for s in self.partition if s.rank == r) * c.microbatches
-                       for r in range(c.pp)), default=0.0)
-        if pred.iteration_s < busiest * (1 - 1e-6):
-            raise ValueError(f"predictions.iteration_s {pred.iteration_s:g} s is shorter than the busiest rank's "
-                             f"compute ({busiest:g} s)")
-        from .schedule import validate
 
-        try:
-            validate(plan_schedule(self))  # complete, dependencies kept, sends paired, no deadlock
-        except ValueError as exc:
-            raise ValueError(f"actions: {exc}") from None
-        if self.fill is not None:
-            bad = [ch.job for ch in self.fill.chunks if ch.rank >= c.pp]
-            if bad:
-                raise ValueError(f"fill chunk of {bad[0]} runs on rank >= config.pp = {c.pp}")
-        return self
+def inconsistency(self: Plan) -> str | None:
+    """Where the parts of a plan disagree with each other (an edited field), or None. `load_plan` refuses
+    such a plan, so every command that reads one checks it."""
+    c, src, pred = self.config, self.source, self.predictions
+    world = c.tp * c.pp * c.dp * c.cp
+    checks = [
+        (world == src.gpus, f"config.tp*pp*dp*cp = {world} GPUs but source.gpus = {src.gpus}"),
+        (c.dp * c.microbatch * c.microbatches == src.global_batch,
+         f"config.dp*microbatch*microbatches = {c.dp * c.microbatch * c.microbatches} samples but "
+         f"source.global_batch = {src.global_batch}"),
+        (len(self.partition) == c.pp * c.vp, f"partition has {len(self.partition)} stages but config.pp*vp = "
+                                             f"{c.pp * c.vp}"),
+        (sorted(s.stage for s in self.partition) == list(range(len(self.partition))) and all(
+            s.rank == s.stage % c.pp for s in self.partition),
+         "partition stages must be numbered 0..pp*vp-1, stage s on rank s % pp"),
+        (len(pred.memory) == c.pp == len(pred.allreduce_s) == len(pred.optimizer_s),
+         f"predictions hold {len(pred.memory)} ranks' memory but config.pp = {c.pp}"),
+        (self.launch.nnodes * self.launch.nproc_per_node == src.gpus,
+         f"launch runs {self.launch.nnodes} x {self.launch.nproc_per_node} processes but source.gpus = {src.gpus}"),
+        (pred.iteration_s > 0 and abs(pred.samples_per_s * pred.iteration_s / src.global_batch - 1) < 1e-6,
+         f"predictions.samples_per_s {pred.samples_per_s:g} is not global_batch / iteration_s "
+         f"({src.global_batch} / {pred.iteration_s:g})"),
+        (0 <= pred.bubble_fraction < 1 and 0 <= pred.mfu <= 1 and 0 <= pred.hfu <= 1,
+         "predictions: bubble_fraction must lie in [0, 1), mfu and hfu in [0, 1]"),
+    ]
+    for ok, why in checks:
+        if not ok:
+            return why
+    busiest = max((sum(s.forward_s + s.backward_s for s in self.partition if s.rank == r) * c.microbatches
+                   for r in range(c.pp)), default=0.0)
+    if pred.iteration_s < busiest * (1 - 1e-6):
+        return (f"predictions.iteration_s {pred.iteration_s:g} s is shorter than the busiest rank's "
+                f"compute ({busiest:g} s)")
+    from .schedule import validate
+
+    try:
+        validate(plan_schedule(self))  # complete, dependencies kept, sends paired, no deadlock
+    except ValueError as exc:
+        return f"actions: {exc}"
+    if self.fill is not None:
+        bad = [ch.job for ch in self.fill.chunks if ch.rank >= c.pp]
+        if bad:
+            return f"fill chunk of {bad[0]} runs on rank >= config.pp = {c.pp}"
+    return None
 
 
 def plan_hardware(plan: Plan):
@@ -287,5 +288,9 @@ def save_plan(plan: Plan, path: str | Path) -> None:
 
 def load_plan(path: str | Path) -> Plan:
     """Read and validate a plan. JSON only: nothing in it is ever executed or unpickled."""
-    return load_document(path, "plan file", SCHEMA, Plan, missing=f"create one with `planner plan MODEL.py -o {path}`",
+    plan = load_document(path, "plan file", SCHEMA, Plan, missing=f"create one with `planner plan MODEL.py -o {path}`",
                          other_schema=f"this planner reads {SCHEMA!r}; re-run `planner plan` to regenerate it")
+    why = inconsistency(plan)
+    if why is not None:
+        raise UserError(f"plan file {path} is inconsistent: {why}; re-run `planner plan` rather than editing it")
+    return plan
