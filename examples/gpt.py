@@ -36,9 +36,9 @@ SEQ = 2048
 
 
 class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, dropout: float) -> None:
+    def __init__(self, hidden: int, heads: int, dropout: float, flash: bool = False) -> None:
         super().__init__()
-        self.heads = heads
+        self.heads, self.flash = heads, flash
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
         self.attn_drop = nn.Dropout(dropout)
@@ -47,6 +47,10 @@ class Attention(nn.Module):
         b, s, h = x.shape
         d = h // self.heads
         q, k, v = self.qkv(x).view(b, s, 3, self.heads, d).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.flash:  # one fused kernel: no s x s scores kept (Megatron-Core and NeMo today)
+            p = self.attn_drop.p if self.training else 0.0
+            ctx = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            return self.proj(ctx.transpose(1, 2).reshape(b, s, h))
         scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(d)
         scores = scores.masked_fill(mask, float("-inf"))
         probs = self.attn_drop(torch.softmax(scores, dim=-1))
@@ -65,10 +69,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, dropout: float) -> None:
+    def __init__(self, hidden: int, heads: int, dropout: float, flash: bool = False) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(hidden)
-        self.attn = Attention(hidden, heads, dropout)
+        self.attn = Attention(hidden, heads, dropout, flash)
         self.drop1 = nn.Dropout(dropout)
         self.ln2 = nn.LayerNorm(hidden)
         self.mlp = MLP(hidden)
@@ -105,12 +109,12 @@ class Head(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, *, layers: int, hidden: int, heads: int, seq: int, vocab: int,
-                 dropout: float = 0.0) -> None:
+                 dropout: float = 0.0, flash: bool = False) -> None:
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden {hidden} is not divisible by heads {heads}")
         self.embedding = Embedding(vocab, seq, hidden, dropout)
-        self.layers = nn.ModuleList(Block(hidden, heads, dropout) for _ in range(layers))
+        self.layers = nn.ModuleList(Block(hidden, heads, dropout, flash) for _ in range(layers))
         self.head = Head(hidden, self.embedding.tok)
         causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)
         self.register_buffer("mask", causal, persistent=False)
@@ -138,9 +142,10 @@ def _config(preset: str | None, layers, hidden, heads, seq, vocab) -> dict[str, 
 
 
 def build_model(preset: str | None = None, layers=None, hidden=None, heads=None, seq=None,
-                vocab=None, dropout: float = 0.1) -> nn.Module:
-    """Megatron's GPT trains with dropout 0.1; pass dropout=0 for bit-exact pipeline tests."""
-    return GPT(**_config(preset, layers, hidden, heads, seq, vocab), dropout=float(dropout))
+                vocab=None, dropout: float = 0.1, flash: bool = False) -> nn.Module:
+    """Megatron's GPT trains with dropout 0.1; pass dropout=0 for bit-exact pipeline tests. flash=True runs
+    attention as one fused kernel (F.scaled_dot_product_attention, causal), as Megatron-Core does today."""
+    return GPT(**_config(preset, layers, hidden, heads, seq, vocab), dropout=float(dropout), flash=bool(flash))
 
 
 def example_inputs(batch_size: int, preset: str | None = None, layers=None, hidden=None,

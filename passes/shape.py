@@ -37,7 +37,8 @@ def model_shape(root: nn.Module, units: tuple[Unit, ...], seq: int) -> dict[str,
     ffn = max((d.in_features for d in downs), default=4 * hidden)
     positions = any(isinstance(m, nn.Embedding) and m is not emb and m.num_embeddings == seq for m in root.modules())
     rms = any(type(m).__name__.lower().endswith("rmsnorm") for m in first.modules())
-    tied = any(isinstance(m, nn.Linear) and m.weight is emb.weight for m in root.modules())
+    # a weight two units use (a head reusing the embedding's) is in both units' counts, once in the model's
+    tied = sum(u.params for u in units) > sum(p.numel() for p in root.parameters())
     return {"family": type(root).__name__.lower(), "layers": len(blocks), "hidden": hidden,
             "heads": blocks[0].heads, "kv_heads": blocks[0].kv_heads or blocks[0].heads, "ffn": ffn, "vocab": vocab,
             "seq": seq, "gated": ups.count(ffn) >= 2, "norm": "RMSNorm" if rms else "LayerNorm",

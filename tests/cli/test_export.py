@@ -100,6 +100,8 @@ def test_export_cli_writes_the_file_and_refuses_what_it_cannot_name(plans, tmp_p
     assert res.exit_code == 0, res.output
     text = (tmp_path / "megatron.sh").read_text()
     assert "pretrain_gpt.py" in text and f"--tensor-model-parallel-size {plans['gpt'].config.tp}" in text
+    assert "--untie-embeddings-and-output-weights" not in text  # examples/gpt.py's head reuses the embedding
+    assert "--untie-embeddings-and-output-weights" in to_megatron(plans["llama"]).text  # Llama 3 does not
     bad = runner.invoke(app, ["export", str(path), "--to", "torchtitan"])
     assert bad.exit_code == 2 and "--titan-config" in bad.output and "Traceback" not in bad.output
     other = runner.invoke(app, ["export", str(path), "--to", "deepspeed"])

@@ -109,3 +109,33 @@ def test_activations_under_tensor_parallelism_match_korthikanti(gpt, t):
     # sequence parallelism splits the 10sbh (and the norms' statistics) over t too: sbh(34/t + 5as/ht)
     with_sp = s * b * h * (34 / t + 5 * a * s / (h * t)) + 2 * 2 * s * b * 4 / t
     assert RECOMPUTE["none"].kept_bytes(block, b, t, t) == pytest.approx(with_sp)
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["math-attention", "flash-attention"])
+def gpt8(request):
+    prof, _ = analyze(EXAMPLES / "gpt.py", {**GPT_SMALL, "heads": 8, "flash": request.param})
+    return prof, request.param
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_layer_activations_are_korthikantis_closed_forms(gpt8, t, sp, mode):
+    """Per GPT layer and tensor-parallel rank, in 16-bit (Korthikanti et al. 2022, table 2): sbh(10 + 24/t +
+    5as/ht) without sequence parallelism, sbh/t (34 + 5as/h) with it; selective recomputation drops the 5as/h
+    term, full keeps the layer's input 2sbh (over t under sequence parallelism). Under flash attention the
+    kernel keeps no s x s scores: the 5as/h term is gone and its logsumexp (fp32, a s per sample) is kept
+    instead (and a few bytes of its dropout's random seed and offset). What the formula leaves out and autograd
+    saves: each LayerNorm's fp32 mean and 1/std per token."""
+    from costmodels.recompute import RECOMPUTE
+
+    prof, flash = gpt8
+    s, h, a, b = 64, 96, 8, 2
+    r = t if sp else 1
+    block = next(u for u in prof.units if u.kind == "block")
+    sbh, norms = s * b * h, 2 * 2 * 4 * s * b
+    core = 4 * a * s * b if flash else 5 * a * s * s * b  # what the attention core keeps
+    plain = (sbh * 34 / t if sp else sbh * (10 + 24 / t)) + core / t + norms / r
+    expected = {"none": plain, "selective": plain - core / t, "full": 2 * sbh / r}[mode]
+    seed = 64 if flash and mode == "none" else 0  # the fused kernel's RNG seed and offset: bytes, not tokens
+    assert RECOMPUTE[mode].kept_bytes(block, b, t, r) == pytest.approx(expected, rel=1e-12, abs=seed)
