@@ -161,6 +161,7 @@ class SlowEvent:
         time.sleep(self.drain_s)
 
 
+@pytest.mark.flaky(reruns=2)  # wall-clock windows of real processes: a loaded 2-core machine delays them
 def test_training_and_inference_fill_jobs_run_only_inside_bubbles() -> None:
     durations = {0: 0.3, 1: 0.2}
     jobs = [_job("mlp", MLP, MLP_ARGS, "train", 4), _job("bert", BERT, {"preset": "tiny"}, "infer", 4)]
