@@ -52,6 +52,20 @@ class Evaluation:
     bubble_fraction: float
     simulated: bool = False
 
+    def lower_bound_s(self) -> float:
+        """No simulation of this schedule ends sooner: a rank runs its own work one action at a time; before
+        rank r's first forward, microbatch 0 has gone through the forwards of stages 0..r-1, and after r's
+        last backward (chunk 0) that microbatch's backward still runs through stages r-1..0, after which
+        rank 0 reduces its gradients and steps (p2p time left out: it only adds)."""
+        c, p = self.config, self.config.pp
+        work = [sum(self.forward_s[j] + self.backward_s[j] for j in range(r, c.stages, p)) * c.m for r in range(p)]
+        best = max(w + a + o for w, a, o in zip(work, self.allreduce_s, self.optimizer_s))
+        ahead, tail = 0.0, self.allreduce_s[0] + self.optimizer_s[0]
+        for r in range(1, p):
+            ahead += self.forward_s[r - 1] + self.backward_s[r - 1]
+            best = max(best, ahead + work[r] + tail)
+        return best
+
     def sim_costs(self, capacity: float) -> SimCosts:
         return SimCosts(forward_s=self.forward_s, backward_s=self.backward_s, p2p_s=self.p2p_s,
                         allreduce_s=self.allreduce_s, optimizer_s=self.optimizer_s,

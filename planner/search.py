@@ -3,7 +3,9 @@
 Candidates are enumerated under the divisibility rules, pruned by a memory lower bound, and
 priced in order of an optimistic throughput bound (perfectly balanced stages), so that once that
 bound falls below the k-th best priced configuration the rest cannot enter the top k
-(branch and bound). The best few are then simulated event by event and ranked by simulated time.
+(branch and bound). The best few are then simulated event by event, and so is every other priced
+configuration whose lower bound (`Evaluation.lower_bound_s`) is below the best simulated time;
+the simulated times rank them.
 """
 from __future__ import annotations
 
@@ -230,9 +232,18 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
     if not found:
         raise NoFeasibleConfig(_no_fit_message(ev, leanest, rejected))
     simulated = [ev.simulate_config(e) for e in found[:simulate_top]]
+    # the analytic ranking is not the simulated one: simulate every other configuration whose lower bound
+    # (Evaluation.lower_bound_s: no simulation of it ends sooner) is below the best simulated time so far
+    best_s = min(x[0].iteration_s for x in simulated)
+    for e in sorted(found[simulate_top:], key=Evaluation.lower_bound_s):
+        if e.lower_bound_s() >= best_s:
+            break
+        simulated.append(ev.simulate_config(e))
+        best_s = min(best_s, simulated[-1][0].iteration_s)
     simulated.sort(key=lambda x: x[0].iteration_s)
     best, sim = simulated[0]
-    rest = [s for s, _ in simulated[1:]] + found[simulate_top:top]
+    done = {s.config for s, _ in simulated}
+    rest = ([s for s, _ in simulated[1:]] + [e for e in found[:top] if e.config not in done])[:max(top - 1, 0)]
     return SearchResult(best=best, simulation=sim, runners_up=tuple(rest),
                         evaluated=len(found) + sum(rejected.values()), rejected=dict(rejected))
 
