@@ -204,8 +204,10 @@ class Evaluator:
             params = mem.weights / num.weight_bytes
             ar.append(allreduce_time(params * num.grad_bytes, per_node, group // per_node, self.hw.links)
                       if group > 1 else 0.0)
-            # Adam reads and writes weights, grads, master weights and both moments once
-            opt.append(2 * params * static_bytes_per_param(c) / (self.hw.gpu.hbm_bw * self.hw.eff.hbm))
+            # Adam reads and writes weights, grads, master weights and both moments once, on the 1/(d*cp) of the
+            # parameters a rank owns under a sharded optimizer (the reduce-scatter of the gradients and the
+            # all-gather of the updated weights move what the all-reduce moved: `ar` prices both)
+            opt.append(2 * params * num.bytes_per_param() / c.optimizer_shards / (self.hw.gpu.hbm_bw * self.hw.eff.hbm))
         return tuple(ar), tuple(opt)
 
     def simulate_config(self, ev: Evaluation) -> tuple[Evaluation, SimResult]:

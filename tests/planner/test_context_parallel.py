@@ -92,3 +92,11 @@ def test_the_search_places_context_parallelism_and_says_why_not(prof):
     images = Evaluator(units=prof.units, hw=ev.hw, global_batch=64, n_gpus=8, tokens_per_sample=0)
     with pytest.raises(Exception, match="token ids"):
         search(images, Pins(cp=2))
+
+
+def test_a_sharded_optimizer_steps_only_its_shard(prof):
+    ev = _ev(prof, n=64, B=256)
+    plain = ev.evaluate(_cfg(tp=2, pp=2, dp=8, cp=2, m=32, recompute="full"))
+    sharded = ev.evaluate(_cfg(tp=2, pp=2, dp=8, cp=2, m=32, recompute="full", zero=1))
+    assert sharded.optimizer_s == pytest.approx([o / 16 for o in plain.optimizer_s])  # over d*cp = 16
+    assert sharded.allreduce_s == pytest.approx(plain.allreduce_s)  # reduce-scatter + all-gather: the same bytes
