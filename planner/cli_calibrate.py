@@ -41,6 +41,13 @@ def calibrate(
         if not measure:
             raise UserError("calibration measures this machine: pass --measure")
         kwargs = parse_model_args(model_arg)
+        import torch
+
+        from passes.load import load_model_file
+        from passes.profile import check_fits
+
+        # before anything is measured or written: a model that cannot fit here is refused now
+        check_fits(load_model_file(model, kwargs), torch.device("cuda" if torch.cuda.is_available() else "cpu"), model)
         with err.status("measuring the interconnect and the device"):
             fit = fit_comm() if comm else None
             tg = get_target(target) if target else machine_target(target_out, fit)

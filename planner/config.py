@@ -7,6 +7,8 @@ and the cost models price them, the plan file stores one (`planner.plan.ConfigMo
 tp, pp, dp, cp  tensor-, pipeline-, data- and context-parallel degrees (ranks ordered tp, cp, dp, pp)
 sp              sequence parallelism on top of tensor parallelism (Korthikanti et al. 2022)
 zero            optimizer sharding stage over the data-parallel replicas (1 = ZeRO-1 / distributed optimizer)
+grad_fp32       gradients accumulated and reduced in fp32 under bf16/fp16 (Megatron's main_grad buffer with
+                --accumulate-allreduce-grads-in-fp32: 18 bytes per parameter with Adam, not 16)
 b, m, v         microbatch size, microbatches per iteration, model chunks per pipeline rank
 recompute       activation recomputation mode (registry: costmodels.recompute)
 schedule        pipeline schedule kind (registry: planner.schedules)
@@ -14,7 +16,7 @@ precision       training precision (registry: costmodels.precision)
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from costmodels.precision import PRECISIONS, Precision
@@ -50,6 +52,7 @@ class ParallelConfig:
     cp: int = 1
     sp: bool = False
     zero: int = 0
+    grad_fp32: bool = False
     recompute: str = "none"
     schedule: str = "1f1b"
     precision: str = "bf16"
@@ -64,6 +67,8 @@ class ParallelConfig:
         if self.sp and self.tp == 1:
             raise ConfigError("sequence parallelism (sp) splits activations over the tensor-parallel group: it "
                              "needs tp > 1, got tp=1")
+        if type(self.grad_fp32) is not bool:
+            raise ConfigError(f"grad_fp32 must be true or false, got {self.grad_fp32!r}")
         if self.zero not in ZERO_STAGES:
             raise ConfigError(f"optimizer sharding stage zero={self.zero!r} is not one of {ZERO_STAGES}")
         if self.recompute not in RECOMPUTE:
@@ -112,8 +117,10 @@ class ParallelConfig:
 
     @property
     def numerics(self) -> Precision:
-        """Bytes per parameter and the peak FLOP/s key of the training precision."""
-        return PRECISIONS[self.precision]
+        """Bytes per parameter and the peak FLOP/s key of the training precision (4-byte gradients under
+        grad_fp32)."""
+        num = PRECISIONS[self.precision]
+        return replace(num, grad_bytes=4.0) if self.grad_fp32 else num
 
     def inflight(self, rank: int) -> float:
         """Microbatches (of a whole stage) whose activations pipeline rank `rank` holds at its peak."""
@@ -137,6 +144,6 @@ class ParallelConfig:
 
     def __str__(self) -> str:
         extra = "".join([f" cp={self.cp}" if self.cp > 1 else "", " sp" if self.sp else "",
-                         f" zero={self.zero}" if self.zero else ""])
+                         f" zero={self.zero}" if self.zero else "", " grad-fp32" if self.grad_fp32 else ""])
         return (f"t={self.tp} p={self.pp} d={self.dp}{extra} b={self.b} m={self.m} v={self.v} "
                 f"{self.schedule} recompute={self.recompute}")

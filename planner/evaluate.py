@@ -125,7 +125,7 @@ class Evaluator:
 
     def memory_lower_bound(self, c: ParallelConfig) -> float:
         """No rank can need less than the average rank (the last rank holds the fewest activations)."""
-        key = ("bound", c.unit_key(), c.optimizer_shards)
+        key = ("bound", c.unit_key(), c.optimizer_shards, c.grad_fp32)
         if key not in self._cache:
             _, _, _, act = self.unit_costs(c)
             self._cache[key] = (sum(param_count(u, c) for u in self.units) * static_bytes_per_param(c), sum(act))
@@ -202,7 +202,9 @@ class Evaluator:
         per_node = max(1, min(group, self.hw.cluster.gpus_per_node // c.tp))
         for mem in mems:
             params = mem.weights / num.weight_bytes
-            ar.append(allreduce_time(params * num.grad_bytes, per_node, group // per_node, self.hw.links)
+            # sharded: a reduce-scatter of the gradients and an all-gather of the weights, each half an all-reduce
+            reduced = (num.grad_bytes + num.weight_bytes) / 2 if c.zero else num.grad_bytes
+            ar.append(allreduce_time(params * reduced, per_node, group // per_node, self.hw.links)
                       if group > 1 else 0.0)
             # Adam reads and writes weights, grads, master weights and both moments once, on the 1/(d*cp) of the
             # parameters a rank owns under a sharded optimizer (the reduce-scatter of the gradients and the

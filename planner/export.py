@@ -237,6 +237,8 @@ def to_megatron(plan: Plan) -> Export:
                            "interleaved schedule needs m divisible by p")
     if c.zero:
         argv.append("--use-distributed-optimizer")
+    if c.grad_fp32:
+        argv.append("--accumulate-allreduce-grads-in-fp32")
     if c.dp * c.cp > 1:
         argv.append("--overlap-grad-reduce")
         if c.zero:
@@ -370,6 +372,7 @@ def _megatron_configs(a, torch, TransformerConfig, DistributedDataParallelConfig
         else a.get("recompute_modules"),
         bf16=bool(a.get("bf16")), fp16=bool(a.get("fp16")), params_dtype=dtype, pipeline_dtype=dtype)
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
+                                        grad_reduce_in_fp32=bool(a.get("accumulate_allreduce_grads_in_fp32")),
                                         overlap_grad_reduce=bool(a.get("overlap_grad_reduce")),
                                         overlap_param_gather=bool(a.get("overlap_param_gather")))
     layout = cfg.pipeline_model_parallel_layout
@@ -377,7 +380,8 @@ def _megatron_configs(a, torch, TransformerConfig, DistributedDataParallelConfig
             "cp": cfg.context_parallel_size, "sp": cfg.sequence_parallel,
             "vp": (layout.virtual_pipeline_model_parallel_size if layout is not None
                    else cfg.virtual_pipeline_model_parallel_size or 1),
-            "distributed_optimizer": ddp.use_distributed_optimizer, "recompute": cfg.recompute_granularity or "none",
+            "distributed_optimizer": ddp.use_distributed_optimizer, "grad_fp32": ddp.grad_reduce_in_fp32,
+            "recompute": cfg.recompute_granularity or "none",
             "microbatch": num("micro_batch_size"), "global_batch": num("global_batch_size"),
             "layout": layout}
 

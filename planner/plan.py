@@ -61,6 +61,7 @@ class ConfigModel(_Model):
     cp: int = Field(1, description="context-parallel degree")
     sp: bool = Field(False, description="sequence parallelism within the tensor-parallel group")
     zero: int = Field(0, description="optimizer sharding stage (1: optimizer state sharded over dp x cp)")
+    grad_fp32: bool = Field(False, description="gradients accumulated and reduced in fp32 (Megatron's main_grad)")
     microbatch: int = Field(description="microbatch size b")
     microbatches: int = Field(description="microbatches per iteration m = B / (d b)")
     vp: int = Field(description="model chunks per pipeline rank v (interleaving)")
@@ -75,11 +76,12 @@ class ConfigModel(_Model):
 
     @classmethod
     def of(cls, c: ParallelConfig) -> "ConfigModel":
-        return cls(tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp, sp=c.sp, zero=c.zero, microbatch=c.b, microbatches=c.m,
+        return cls(tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp, sp=c.sp, zero=c.zero, grad_fp32=c.grad_fp32, microbatch=c.b, microbatches=c.m,
                    vp=c.v, recompute=c.recompute, schedule=c.schedule, precision=c.precision)
 
     def to_config(self) -> ParallelConfig:
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, sp=self.sp, zero=self.zero,
+                              grad_fp32=self.grad_fp32,
                               b=self.microbatch, m=self.microbatches, v=self.vp, recompute=self.recompute,
                               schedule=self.schedule, precision=self.precision)
 

@@ -42,6 +42,7 @@ class Pins:
     schedule: str | None = None
     cp: int | None = None  # context parallelism; None: the search tries the degrees a ring inside one node allows
     zero: int = 0
+    grad_fp32: bool = False
     sp: bool | None = None  # sequence parallelism; None: the search tries both where t > 1
     precision: str = "bf16"
     max_microbatch: int = 16
@@ -182,7 +183,8 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                     if pins.recompute not in (None, rc):
                         continue
                     for sp in ((False, True) if pins.sp is None else (pins.sp,)) if t > 1 else (False,):
-                        yield ParallelConfig(tp=t, pp=p, dp=d, cp=cp, b=b, m=m, v=v, zero=pins.zero, recompute=rc,
+                        yield ParallelConfig(tp=t, pp=p, dp=d, cp=cp, b=b, m=m, v=v, zero=pins.zero,
+                                             grad_fp32=pins.grad_fp32, recompute=rc,
                                              sp=sp, schedule=name, precision=pins.precision)
 
 

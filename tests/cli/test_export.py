@@ -140,3 +140,11 @@ def test_megatron_accepts_each_recomputation_mode(plans, recompute):
     plan = plan.model_copy(update={"config": plan.config.model_copy(update={"recompute": recompute})})
     seen = check_megatron(to_megatron(plan))
     assert seen["recompute"] == recompute
+
+
+@needs_megatron
+def test_megatron_reduces_gradients_in_fp32_when_the_plan_does(plans):
+    plan = plans["modern"]
+    plan = plan.model_copy(update={"config": plan.config.model_copy(update={"grad_fp32": True})})
+    ex = to_megatron(plan)
+    assert "--accumulate-allreduce-grads-in-fp32" in ex.argv and check_megatron(ex)["grad_fp32"] is True

@@ -100,3 +100,20 @@ def test_a_sharded_optimizer_steps_only_its_shard(prof):
     sharded = ev.evaluate(_cfg(tp=2, pp=2, dp=8, cp=2, m=32, recompute="full", zero=1))
     assert sharded.optimizer_s == pytest.approx([o / 16 for o in plain.optimizer_s])  # over d*cp = 16
     assert sharded.allreduce_s == pytest.approx(plain.allreduce_s)  # reduce-scatter + all-gather: the same bytes
+
+
+def test_fp32_gradients_cost_megatrons_18_bytes_per_parameter_and_twice_the_reduction(prof):
+    hw = Hardware(target=get_target("h100-sxm"))
+    units = list(prof.units)
+    params = sum(u.params for u in units)
+    for zero, opt in ((0, 12.0), (1, 12.0 / 8)):
+        bf16 = stage_memory(units, hw, _cfg(dp=8, zero=zero), 0)
+        fp32 = stage_memory(units, hw, _cfg(dp=8, zero=zero, grad_fp32=True), 0)
+        assert (fp32.weights + fp32.grads + fp32.optimizer) / params == pytest.approx(2 + 4 + opt)
+        assert fp32.grads == 2 * bf16.grads and fp32.weights == bf16.weights
+    ev = _ev(prof, n=64, B=256)
+    base = dict(tp=2, pp=2, dp=16, m=16, recompute="full")
+    plain, wide = (ev.evaluate(_cfg(**base, grad_fp32=g)) for g in (False, True))
+    assert wide.allreduce_s[0] > 1.8 * plain.allreduce_s[0]  # twice the bytes (less the latency terms)
+    sharded = ev.evaluate(_cfg(**base, grad_fp32=True, zero=1))  # reduce-scatter fp32, all-gather bf16
+    assert plain.allreduce_s[0] < sharded.allreduce_s[0] < wide.allreduce_s[0]
