@@ -23,12 +23,16 @@ def _virtual(k: int, r: int, p: int, v: int, forward: bool) -> tuple[int, int]:
     return chunk * p + r, (k // (p * v)) * p + k % p
 
 
+def _warmup(r: int, p: int, v: int, m: int) -> int:
+    """Forwards rank r runs before its first backward (Megatron's interleaved schedule)."""
+    if m == p:
+        return m * v  # Megatron runs all forwards first when m == p
+    return min((p - r - 1) * 2 + (v - 1) * p, m * v)
+
+
 def _order(r: int, p: int, v: int, m: int) -> list[tuple[Op, int, int]]:
     total = m * v
-    if m == p:
-        warmup = total  # Megatron runs all forwards first when m == p
-    else:
-        warmup = min((p - r - 1) * 2 + (v - 1) * p, total)
+    warmup = _warmup(r, p, v, m)
     fwd = [(_F, *_virtual(k, r, p, v, True)) for k in range(total)]
     bwd = [(_B, *_virtual(k, r, p, v, False)) for k in range(total)]
     steady = total - warmup
@@ -58,11 +62,11 @@ def generate(p: int, m: int, v: int = 1) -> Schedule:
 
 
 def inflight(p: int, v: int, m: int, rank: int) -> float:
-    """Megatron's warm-up count of model chunks in flight, divided by v."""
+    """Model chunks in flight at the rank's peak, divided by v: the warm-up forwards and the first steady
+    one, as the generated order runs them (all m*v forwards first when m == p)."""
     if v == 1:
         return one_f_one_b_inflight(p, v, m, rank)
-    warmup = min((p - rank - 1) * 2 + (v - 1) * p, m * v)
-    return (warmup + 1) / v
+    return min(_warmup(rank, p, v, m) + 1, m * v) / v
 
 
 def analytic_s(f_s: Sequence[float], b_s: Sequence[float], p: int, v: int, m: int, p2p: float) -> float:

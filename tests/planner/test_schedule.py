@@ -264,3 +264,22 @@ def test_grid_rows_columns_and_mark() -> None:
     assert ">1F2" in grid(s, mark=(1, recv)).splitlines()[1]
     with pytest.raises(ValueError, match="outside the schedule"):
         grid(s, mark=(3, 0))
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("p,v,mult", [(2, 2, 1), (4, 2, 1), (4, 3, 1), (2, 2, 2), (4, 2, 2), (4, 2, 3), (3, 3, 2)])
+def test_memory_model_in_flight_count_is_the_generated_orders_peak(name, p, v, mult):
+    """The memory model's microbatches in flight per rank (inflight) equal the peak of forwards run minus
+    backwards run in the order the generator emits, over v — for m = p (Megatron's all-forwards-first case) too."""
+    from planner.schedules import SCHEDULES
+
+    kind = SCHEDULES[name]
+    v = v if name == "interleaved" else 1
+    m = p * mult
+    sched = kind.generate(p, m, v)
+    for r, acts in enumerate(sched.ranks):
+        live = peak = 0
+        for a in acts:
+            live += {Op.F: 1, Op.B: -1}.get(a.op, 0)
+            peak = max(peak, live)
+        assert kind.inflight(p, v, m, r) == pytest.approx(peak / v), (r, peak)
