@@ -1,6 +1,8 @@
 """Gantt chart of one iteration per pipeline rank: forward, backward, communication, bubbles."""
 from __future__ import annotations
 
+import textwrap
+
 from passes.errors import UserError
 
 from .plan import Plan, plan_schedule
@@ -146,13 +148,7 @@ def figure(plan: Plan, max_labels: int = 200):
     fig.legend(handles=[Patch(color=v, label=k) for k, v in COLORS.items()], loc="lower center",
                bbox_to_anchor=(0.5, (0.3 if note else 0.02) / height), ncol=len(COLORS), fontsize=7, frameon=False)
     if note:
-        fig.text(0.01, 0.02 / height, "\n".join(_wrap(note, 200)), fontsize=6.5, va="bottom", ha="left",
+        fig.text(0.01, 0.02 / height, "\n".join(textwrap.wrap(note, 200)), fontsize=6.5, va="bottom", ha="left",
                  color="#444444")
     fig.tight_layout(rect=(0, foot, 1, 1))
     return fig, note
-
-
-def _wrap(text: str, width: int) -> list[str]:
-    import textwrap
-
-    return textwrap.wrap(text, width)

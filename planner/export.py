@@ -21,7 +21,7 @@ from passes.errors import UserError
 
 from .plan import Plan
 
-__all__ = ["Export", "ENGINES", "export", "layout", "to_megatron", "to_torchtitan"]
+__all__ = ["Export", "ENGINES", "layout", "to_megatron", "to_torchtitan", "check_megatron", "check_torchtitan"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -85,13 +85,59 @@ def titan_config(plan: Plan) -> tuple[str, str] | None:
     return None
 
 
-def _titan_fqns(rows: list[list[tuple[str, int]]]) -> list[str]:
+def _titan_fqns(rows: list[list[tuple[str, int]]]) -> list[list[str]]:
+    """torchtitan's module names per model part (its Llama-family naming)."""
     names = {"embedding": ["tok_embeddings"], "head": ["norm", "output"]}
-    return [",".join(n for kind, i in row for n in (names[kind] if kind in names else [f"layers.{i}"]))
-            for row in rows]
+    return [[n for kind, i in row for n in (names[kind] if kind in names else [f"layers.{i}"])] for row in rows]
 
 
 TITAN_FLAVORS = {"llama3_8b": "8B", "llama3_70b": "70B", "llama3_405b": "405B", "llama3_debugmodel": "debugmodel"}
+
+
+def _titan_job(plan: Plan, module: str | None, config: str | None) -> tuple[str, str, dict, list[str]]:
+    """(module, config function, the parallelism and training sections every torchtitan version reads, what
+    they leave out)."""
+    c, src = plan.config, plan.source
+    unexpressed = _common_unexpressed(plan, "torchtitan")
+    if module is None or config is None:
+        known = titan_config(plan)
+        if known is None:
+            raise UserError(f"torchtitan ships no model matching {src.model_file} "
+                            f"({src.model_shape.get('family', 'unknown family')}); name the config_registry "
+                            "function to use with --titan-module and --titan-config (e.g. llama3 llama3_8b)")
+        module, config = module or known[0], config or known[1]
+    parallel = {"data_parallel_replicate_degree": 1 if c.zero else c.dp,
+                "data_parallel_shard_degree": c.dp if c.zero else 1, "tensor_parallel_degree": c.tp,
+                "pipeline_parallel_degree": c.pp, "context_parallel_degree": c.cp}
+    if c.zero:
+        parallel["fsdp_reshard_after_forward"] = "never"
+        unexpressed.append("sharded optimizer (ZeRO-1): torchtitan shards with FSDP only; exported as FSDP over the "
+                           "data-parallel ranks without resharding after the forward (ZeRO-2: gradients are "
+                           "sharded too, parameters gathered once per step)")
+    if c.pp > 1:
+        parallel.update(pipeline_parallel_schedule=TITAN_SCHEDULES[c.schedule],
+                        pipeline_parallel_microbatch_size=c.microbatch)
+        rows = layout(plan)
+        if rows is None:
+            unexpressed.append("the plan's partition: its units are not one stack of repeated blocks, so torchtitan's "
+                               "module_fqns_per_model_part cannot name them; torchtitan splits the layers itself")
+        else:
+            parallel["module_fqns_per_model_part"] = _titan_fqns(rows)
+    # per data-parallel rank and step: b*m samples (split into m microbatches by the pipeline schedule,
+    # or accumulated m times without pipelining)
+    local = c.microbatch * c.microbatches if c.pp > 1 else c.microbatch
+    precision = {"bf16": "bfloat16", "fp32": "float32"}.get(c.precision)
+    if precision is None:
+        unexpressed.append(f"precision {c.precision}: torchtitan trains in bf16 or fp32 only; exported as bf16")
+        precision = "bfloat16"
+    training = {"local_batch_size": local, "global_batch_size": src.global_batch,
+                "mixed_precision_param": precision, "dtype": "float32"}
+    if src.model_shape.get("seq"):
+        training["seq_len"] = src.model_shape["seq"]
+    if c.recompute == "selective":
+        unexpressed.append("selective recomputation: torchtitan's selective AC recomputes per op (every second "
+                           "matmul and cheap ops), not the attention core the plan prices")
+    return module, config, {"parallelism": parallel, "training": training}, unexpressed
 
 
 def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None = None, toml: bool = False) -> Export:
@@ -99,51 +145,20 @@ def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None =
     (`--job.config_file job.toml`; `config` is then the model flavor, or a 0.3 config name mapped to it)."""
     if toml:
         return _titan_toml(plan, module, config)
-    c, src = plan.config, plan.source
-    known = titan_config(plan)
-    unexpressed = _common_unexpressed(plan, "torchtitan")
-    if module is None or config is None:
-        if known is None:
-            raise UserError(f"torchtitan ships no model matching {src.model_file} "
-                            f"({src.model_shape.get('family', 'unknown family')}); name the config_registry "
-                            "function to use with --titan-module and --titan-config (e.g. llama3 llama3_8b)")
-        module, config = module or known[0], config or known[1]
-    argv = ["--module", module, "--config", config,
-            "--parallelism.data_parallel_replicate_degree", str(1 if c.zero else c.dp),
-            "--parallelism.data_parallel_shard_degree", str(c.dp if c.zero else 1),
-            "--parallelism.tensor_parallel_degree", str(c.tp),
-            "--parallelism.pipeline_parallel_degree", str(c.pp),
-            "--parallelism.context_parallel_degree", str(c.cp)]
-    if c.zero:
-        argv += ["--parallelism.fsdp_reshard_after_forward", "never"]
-        unexpressed.append("sharded optimizer (ZeRO-1): torchtitan shards with FSDP only; exported as FSDP over the "
-                           "data-parallel ranks without resharding after the forward (ZeRO-2: gradients are "
-                           "sharded too, parameters gathered once per step)")
-    argv += ["--parallelism.enable_sequence_parallel" if c.sp else "--parallelism.no_enable_sequence_parallel"]
+    c = plan.config
+    module, config, sections, unexpressed = _titan_job(plan, module, config)
+    sections["parallelism"]["enable_sequence_parallel"] = c.sp  # 0.3 only: 0.2 always runs SP with TP
     if c.pp > 1:
-        argv += ["--parallelism.pipeline_parallel_schedule", TITAN_SCHEDULES[c.schedule],
-                 "--parallelism.pipeline_parallel_microbatch_size", str(c.microbatch),
-                 "--training.disable_cuda_graphs"]
-        rows = layout(plan)
-        if rows is None:
-            unexpressed.append("the plan's partition: its units are not one stack of repeated blocks, so torchtitan's "
-                               "module_fqns_per_model_part cannot name them; torchtitan splits the layers itself")
-        else:
-            argv += ["--parallelism.module_fqns_per_model_part", *_titan_fqns(rows)]
-    # per data-parallel rank and step: b*m samples (split into m microbatches by the pipeline schedule,
-    # or accumulated m times without pipelining)
-    local = c.microbatch * c.microbatches if c.pp > 1 else c.microbatch
-    argv += ["--training.local_batch_size", str(local), "--training.global_batch_size", str(src.global_batch)]
-    if src.model_shape.get("seq"):
-        argv += ["--training.seq_len", str(src.model_shape["seq"])]
-    precision = {"bf16": "bfloat16", "fp32": "float32"}.get(c.precision)
-    if precision is None:
-        unexpressed.append(f"precision {c.precision}: torchtitan trains in bf16 or fp32 only; exported as bf16")
-        precision = "bfloat16"
-    argv += ["--training.mixed_precision_param", precision, "--training.dtype", "float32"]
-    if c.recompute == "selective":
-        unexpressed.append("selective recomputation: torchtitan's selective AC recomputes per op (every second "
-                           "matmul and cheap ops), not the attention core the plan prices")
+        sections["training"]["disable_cuda_graphs"] = True  # torchtitan refuses CUDA graphs with pipelining
+    argv = ["--module", module, "--config", config]
+    for sec, kv in sections.items():
+        for key, value in kv.items():
+            if isinstance(value, bool):
+                argv.append(f"--{sec}.{key}" if value else f"--{sec}.no_{key}")
+            elif isinstance(value, list):  # module_fqns_per_model_part: one comma-joined list per part
+                argv += [f"--{sec}.{key}", *(",".join(part) for part in value)]
+            else:
+                argv += [f"--{sec}.{key}", str(value)]
     argv.append(TITAN_AC[c.recompute])
     launch = (f"torchrun --nnodes {plan.launch.nnodes} --nproc-per-node {plan.launch.nproc_per_node} "
               "--rdzv-backend c10d --rdzv-endpoint ${RDZV_ENDPOINT:-localhost:29500} -m torchtitan.train")
@@ -153,29 +168,11 @@ def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None =
 
 def _titan_toml(plan: Plan, module: str | None, flavor: str | None) -> Export:
     c, src = plan.config, plan.source
-    cli = to_torchtitan(plan, module=module, config=flavor)  # the same choices, and what they leave out
-    name, flavor = cli.argv[1], TITAN_FLAVORS.get(cli.argv[3], cli.argv[3])
-    unexpressed = list(cli.unexpressed)
+    name, fn, sections, unexpressed = _titan_job(plan, module, flavor)
     if c.tp > 1 and not c.sp:
         unexpressed.append("tensor parallelism without sequence parallelism: torchtitan 0.2 always runs it with "
                            "sequence parallelism")
-    rows = layout(plan) if c.pp > 1 else None
-    parallel = {"data_parallel_replicate_degree": 1 if c.zero else c.dp,
-                "data_parallel_shard_degree": c.dp if c.zero else 1, "tensor_parallel_degree": c.tp,
-                "pipeline_parallel_degree": c.pp, "context_parallel_degree": c.cp}
-    if c.zero:
-        parallel["fsdp_reshard_after_forward"] = "never"
-    if c.pp > 1:
-        parallel.update(pipeline_parallel_schedule=TITAN_SCHEDULES[c.schedule],
-                        pipeline_parallel_microbatch_size=c.microbatch)
-        if rows is not None:
-            parallel["module_fqns_per_model_part"] = [f.split(",") for f in _titan_fqns(rows)]
-    local = c.microbatch * c.microbatches if c.pp > 1 else c.microbatch
-    training = {"local_batch_size": local, "global_batch_size": src.global_batch,
-                "mixed_precision_param": "float32" if c.precision == "fp32" else "bfloat16", "dtype": "float32"}
-    if src.model_shape.get("seq"):
-        training["seq_len"] = src.model_shape["seq"]
-    sections = {"model": {"name": name, "flavor": flavor}, "training": training, "parallelism": parallel,
+    sections = {"model": {"name": name, "flavor": TITAN_FLAVORS.get(fn, fn)}, **sections,
                 "activation_checkpoint": {"mode": c.recompute}}
     head = [f"# torchtitan (0.1-0.2) job of an fxplanner plan ({src.model_file}, {src.gpus} GPUs: t={c.tp} p={c.pp} "
             f"d={c.dp} cp={c.cp} b={c.microbatch} m={c.microbatches} v={c.vp} {c.schedule} recompute={c.recompute}; "
@@ -296,7 +293,7 @@ ENGINES = {"torchtitan": to_torchtitan, "megatron": to_megatron}
 
 # -- the engines' own config code ---------------------------------------------------------------------
 
-def check_torchtitan(ex: Export, world: int) -> dict[str, int]:
+def check_torchtitan(ex: Export, world: int) -> dict[str, object]:
     """Parse the export with torchtitan's ConfigManager and build its ParallelDims; the degrees it reports."""
     import logging
     import warnings
@@ -306,7 +303,7 @@ def check_torchtitan(ex: Export, world: int) -> dict[str, int]:
         from torchtitan.config.manager import ConfigManager
         from torchtitan.distributed.parallel_dims import ParallelDims
 
-        titan_log = logging.getLogger()  # torchtitan logs on the root logger: its notes about checkpoints and tokenizer files not here
+        titan_log = logging.getLogger()  # torchtitan logs on the root logger: quiet its notes on absent files
         level, titan_log.level = titan_log.level, logging.ERROR
         try:
             cfg = ConfigManager().parse_args(list(ex.argv))
@@ -349,44 +346,35 @@ def check_megatron(ex: Export) -> dict[str, object]:
         from megatron.core.distributed import DistributedDataParallelConfig
         from megatron.core.transformer.transformer_config import TransformerConfig
 
-        return _megatron_configs(megatron_args(ex.argv), torch, TransformerConfig, DistributedDataParallelConfig)
-
-
-def _megatron_configs(a, torch, TransformerConfig, DistributedDataParallelConfig) -> dict[str, object]:  # noqa: N803
-    num = lambda k, d=None: int(a[k]) if k in a else d  # noqa: E731
-    dtype = torch.bfloat16 if a.get("bf16") else torch.float16 if a.get("fp16") else torch.float32
-    pp, layers = num("pipeline_model_parallel_size", 1), num("num_layers")
-    vp = layers // (pp * num("num_layers_per_virtual_pipeline_stage")) if "num_layers_per_virtual_pipeline_stage" in a \
-        else None
-    cfg = TransformerConfig(
-        tensor_model_parallel_size=num("tensor_model_parallel_size", 1), pipeline_model_parallel_size=pp,
-        context_parallel_size=num("context_parallel_size", 1), virtual_pipeline_model_parallel_size=vp,
-        sequence_parallel=bool(a.get("sequence_parallel")), pipeline_model_parallel_layout=a.get(
-            "pipeline_model_parallel_layout"),
-        num_layers=layers, hidden_size=num("hidden_size"), num_attention_heads=num("num_attention_heads"),
-        ffn_hidden_size=num("ffn_hidden_size"), num_query_groups=num("num_query_groups"),
-        gated_linear_unit=bool(a.get("swiglu")), normalization=a.get("normalization", "LayerNorm"),
-        add_bias_linear=not a.get("disable_bias_linear"), recompute_granularity=a.get("recompute_granularity"),
-        recompute_method=a.get("recompute_method"), recompute_num_layers=num("recompute_num_layers"),
-        recompute_modules=[a["recompute_modules"]] if isinstance(a.get("recompute_modules"), str)
-        else a.get("recompute_modules"),
-        bf16=bool(a.get("bf16")), fp16=bool(a.get("fp16")), params_dtype=dtype, pipeline_dtype=dtype)
-    ddp = DistributedDataParallelConfig(use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
-                                        grad_reduce_in_fp32=bool(a.get("accumulate_allreduce_grads_in_fp32")),
-                                        overlap_grad_reduce=bool(a.get("overlap_grad_reduce")),
-                                        overlap_param_gather=bool(a.get("overlap_param_gather")))
-    layout = cfg.pipeline_model_parallel_layout
-    return {"tp": cfg.tensor_model_parallel_size, "pp": cfg.pipeline_model_parallel_size,
-            "cp": cfg.context_parallel_size, "sp": cfg.sequence_parallel,
-            "vp": (layout.virtual_pipeline_model_parallel_size if layout is not None
-                   else cfg.virtual_pipeline_model_parallel_size or 1),
-            "distributed_optimizer": ddp.use_distributed_optimizer, "grad_fp32": ddp.grad_reduce_in_fp32,
-            "recompute": cfg.recompute_granularity or "none",
-            "microbatch": num("micro_batch_size"), "global_batch": num("global_batch_size"),
-            "layout": layout}
-
-
-def export(plan: Plan, engine: str, **kw) -> Export:
-    if engine not in ENGINES:
-        raise UserError(f"--to takes {', '.join(ENGINES)}, got {engine!r}")
-    return ENGINES[engine](plan, **kw) if engine == "torchtitan" else ENGINES[engine](plan)
+        a = megatron_args(ex.argv)
+        num = lambda k, d=None: int(a[k]) if k in a else d  # noqa: E731
+        dtype = torch.bfloat16 if a.get("bf16") else torch.float16 if a.get("fp16") else torch.float32
+        pp, layers = num("pipeline_model_parallel_size", 1), num("num_layers")
+        per_chunk = num("num_layers_per_virtual_pipeline_stage")
+        vp = layers // (pp * per_chunk) if per_chunk else None
+        cfg = TransformerConfig(
+            tensor_model_parallel_size=num("tensor_model_parallel_size", 1), pipeline_model_parallel_size=pp,
+            context_parallel_size=num("context_parallel_size", 1), virtual_pipeline_model_parallel_size=vp,
+            sequence_parallel=bool(a.get("sequence_parallel")), pipeline_model_parallel_layout=a.get(
+                "pipeline_model_parallel_layout"),
+            num_layers=layers, hidden_size=num("hidden_size"), num_attention_heads=num("num_attention_heads"),
+            ffn_hidden_size=num("ffn_hidden_size"), num_query_groups=num("num_query_groups"),
+            gated_linear_unit=bool(a.get("swiglu")), normalization=a.get("normalization", "LayerNorm"),
+            add_bias_linear=not a.get("disable_bias_linear"), recompute_granularity=a.get("recompute_granularity"),
+            recompute_method=a.get("recompute_method"), recompute_num_layers=num("recompute_num_layers"),
+            recompute_modules=[a["recompute_modules"]] if isinstance(a.get("recompute_modules"), str)
+            else a.get("recompute_modules"),
+            bf16=bool(a.get("bf16")), fp16=bool(a.get("fp16")), params_dtype=dtype, pipeline_dtype=dtype)
+        ddp = DistributedDataParallelConfig(use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
+                                            grad_reduce_in_fp32=bool(a.get("accumulate_allreduce_grads_in_fp32")),
+                                            overlap_grad_reduce=bool(a.get("overlap_grad_reduce")),
+                                            overlap_param_gather=bool(a.get("overlap_param_gather")))
+        stages = cfg.pipeline_model_parallel_layout
+        return {"tp": cfg.tensor_model_parallel_size, "pp": cfg.pipeline_model_parallel_size,
+                "cp": cfg.context_parallel_size, "sp": cfg.sequence_parallel,
+                "vp": (stages.virtual_pipeline_model_parallel_size if stages is not None
+                       else cfg.virtual_pipeline_model_parallel_size or 1),
+                "distributed_optimizer": ddp.use_distributed_optimizer, "grad_fp32": ddp.grad_reduce_in_fp32,
+                "recompute": cfg.recompute_granularity or "none",
+                "microbatch": num("micro_batch_size"), "global_batch": num("global_batch_size"),
+                "layout": stages}

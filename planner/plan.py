@@ -213,25 +213,25 @@ class Plan(_Model):
     fill: Fill | None = None
 
 
-def inconsistency(self: Plan) -> str | None:
+def inconsistency(plan: Plan) -> str | None:
     """Where the parts of a plan disagree with each other (an edited field), or None. `load_plan` refuses
     such a plan, so every command that reads one checks it."""
-    c, src, pred = self.config, self.source, self.predictions
+    c, src, pred = plan.config, plan.source, plan.predictions
     world = c.tp * c.pp * c.dp * c.cp
     checks = [
         (world == src.gpus, f"config.tp*pp*dp*cp = {world} GPUs but source.gpus = {src.gpus}"),
         (c.dp * c.microbatch * c.microbatches == src.global_batch,
          f"config.dp*microbatch*microbatches = {c.dp * c.microbatch * c.microbatches} samples but "
          f"source.global_batch = {src.global_batch}"),
-        (len(self.partition) == c.pp * c.vp, f"partition has {len(self.partition)} stages but config.pp*vp = "
+        (len(plan.partition) == c.pp * c.vp, f"partition has {len(plan.partition)} stages but config.pp*vp = "
                                              f"{c.pp * c.vp}"),
-        (sorted(s.stage for s in self.partition) == list(range(len(self.partition))) and all(
-            s.rank == s.stage % c.pp for s in self.partition),
+        (sorted(s.stage for s in plan.partition) == list(range(len(plan.partition))) and all(
+            s.rank == s.stage % c.pp for s in plan.partition),
          "partition stages must be numbered 0..pp*vp-1, stage s on rank s % pp"),
         (len(pred.memory) == c.pp == len(pred.allreduce_s) == len(pred.optimizer_s),
          f"predictions hold {len(pred.memory)} ranks' memory but config.pp = {c.pp}"),
-        (self.launch.nnodes * self.launch.nproc_per_node == src.gpus,
-         f"launch runs {self.launch.nnodes} x {self.launch.nproc_per_node} processes but source.gpus = {src.gpus}"),
+        (plan.launch.nnodes * plan.launch.nproc_per_node == src.gpus,
+         f"launch runs {plan.launch.nnodes} x {plan.launch.nproc_per_node} processes but source.gpus = {src.gpus}"),
         (pred.iteration_s > 0 and abs(pred.samples_per_s * pred.iteration_s / src.global_batch - 1) < 1e-6,
          f"predictions.samples_per_s {pred.samples_per_s:g} is not global_batch / iteration_s "
          f"({src.global_batch} / {pred.iteration_s:g})"),
@@ -241,7 +241,7 @@ def inconsistency(self: Plan) -> str | None:
     for ok, why in checks:
         if not ok:
             return why
-    busiest = max((sum(s.forward_s + s.backward_s for s in self.partition if s.rank == r) * c.microbatches
+    busiest = max((sum(s.forward_s + s.backward_s for s in plan.partition if s.rank == r) * c.microbatches
                    for r in range(c.pp)), default=0.0)
     if pred.iteration_s < busiest * (1 - 1e-6):
         return (f"predictions.iteration_s {pred.iteration_s:g} s is shorter than the busiest rank's "
@@ -249,11 +249,11 @@ def inconsistency(self: Plan) -> str | None:
     from .schedule import validate
 
     try:
-        validate(plan_schedule(self))  # complete, dependencies kept, sends paired, no deadlock
+        validate(plan_schedule(plan))  # complete, dependencies kept, sends paired, no deadlock
     except ValueError as exc:
         return f"actions: {exc}"
-    if self.fill is not None:
-        bad = [ch.job for ch in self.fill.chunks if ch.rank >= c.pp]
+    if plan.fill is not None:
+        bad = [ch.job for ch in plan.fill.chunks if ch.rank >= c.pp]
         if bad:
             return f"fill chunk of {bad[0]} runs on rank >= config.pp = {c.pp}"
     return None
