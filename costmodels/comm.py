@@ -15,7 +15,7 @@ from targets.specs import ClusterSpec, GPUSpec
 
 __all__ = [
     "p2p_time", "ring_allreduce_time", "allgather_time", "reduce_scatter_time",
-    "hierarchical_allreduce_time", "allreduce_time", "pcie_time",
+    "hierarchical_allreduce_time", "allreduce_time", "pcie_time", "megatron_bucket_params", "exposed_reduction_s",
     "TPCommVolume", "TPCommTime", "tp_block_comm_bytes", "tp_block_comm_time",
 ]
 
@@ -176,3 +176,44 @@ def tp_block_comm_time(b: int, s: int, h: int, t: int, cluster: ClusterSpec,
                          f"gpus_per_node={per_node}")
     one = allreduce_time(volume.allreduce_bytes, ranks_per_node, n_nodes, cluster)
     return TPCommTime(fwd_s=volume.allreduces_fwd * one, bwd_s=volume.allreduces_bwd * one)
+
+
+def megatron_bucket_params(dp: int) -> int:
+    """Parameters per gradient bucket in Megatron-Core's DistributedDataParallel: max(40M, 1M x dp)
+    (megatron/core/distributed/distributed_data_parallel.py), so that a ring's per-rank message stays large."""
+    return max(40_000_000, 1_000_000 * dp)
+
+
+def exposed_reduction_s(grads_s: list[float], gather_s: list[float], fwd_s: list[float], bwd_s: list[float],
+                        bucket: list[float], first_group: int, last_group: int) -> float:
+    """Seconds of data-parallel communication a pipeline rank does not hide under its compute when the
+    gradient reduction is bucketed and launched during the backward, and the parameter all-gather of a
+    sharded optimizer during the next forward (Megatron-Core's --overlap-grad-reduce /
+    --overlap-param-gather; DDP and FSDP do the same).
+
+    Per model chunk k of the rank (k = 0 first in the model): grads_s[k] / gather_s[k] its reduction and
+    all-gather alone, fwd_s[k] / bwd_s[k] one microbatch through it, bucket[k] the share of its parameters in
+    one bucket. Gradients are reduced once, in the last microbatch's backward; under interleaving the rank
+    runs its first `first_group` microbatches' forwards chunk by chunk (0 first) and the backwards of its last
+    `last_group` microbatches chunk by chunk, v-1 first, so chunk k's
+    gradients are final k groups of backwards before the rank's last one. The reductions share one
+    communication stream, a bucket starts when its gradients are final, and the bucket of the chunk's
+    first layers is final only when the chunk's backward ends: that bucket is always exposed for chunk 0.
+    The all-gathers run in model order from the end of the optimizer step; a chunk's first forward waits
+    for its first bucket, and its last bucket must arrive before the forward reaches it."""
+    v = len(grads_s)
+    end = [-last_group * sum(bwd_s[:k]) for k in range(v)]  # chunk k's last backward ends here (rank's last: 0)
+    done = float("-inf")
+    for k in reversed(range(v)):
+        if grads_s[k]:
+            start = max(done, end[k] - bwd_s[k])
+            done = max(start + grads_s[k], end[k] + grads_s[k] * bucket[k])
+    exposed = max(0.0, done)
+    if any(gather_s):
+        arrived, late = 0.0, gather_s[0] * bucket[0]  # the first forward cannot start before its first bucket
+        for k in range(v):
+            arrived += gather_s[k]
+            begins = first_group * sum(fwd_s[:k])  # warm-up: the rank's first forwards go chunk by chunk
+            late = max(late, arrived - begins - fwd_s[k] * (1 - bucket[k]))
+        exposed += max(0.0, late)
+    return exposed

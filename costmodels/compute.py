@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from passes.units import Part, Unit
 
 from .comm import allreduce_time, p2p_time
-from .hardware import Hardware, gemm_efficiency
+from .hardware import Hardware
 
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
@@ -31,19 +31,26 @@ class UnitTime:
     cp_comm_s: float = 0.0  # of which the context-parallel ring's exposed part, forward + backward
 
 
-def _part_time(part: Part, b: float, t: int, hw: Hardware, gemms: int, precision: str) -> tuple[float, float]:
-    """(forward, backward) seconds of one part, already divided over t GPUs."""
+def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str) -> tuple[float, float]:
+    """(forward, backward) seconds of one part, already divided over t GPUs. Each matrix product is its own
+    kernel on the roofline: compute-bound at the GEMM efficiency its size reaches, or bound by the bytes it
+    moves (attention's score products Q K^T and P V with a small head dimension are, on A100 and more so on
+    H100); its backward FLOPs (two products per product, five for a fused attention's two) run at its rate."""
     gpu, eff = hw.gpu, hw.eff
-    mm = part.mm_flops(b) / t
-    ew_flops = max(part.fwd_flops(b) / t - mm, 0.0)
-    mm_bytes = part.mm_bytes(b) / t
-    ew_bytes = max(part.fwd_bytes(b) / t - mm_bytes, 0.0) * (1 - eff.fusion)
     peak, bw, vec = gpu.peak(precision), gpu.hbm_bw * eff.hbm, gpu.peak("fp32")
-    rate = peak * gemm_efficiency(mm / max(gemms, 1), eff, peak) if mm else peak
-    fwd = max(mm / rate, mm_bytes / bw) + max(ew_flops / vec, ew_bytes / bw)
-    bwd_ew_flops = max(part.bwd_flops(b) / t - 2 * mm, 0.0)
+    mm = mm_bwd = mm_bytes = fwd = bwd = 0.0
+    for flops_of, bytes_of, bwd_flops_of, fused in part.products:
+        f, by, fb = flops_of(b) / t, bytes_of(b) / t, bwd_flops_of(b) / t
+        mm, mm_bwd, mm_bytes = mm + f, mm_bwd + fb, mm_bytes + by
+        rate = hw.matmul_rate(f, precision, attention=fused) if f > 0 else peak
+        fwd += max(f / rate, by / bw)
+        bwd += max(fb / rate, 2 * by / bw)
+    ew_flops = max(part.fwd_flops(b) / t - mm, 0.0)
+    ew_bytes = max(part.fwd_bytes(b) / t - mm_bytes, 0.0) * (1 - eff.fusion)
+    fwd += max(ew_flops / vec, ew_bytes / bw)
+    bwd_ew_flops = max(part.bwd_flops(b) / t - mm_bwd, 0.0)
     bwd_ew_bytes = max(part.bwd_bytes(b) / t - 2 * mm_bytes, 0.0) * (1 - eff.fusion)
-    bwd = max(2 * mm / rate, 2 * mm_bytes / bw) + max(bwd_ew_flops / vec, bwd_ew_bytes / bw)
+    bwd += max(bwd_ew_flops / vec, bwd_ew_bytes / bw)
     launches = part.kernels * eff.launch_s
     return (fwd + launches) * eff.calibration, (bwd + 2 * launches) * eff.calibration
 
@@ -71,8 +78,8 @@ def cp_ring_s(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> tuple[float, flo
     bw = (cl.nvlink_bw if near else cl.internode_bw) * eff.link
     send = p2p_time(unit.attn_kv_bytes(b) / kv_split, bw, cl.nvlink_latency_s if near else cl.internode_latency_s)
     flops = unit.sharded.selective_flops(b) / t  # the attention core this rank computes
-    peak = hw.gpu.peak(cfg.precision)
-    step = flops / (peak * gemm_efficiency(flops, eff, peak)) * eff.calibration / cp if flops else 0.0
+    step = flops / hw.matmul_rate(flops, cfg.precision, attention=unit.sharded.fused_attention) * eff.calibration / cp \
+        if flops else 0.0
     return (cp - 1) * max(0.0, send - step), (cp - 1) * max(0.0, 2 * send - 2.5 * step)
 
 
@@ -80,14 +87,14 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     """Forward and backward seconds of `unit` for one microbatch of cfg.b samples at cfg.tp and cfg.cp,
     with cfg.recompute's recomputation inside the backward."""
     b, t = cfg.local_b, cfg.tp
-    sf, sb = _part_time(unit.sharded, b, t, hw, unit.matmuls, cfg.precision)
+    sf, sb = _part_time(unit.sharded, b, t, hw, cfg.precision)
     if 0 < unit.kv_heads < t:  # grouped-query attention: each kv head is replicated on t / kv_heads ranks
-        rf_, rb_ = _part_time(unit.kv, b, unit.kv_heads, hw, unit.matmuls, cfg.precision)
-        df, db = _part_time(unit.kv, b, t, hw, unit.matmuls, cfg.precision)
+        rf_, rb_ = _part_time(unit.kv, b, unit.kv_heads, hw, cfg.precision)
+        df, db = _part_time(unit.kv, b, t, hw, cfg.precision)
         sf, sb = sf + rf_ - df, sb + rb_ - db
     # sequence parallelism: the norms, dropouts and residual adds run on 1/t of the sequence; the
     # all-reduces become a reduce-scatter and an all-gather of the same volume (the same ring time)
-    rf, rb = _part_time(unit.replicated, b, cfg.sp_degree, hw, unit.matmuls, cfg.precision)
+    rf, rb = _part_time(unit.replicated, b, cfg.sp_degree, hw, cfg.precision)
     n = max(unit.tp_allreduces, 1)
     ar_f = n * tp_allreduce_s(unit.tp_fwd_allreduce_bytes(b) / n, t, hw) if unit.tp_allreduces else 0.0
     ar_b = tp_allreduce_s(unit.tp_bwd_allreduce_bytes(b) / n, t, hw) * n if t > 1 else 0.0

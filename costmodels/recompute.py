@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from .hardware import Hardware, gemm_efficiency
+from .hardware import Hardware
 
 if TYPE_CHECKING:
     from passes.units import Unit
@@ -54,8 +54,7 @@ def _selective_s(u: Unit, b: float, t: int, hw: Hardware, precision: str, fwd_s:
     flops = part.selective_flops(b)
     if not flops:
         return 0.0
-    peak = hw.gpu.peak(precision)
-    rate = peak * gemm_efficiency(flops / t, eff, peak)
+    rate = hw.matmul_rate(flops / t, precision, attention=part.fused_attention)
     return (flops / t / rate + 2 * part.selective_bytes(b) / t / (hw.gpu.hbm_bw * eff.hbm)) * eff.calibration
 
 

@@ -31,6 +31,9 @@ class Part:
     bwd_flops: Poly = field(default_factory=Poly)
     mm_flops: Poly = field(default_factory=Poly)  # forward FLOPs in matrix products
     mm_bytes: Poly = field(default_factory=Poly)  # forward bytes moved by matrix products
+    products: tuple[tuple[Poly, Poly, Poly, bool], ...] = ()  # (forward FLOPs, forward bytes, backward FLOPs,
+    # fused attention kernel?) of each matrix product: each is its own kernel, compute- or memory-bound on its own (attention's score products
+    # are memory-bound where a layer's linears are not); a fused attention's backward is 5 products for 2
     model_flops: Poly = field(default_factory=Poly)  # mm_flops with causal attention counted in full (PaLM)
     fwd_bytes: Poly = field(default_factory=Poly)
     bwd_bytes: Poly = field(default_factory=Poly)
@@ -39,6 +42,11 @@ class Part:
     selective_flops: Poly = field(default_factory=Poly)  # forward FLOPs selective recompute redoes
     params: int = 0
     kernels: int = 0  # nodes that launch a kernel (views excluded), for launch overhead
+
+    @property
+    def fused_attention(self) -> bool:
+        """The part's attention runs as one fused (flash) kernel."""
+        return any(fused for *_, fused in self.products)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -141,6 +149,7 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
     z = sympy.Integer(0)
     fw = bw = mm = mmb = fb = bb = sel_f = full = z
     saved: dict[str, sympy.Expr] = {}
+    products: list[tuple[sympy.Expr, sympy.Expr, sympy.Expr, bool]] = []
     params: dict[str, int] = {}  # every weight a node of the part uses, once (a tied weight in each unit using it)
     for n in nodes:
         c: NodeCost = n.meta[COST]
@@ -152,12 +161,14 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
         saved.update(c.saved)
         if c.mm_flops != 0:
             mmb += c.fwd_bytes
+            products.append((c.mm_flops, c.fwd_bytes, c.bwd_flops - (c.fwd_flops - c.mm_flops), c.kind == "attention"))
         if n.name in selective:
             sel_f += c.fwd_flops
     sel_b = _selective_bytes(nodes, selective, saved)
     p = lambda e: Poly.of(e, B)  # noqa: E731
     kernels = sum(1 for n in nodes if n.meta[COST].kind not in ("view", "none"))
     return Part(fwd_flops=p(fw), bwd_flops=p(bw), mm_flops=p(mm), mm_bytes=p(mmb), model_flops=p(full),
+                products=tuple((p(f), p(by), p(bf), fused) for f, by, bf, fused in products),
                 fwd_bytes=p(fb), bwd_bytes=p(bb), saved_bytes=p(sum(saved.values(), z)), selective_bytes=p(sel_b), selective_flops=p(sel_f),
                 params=sum(params.values()), kernels=kernels)
 

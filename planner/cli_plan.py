@@ -45,6 +45,9 @@ def plan(
     shard_optimizer: bool = typer.Option(False, "--shard-optimizer", help="shard optimizer state over d (ZeRO-1)"),
     grad_fp32: bool = typer.Option(False, "--grad-fp32", help="accumulate and reduce gradients in fp32 (Megatron's "
                                    "--accumulate-allreduce-grads-in-fp32: 18 bytes per parameter)"),
+    overlap_grad_reduce: bool = typer.Option(
+        False, "--overlap-grad-reduce", help="bucket the data-parallel gradient reduction and overlap it with the "
+        "backward (with --shard-optimizer also the parameter all-gather with the forward), as Megatron-Core does"),
     sequence_parallel: Optional[bool] = typer.Option(
         None, "--sequence-parallel/--no-sequence-parallel",
         help="pin sequence parallelism (Korthikanti et al. 2022); by default the search tries both where t > 1"),
@@ -75,7 +78,7 @@ def plan(
         spec = load_fill_spec(fill) if fill else None
         cal = load_calibration(calibration) if calibration else None
         pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
-                    zero=1 if shard_optimizer else 0, grad_fp32=grad_fp32, sp=sequence_parallel, precision=dtype,
+                    zero=1 if shard_optimizer else 0, grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce, sp=sequence_parallel, precision=dtype,
                     allow_cross_node_tp=allow_cross_node_tp)
         if global_batch < 1:
             raise UserError(f"--global-batch must be positive, got {global_batch}")

@@ -9,6 +9,9 @@ sp              sequence parallelism on top of tensor parallelism (Korthikanti e
 zero            optimizer sharding stage over the data-parallel replicas (1 = ZeRO-1 / distributed optimizer)
 grad_fp32       gradients accumulated and reduced in fp32 under bf16/fp16 (Megatron's main_grad buffer with
                 --accumulate-allreduce-grads-in-fp32: 18 bytes per parameter with Adam, not 16)
+overlap_grad_reduce  data-parallel gradient reduction bucketed and launched during the backward (and, with
+                zero=1, the parameter all-gather during the next forward): Megatron's --overlap-grad-reduce /
+                --overlap-param-gather
 b, m, v         microbatch size, microbatches per iteration, model chunks per pipeline rank
 recompute       activation recomputation mode (registry: costmodels.recompute)
 schedule        pipeline schedule kind (registry: planner.schedules)
@@ -53,6 +56,7 @@ class ParallelConfig:
     sp: bool = False
     zero: int = 0
     grad_fp32: bool = False
+    overlap_grad_reduce: bool = False
     recompute: str = "none"
     schedule: str = "1f1b"
     precision: str = "bf16"
@@ -67,6 +71,8 @@ class ParallelConfig:
         if self.sp and self.tp == 1:
             raise ConfigError("sequence parallelism (sp) splits activations over the tensor-parallel group: it "
                              "needs tp > 1, got tp=1")
+        if type(self.overlap_grad_reduce) is not bool:
+            raise ConfigError(f"overlap_grad_reduce must be true or false, got {self.overlap_grad_reduce!r}")
         if type(self.grad_fp32) is not bool:
             raise ConfigError(f"grad_fp32 must be true or false, got {self.grad_fp32!r}")
         if self.zero not in ZERO_STAGES:
@@ -144,6 +150,7 @@ class ParallelConfig:
 
     def __str__(self) -> str:
         extra = "".join([f" cp={self.cp}" if self.cp > 1 else "", " sp" if self.sp else "",
-                         f" zero={self.zero}" if self.zero else "", " grad-fp32" if self.grad_fp32 else ""])
+                         f" zero={self.zero}" if self.zero else "", " grad-fp32" if self.grad_fp32 else "",
+                         " overlap" if self.overlap_grad_reduce else ""])
         return (f"t={self.tp} p={self.pp} d={self.dp}{extra} b={self.b} m={self.m} v={self.v} "
                 f"{self.schedule} recompute={self.recompute}")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
-from costmodels.comm import allreduce_time, p2p_time
+from costmodels.comm import allreduce_time, exposed_reduction_s, megatron_bucket_params, p2p_time
 from costmodels.compute import unit_time
 from costmodels.hardware import Hardware
 from costmodels.memory import StageMemory, param_count, stage_memory, static_bytes_per_param
@@ -148,7 +148,7 @@ class Evaluator:
         if worst > self.capacity:
             raise Rejected("memory", f"needs {worst / 2**30:.1f} GiB", worst)
         p2p = self._p2p_s(c, part.bounds)
-        ar, opt = self._allreduce_opt(c, mems)
+        ar, opt = self._allreduce_opt(c, part.bounds, f_s, b_s)
         it = c.schedule_kind.analytic_s(f_s, b_s, c.pp, c.v, c.m, p2p) + max(a + o for a, o in zip(ar, opt))
         return self._finish(c, part.bounds, f_s, b_s, a_s, mems, p2p, ar, opt, sum(tpc), it, None)
 
@@ -196,20 +196,49 @@ class Evaluator:
         lat = cl.nvlink_latency_s if same_node else cl.internode_latency_s
         return p2p_time(nbytes, bw, lat)
 
-    def _allreduce_opt(self, c: ParallelConfig, mems: list[StageMemory]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    def _stage_params(self, c: ParallelConfig, bounds: tuple[int, ...]) -> list[float]:
+        """Parameters one tensor-parallel rank holds of each virtual stage."""
+        key = ("params", c.tp)
+        if key not in self._cache:
+            acc = [0.0]
+            for u in self.units:
+                acc.append(acc[-1] + param_count(u, c))
+            self._cache[key] = acc
+        acc = self._cache[key]
+        return [acc[b] - acc[a] for a, b in zip(bounds, bounds[1:])]
+
+    def _allreduce_opt(self, c: ParallelConfig, bounds: tuple[int, ...], f_s: tuple[float, ...],
+                       b_s: tuple[float, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Per rank: the data-parallel gradient reduction (the part left exposed under overlap) and the
+        optimizer step."""
         ar, opt, num = [], [], c.numerics
         group = c.dp * c.cp  # gradients are reduced over the data- and context-parallel ranks (Megatron)
         per_node = max(1, min(group, self.hw.cluster.gpus_per_node // c.tp))
-        for mem in mems:
-            params = mem.weights / num.weight_bytes
-            # sharded: a reduce-scatter of the gradients and an all-gather of the weights, each half an all-reduce
-            reduced = (num.grad_bytes + num.weight_bytes) / 2 if c.zero else num.grad_bytes
-            ar.append(allreduce_time(params * reduced, per_node, group // per_node, self.hw.links)
-                      if group > 1 else 0.0)
+        params = self._stage_params(c, bounds)
+        hbm = self.hw.gpu.hbm_bw * self.hw.eff.hbm
+
+        def reduce_s(n: float, nbytes: float) -> float:
+            return allreduce_time(n * nbytes, per_node, group // per_node, self.hw.links) if group > 1 and n else 0.0
+
+        for r in range(c.pp):
+            chunks = range(r, c.stages, c.pp)
+            total = sum(params[j] for j in chunks)
+            if c.zero:  # a reduce-scatter of the gradients and an all-gather of the weights, each half an all-reduce
+                grads = [reduce_s(params[j], num.grad_bytes / 2) for j in chunks]
+                gather = [reduce_s(params[j], num.weight_bytes / 2) for j in chunks]
+            else:
+                grads, gather = [reduce_s(params[j], num.grad_bytes) for j in chunks], [0.0] * c.v
+            if c.overlap_grad_reduce:
+                bucket = [min(1.0, megatron_bucket_params(group) / params[j]) if params[j] else 1.0 for j in chunks]
+                fwd = [f_s[j] for j in chunks]
+                bwd = [b_s[j] for j in chunks]
+                ar.append(exposed_reduction_s(grads, gather, fwd, bwd, bucket,
+                                              first_group=min(c.pp, c.m), last_group=(c.m - 1) % c.pp + 1))
+            else:
+                ar.append(sum(grads) + sum(gather))
             # Adam reads and writes weights, grads, master weights and both moments once, on the 1/(d*cp) of the
-            # parameters a rank owns under a sharded optimizer (the reduce-scatter of the gradients and the
-            # all-gather of the updated weights move what the all-reduce moved: `ar` prices both)
-            opt.append(2 * params * num.bytes_per_param() / c.optimizer_shards / (self.hw.gpu.hbm_bw * self.hw.eff.hbm))
+            # parameters a rank owns under a sharded optimizer
+            opt.append(2 * total * num.bytes_per_param() / c.optimizer_shards / hbm)
         return tuple(ar), tuple(opt)
 
     def simulate_config(self, ev: Evaluation) -> tuple[Evaluation, SimResult]:

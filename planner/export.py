@@ -236,7 +236,7 @@ def to_megatron(plan: Plan) -> Export:
         argv.append("--use-distributed-optimizer")
     if c.grad_fp32:
         argv.append("--accumulate-allreduce-grads-in-fp32")
-    if c.dp * c.cp > 1:
+    if c.overlap_grad_reduce and c.dp * c.cp > 1:
         argv.append("--overlap-grad-reduce")
         if c.zero:
             argv.append("--overlap-param-gather")
@@ -375,6 +375,7 @@ def check_megatron(ex: Export) -> dict[str, object]:
                 "vp": (stages.virtual_pipeline_model_parallel_size if stages is not None
                        else cfg.virtual_pipeline_model_parallel_size or 1),
                 "distributed_optimizer": ddp.use_distributed_optimizer, "grad_fp32": ddp.grad_reduce_in_fp32,
+                "overlap": (ddp.overlap_grad_reduce, ddp.overlap_param_gather),
                 "recompute": cfg.recompute_granularity or "none",
                 "microbatch": num("micro_batch_size"), "global_batch": num("global_batch_size"),
                 "layout": stages}

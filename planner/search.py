@@ -43,6 +43,7 @@ class Pins:
     cp: int | None = None  # context parallelism; None: the search tries the degrees a ring inside one node allows
     zero: int = 0
     grad_fp32: bool = False
+    overlap_grad_reduce: bool = False
     sp: bool | None = None  # sequence parallelism; None: the search tries both where t > 1
     precision: str = "bf16"
     max_microbatch: int = 16
@@ -184,7 +185,8 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                         continue
                     for sp in ((False, True) if pins.sp is None else (pins.sp,)) if t > 1 else (False,):
                         yield ParallelConfig(tp=t, pp=p, dp=d, cp=cp, b=b, m=m, v=v, zero=pins.zero,
-                                             grad_fp32=pins.grad_fp32, recompute=rc,
+                                             grad_fp32=pins.grad_fp32, overlap_grad_reduce=pins.overlap_grad_reduce,
+                                             recompute=rc,
                                              sp=sp, schedule=name, precision=pins.precision)
 
 

@@ -12,6 +12,14 @@ Conventions (applied to every entry below):
   that pinned-memory copies achieve (~25 GB/s on Gen4): every figure here is a peak, and the
   cost models apply efficiency in one place rather than in some figures and not others.
 - Inter-node: per-GPU share of the node's compute NICs, at line rate (200 Gb/s = 25e9 B/s).
+- Achievable shares of the peak (GPUSpec.matmul_ceiling, attention_ceiling) are measurements, each
+  with its source below: the best-shaped large bf16 GEMM ("maximum achievable matmul FLOPS", Stas
+  Bekman's ml-engineering, compute/accelerator/README.md, MAMF comparison table, measured with
+  mamf-finder.py: A100 SXM 267.9 of 312 TFLOP/s = 85.9% (CUDA 12.1); H100 SXM 792.1 of 989 = 80.1%
+  (CUDA 12.1)) and the flash attention kernel the engines dispatch (FlashAttention-2 on Ampere: "50-73% of
+  the theoretical maximum FLOPs/s on A100", Dao 2023, arXiv:2307.08691; FlashAttention-3 / cuDNN on Hopper:
+  "FP16 reaching up to 740 TFLOPs/s (75% utilization)" on H100, Shah et al. 2024, arXiv:2407.08608, where
+  FlashAttention-2 reached 35%). A GPU without a measurement takes the A100's.
 - Latencies are NCCL's own per-step estimates for the ring algorithm, Simple protocol
   (NCCL src/graph/tuning.cc, table hwLat): NVLink 3.4 us, PCI 5.7 us, network 9.6 us.
 """
@@ -56,10 +64,11 @@ DGX1_V100 = ClusterSpec(gpus_per_node=8, nvlink_bw=150 * GB, nvlink_latency_s=NV
 # NVLink 600 GB/s (bidirectional), PCIe Gen4 64 GB/s (bidirectional -> 32 GB/s per direction).
 _A100_FLOPS = {"fp64": 19.5 * TFLOPS, "fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS}
+_A100_SHARES = {"matmul_ceiling": 267.9 / 312, "attention_ceiling": 0.73}  # MAMF table; FlashAttention-2 (above)
 A100_40GB = GPUSpec(name="A100 40GB SXM", peak_flops=_A100_FLOPS, hbm_bytes=40 * GiB,
-                    hbm_bw=1555 * GB, pcie_bw=32 * GB)
+                    hbm_bw=1555 * GB, pcie_bw=32 * GB, **_A100_SHARES)
 A100_80GB = GPUSpec(name="A100 80GB SXM", peak_flops=_A100_FLOPS, hbm_bytes=80 * GiB,
-                    hbm_bw=2039 * GB, pcie_bw=32 * GB)
+                    hbm_bw=2039 * GB, pcie_bw=32 * GB, **_A100_SHARES)
 
 # DGX A100 (NVIDIA DGX A100 datasheet and System Architecture whitepaper): 8 GPUs on NVSwitch,
 # NVLink3 12 links x 25 GB/s = 300 GB/s per direction per GPU (A100 datasheet: 600 GB/s
@@ -74,14 +83,15 @@ DGX_A100 = ClusterSpec(gpus_per_node=8, nvlink_bw=300 * GB, nvlink_latency_s=NVL
 # NVLink 900 GB/s (bidirectional), PCIe Gen5 128 GB/s (bidirectional -> 64 GB/s per direction).
 _H100_SXM_FLOPS = {"fp64": 67 * TFLOPS, "fp32": 67 * TFLOPS, "tf32": 989 / 2 * TFLOPS,
                    "bf16": 1979 / 2 * TFLOPS, "fp16": 1979 / 2 * TFLOPS, "fp8": 3958 / 2 * TFLOPS}
+_HOPPER_SHARES = {"matmul_ceiling": 792.1 / 989, "attention_ceiling": 740 / 989}  # MAMF table; FlashAttention-3
 H100_SXM = GPUSpec(name="H100 SXM 80GB", peak_flops=_H100_SXM_FLOPS, hbm_bytes=80 * GiB,
-                   hbm_bw=3350 * GB, pcie_bw=64 * GB)
+                   hbm_bw=3350 * GB, pcie_bw=64 * GB, **_HOPPER_SHARES)
 
 # NVIDIA H200 Tensor Core GPU datasheet (H200 SXM column): same compute figures as H100 SXM
 # (FP64 TC 67, FP32 67, TF32 989*, BF16 1,979*, FP16 1,979*, FP8 3,958* TFLOPS);
 # 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s, PCIe Gen5 128 GB/s (both bidirectional).
 H200 = GPUSpec(name="H200 SXM 141GB", peak_flops=_H100_SXM_FLOPS, hbm_bytes=141 * GiB,
-               hbm_bw=4800 * GB, pcie_bw=64 * GB)
+               hbm_bw=4800 * GB, pcie_bw=64 * GB, **_HOPPER_SHARES)  # the same die: the H100's shares
 
 # DGX H100 / DGX H200 (NVIDIA DGX H100 and DGX H200 datasheets): 8 GPUs on NVSwitch, NVLink4
 # 18 links x 25 GB/s = 450 GB/s per direction per GPU (900 GB/s bidirectional); 8 single-port
@@ -97,7 +107,7 @@ H100_PCIE = GPUSpec(
     name="H100 PCIe 80GB",
     peak_flops={"fp64": 51 * TFLOPS, "fp32": 51 * TFLOPS, "tf32": 756 / 2 * TFLOPS,
                 "bf16": 1513 / 2 * TFLOPS, "fp16": 1513 / 2 * TFLOPS, "fp8": 3026 / 2 * TFLOPS},
-    hbm_bytes=80 * GiB, hbm_bw=2000 * GB, pcie_bw=64 * GB)
+    hbm_bytes=80 * GiB, hbm_bw=2000 * GB, pcie_bw=64 * GB, **_HOPPER_SHARES)
 
 # NVIDIA RTX 6000 Ada Generation datasheet: 48 GB GDDR6 with ECC, 960 GB/s, FP32 91.1 TFLOPS,
 # "Tensor Performance 1,457.0 TFLOPS" = FP8 with sparsity -> 728.5 dense; PCIe Gen4 x16

@@ -97,6 +97,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+OPTIONAL_GPU_FIELDS = ("name", "matmul_ceiling", "attention_ceiling")
+
+
 class GPUFile(_Strict):
     """The ``gpu:`` section. Every field is required unless the file names a ``base:``."""
 
@@ -105,6 +108,8 @@ class GPUFile(_Strict):
     hbm_bytes: int | None = None
     hbm_bw: float | None = None
     pcie_bw: float | None = None
+    matmul_ceiling: float | None = None  # optional: share of peak the best large GEMM reaches (A100's if absent)
+    attention_ceiling: float | None = None  # optional: share of peak the flash attention kernel reaches
 
     @field_validator("peak_flops", mode="before")
     @classmethod
@@ -234,13 +239,13 @@ def _from_scratch(model: TargetFile, name: str) -> tuple[GPUSpec, ClusterSpec]:
     gpu, cluster = model.gpu or GPUFile(), model.cluster or ClusterFile()
     missing = [f"{section}.{field}" for section, values in (("gpu", gpu), ("cluster", cluster))
                for field in type(values).model_fields
-               if field != "name" and getattr(values, field) is None]
+               if field not in OPTIONAL_GPU_FIELDS and getattr(values, field) is None]
     if missing:
         verb = "is" if len(missing) == 1 else "are"
         raise TargetError(f"{', '.join(missing)} {verb} required when the file has no 'base:' "
                           f"(or add e.g. 'base: {DEFAULT_TARGET}' to override a built-in target)")
-    fields = gpu.model_dump()
-    fields["name"] = fields["name"] or name
+    fields = gpu.model_dump(exclude_none=True)
+    fields["name"] = fields.get("name") or name
     return GPUSpec(**fields), ClusterSpec(**cluster.model_dump())
 
 

@@ -61,10 +61,20 @@ class GPUSpec:
     """Device memory bandwidth, bytes/s."""
     pcie_bw: float
     """Host<->device bandwidth, bytes/s per direction."""
+    matmul_ceiling: float = 0.859
+    """Share of the dense peak that the best-shaped large bf16 GEMM reaches on this GPU (a measured maximum
+    achievable matmul FLOP/s, not a datasheet figure); where a GPU has no measurement, the A100 SXM's."""
+    attention_ceiling: float = 0.73
+    """Share of the dense peak that the fused (flash) attention kernel the engines dispatch on this GPU
+    reaches at its best; where a GPU has no measurement, FlashAttention-2's on the A100."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise TargetError(f"GPUSpec: name must be a non-empty string, got {self.name!r}")
+        for share in ("matmul_ceiling", "attention_ceiling"):
+            if not 0 < getattr(self, share) <= 1:
+                raise TargetError(f"GPU {self.name!r}: {share} is a share of the peak in (0, 1], "
+                                  f"got {getattr(self, share)!r}")
         owner = f"GPU {self.name!r}"
         if not isinstance(self.peak_flops, Mapping) or not self.peak_flops:
             raise TargetError(f"{owner}: peak_flops must be a non-empty mapping dtype -> FLOP/s, "

@@ -31,12 +31,14 @@ def plans():
     pytest.importorskip("transformers", reason="the hf extra is not installed")
     return {"gpt": _plan("gpt.py", 64, 512),
             "llama": _plan("hf_llama.py", 64, 256),
-            "modern": _plan("hf_llama.py", 64, 256, tp=2, pp=2, cp=2, v=2, zero=1, sp=True, schedule="interleaved")}
+            "modern": _plan("hf_llama.py", 64, 256, tp=2, pp=2, cp=2, v=2, zero=1, sp=True, schedule="interleaved",
+                                overlap_grad_reduce=True)}
 
 
 def test_the_modern_plan_has_every_dimension(plans):
     c = plans["modern"].config
     assert (c.tp, c.pp, c.cp, c.vp, c.sp, c.zero, c.schedule) == (2, 2, 2, 2, True, 1, "interleaved")
+    assert c.overlap_grad_reduce
 
 
 @needs_megatron
@@ -48,6 +50,7 @@ def test_megatron_core_builds_the_exported_configuration_with_the_plans_degrees(
     assert (seen["tp"], seen["pp"], seen["cp"], seen["vp"]) == (c.tp, c.pp, c.cp, c.vp)
     assert plan.source.gpus // (seen["tp"] * seen["pp"] * seen["cp"]) == c.dp  # Megatron's data-parallel size
     assert seen["sp"] == c.sp and seen["distributed_optimizer"] == bool(c.zero)
+    assert seen["overlap"] == (c.overlap_grad_reduce, c.overlap_grad_reduce and bool(c.zero))
     assert seen["recompute"] == c.recompute and (seen["microbatch"], seen["global_batch"]) == (c.microbatch,
                                                                                               plan.source.global_batch)
     if seen["layout"] is not None:  # an uneven partition: each virtual stage holds the plan's layers

@@ -99,7 +99,8 @@ def test_a_sharded_optimizer_steps_only_its_shard(prof):
     plain = ev.evaluate(_cfg(tp=2, pp=2, dp=8, cp=2, m=32, recompute="full"))
     sharded = ev.evaluate(_cfg(tp=2, pp=2, dp=8, cp=2, m=32, recompute="full", zero=1))
     assert sharded.optimizer_s == pytest.approx([o / 16 for o in plain.optimizer_s])  # over d*cp = 16
-    assert sharded.allreduce_s == pytest.approx(plain.allreduce_s)  # reduce-scatter + all-gather: the same bytes
+    # a reduce-scatter and an all-gather move the all-reduce's bytes; only one more collective's latency (~0.1 ms)
+    assert sharded.allreduce_s == pytest.approx(plain.allreduce_s, abs=2e-4)
 
 
 def test_fp32_gradients_cost_megatrons_18_bytes_per_parameter_and_twice_the_reduction(prof):
