@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from passes.errors import UserError
 
 from .plan import Plan
+from .schedules.interleaved import group_size
 
 __all__ = ["Export", "ENGINES", "layout", "to_megatron", "to_torchtitan", "check_megatron", "check_torchtitan"]
 
@@ -123,6 +124,11 @@ def _titan_job(plan: Plan, module: str | None, config: str | None) -> tuple[str,
                                "module_fqns_per_model_part cannot name them; torchtitan splits the layers itself")
         else:
             parallel["module_fqns_per_model_part"] = _titan_fqns(rows)
+        rounds = max(1, c.microbatches // c.pp)  # torch's ScheduleInterleaved1F1B: groups of m / rounds, exactly
+        if c.vp > 1 and (c.microbatches % rounds or c.microbatches // rounds != group_size(c.pp, c.microbatches)):
+            unexpressed.append(f"interleaving {c.microbatches} microbatches in groups of "
+                               f"{group_size(c.pp, c.microbatches)}: torch's interleaved 1F1B needs m divisible by "
+                               f"max(1, m // p) = {rounds} and groups of m / {rounds}")
     # per data-parallel rank and step: b*m samples (split into m microbatches by the pipeline schedule,
     # or accumulated m times without pipelining)
     local = c.microbatch * c.microbatches if c.pp > 1 else c.microbatch
@@ -229,9 +235,8 @@ def to_megatron(plan: Plan) -> Export:
         argv += ["--pipeline-model-parallel-layout", _megatron_layout(rows)]
     elif c.vp > 1:
         argv += ["--num-layers-per-virtual-pipeline-stage", str(shape.get("layers", 0) // (c.pp * c.vp))]
-    if c.vp > 1 and c.microbatches % c.pp:
-        unexpressed.append(f"interleaving with m={c.microbatches} microbatches not a multiple of p={c.pp}: Megatron's "
-                           "interleaved schedule needs m divisible by p")
+    if c.vp > 1 and c.microbatches % c.pp:  # Megatron-Core's default group is p
+        argv += ["--microbatch-group-size-per-virtual-pipeline-stage", str(group_size(c.pp, c.microbatches))]
     if c.zero:
         argv.append("--use-distributed-optimizer")
     if c.grad_fp32:
@@ -364,7 +369,8 @@ def check_megatron(ex: Export) -> dict[str, object]:
             recompute_method=a.get("recompute_method"), recompute_num_layers=num("recompute_num_layers"),
             recompute_modules=[a["recompute_modules"]] if isinstance(a.get("recompute_modules"), str)
             else a.get("recompute_modules"),
-            bf16=bool(a.get("bf16")), fp16=bool(a.get("fp16")), params_dtype=dtype, pipeline_dtype=dtype)
+            bf16=bool(a.get("bf16")), fp16=bool(a.get("fp16")), params_dtype=dtype, pipeline_dtype=dtype,
+            microbatch_group_size_per_vp_stage=num("microbatch_group_size_per_virtual_pipeline_stage"))
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
                                             grad_reduce_in_fp32=bool(a.get("accumulate_allreduce_grads_in_fp32")),
                                             overlap_grad_reduce=bool(a.get("overlap_grad_reduce")),
@@ -376,6 +382,7 @@ def check_megatron(ex: Export) -> dict[str, object]:
                        else cfg.virtual_pipeline_model_parallel_size or 1),
                 "distributed_optimizer": ddp.use_distributed_optimizer, "grad_fp32": ddp.grad_reduce_in_fp32,
                 "overlap": (ddp.overlap_grad_reduce, ddp.overlap_param_gather),
+                "microbatch_group": cfg.microbatch_group_size_per_vp_stage,
                 "recompute": cfg.recompute_granularity or "none",
                 "microbatch": num("micro_batch_size"), "global_batch": num("global_batch_size"),
                 "layout": stages}

@@ -14,28 +14,27 @@ _F, _B = Op.F, Op.B  # module constants: Enum attribute access is slow in hot lo
 __all__ = ["generate", "KIND"]
 
 
-def _virtual(k: int, r: int, p: int, v: int, forward: bool) -> tuple[int, int]:
-    """(stage, mb) of rank r's k-th forward (or backward) in Megatron's interleaved order."""
-    in_group = k % (p * v)
-    chunk = in_group // p
-    if not forward:
-        chunk = v - 1 - chunk
-    return chunk * p + r, (k // (p * v)) * p + k % p
+def group_size(p: int, m: int) -> int | None:
+    """Microbatches a model chunk runs back to back (Megatron-Core's microbatch_group_size_per_vp_stage): p
+    when p divides m, else the smallest g in [p, m] whose last group m % g is empty or at least p (a shorter
+    one stalls the pipeline; Megatron-Core refuses it). None when there is none (m < p)."""
+    return next((g for g in range(p, m + 1) if m % g == 0 or m % g >= p), None)
 
 
 def _warmup(r: int, p: int, v: int, m: int) -> int:
     """Forwards rank r runs before its first backward (Megatron's interleaved schedule)."""
     if m == p:
         return m * v  # Megatron runs all forwards first when m == p
-    return min((p - r - 1) * 2 + (v - 1) * p, m * v)
+    return min((p - r - 1) * 2 + (v - 1) * group_size(p, m), m * v)
 
 
 def _order(r: int, p: int, v: int, m: int) -> list[tuple[Op, int, int]]:
-    total = m * v
+    g = group_size(p, m)
+    groups = [range(s, min(s + g, m)) for s in range(0, m, g)]
+    fwd = [(_F, c * p + r, mb) for grp in groups for c in range(v) for mb in grp]
+    bwd = [(_B, c * p + r, mb) for grp in groups for c in reversed(range(v)) for mb in grp]
     warmup = _warmup(r, p, v, m)
-    fwd = [(_F, *_virtual(k, r, p, v, True)) for k in range(total)]
-    bwd = [(_B, *_virtual(k, r, p, v, False)) for k in range(total)]
-    steady = total - warmup
+    steady = m * v - warmup
     order = fwd[:warmup]
     for i in range(steady):
         order.append(fwd[warmup + i])
@@ -45,20 +44,26 @@ def _order(r: int, p: int, v: int, m: int) -> list[tuple[Op, int, int]]:
 
 
 def generate(p: int, m: int, v: int = 1) -> Schedule:
-    """Megatron interleaved 1F1B with v chunks per rank; m must be a multiple of p.
+    """Megatron interleaved 1F1B with v chunks per rank, each running its microbatches in groups of
+    `group_size(p, m)` (p when p divides m).
 
     With v == 1 this is plain 1F1B (Megatron only interleaves when v > 1).
     """
     check_shape(p, m, v)
-    if m % p != 0:
-        raise ValueError(
-            f"interleaved schedule needs m to be a multiple of p: m={m} is not divisible by p={p}"
-        )
+    why = _check(p, v, m)
+    if why is not None:
+        raise ValueError(f"interleaved schedule with p={p} m={m}: {why}")
     last = p * v - 1
     order = one_f_one_b_order if v == 1 else _order
     with gc_paused():
         ranks = tuple(with_comm(order(r, p, v, m), last) for r in range(p))
     return Schedule(kind="interleaved", p=p, v=v, m=m, ranks=ranks)
+
+
+def _check(p: int, v: int, m: int) -> str | None:
+    if v == 1 or group_size(p, m) is not None:
+        return None
+    return f"interleaving needs at least p={p} microbatches, got m={m}"
 
 
 def inflight(p: int, v: int, m: int, rank: int) -> float:
@@ -71,7 +76,7 @@ def inflight(p: int, v: int, m: int, rank: int) -> float:
 
 def analytic_s(f_s: Sequence[float], b_s: Sequence[float], p: int, v: int, m: int, p2p: float) -> float:
     """m microbatches through the slowest rank, plus a fill/drain shortened v times; every chunk
-    boundary is a hop."""
+    boundary is a hop. (Groups longer than p stall a little more; the simulation has it exactly.)"""
     k = p * v
     slowest = max(sum(f_s[j] + b_s[j] for j in range(r, k, p)) for r in range(p))
     return m * slowest + (p - 1) * slowest / v + 2 * (k - 1) * p2p
@@ -80,5 +85,5 @@ def analytic_s(f_s: Sequence[float], b_s: Sequence[float], p: int, v: int, m: in
 KIND = register(ScheduleKind(
     name="interleaved", help="Megatron interleaved 1F1B: v model chunks per rank, bubble / v",
     generate=generate, inflight=inflight, analytic_s=analytic_s,
-    check=lambda p, v, m: None if m % p == 0 else "interleaving needs m divisible by p",
+    check=lambda p, v, m: _check(p, v, m),
     v_choices=lambda p, max_v: range(2, max_v + 1) if p > 1 else ()))

@@ -151,3 +151,15 @@ def test_megatron_reduces_gradients_in_fp32_when_the_plan_does(plans):
     plan = plan.model_copy(update={"config": plan.config.model_copy(update={"grad_fp32": True})})
     ex = to_megatron(plan)
     assert "--accumulate-allreduce-grads-in-fp32" in ex.argv and check_megatron(ex)["grad_fp32"] is True
+
+
+@needs_megatron
+def test_interleaving_m_not_a_multiple_of_p_exports_megatron_cores_microbatch_group():
+    plan = _plan("gpt.py", 8, 6, tp=2, pp=4, v=2, b=1, schedule="interleaved")
+    c = plan.config
+    assert (c.pp, c.vp, c.microbatches) == (4, 2, 6)
+    ex = to_megatron(plan)
+    assert ex.argv[ex.argv.index("--microbatch-group-size-per-virtual-pipeline-stage") + 1] == "6"
+    assert check_megatron(ex)["microbatch_group"] == 6
+    titan = to_torchtitan(plan, module="llama3", config="llama3_debugmodel")
+    assert not any("groups of" in n for n in titan.unexpressed)  # torch's rounds: max(1, 6 // 4) = 1, groups of 6

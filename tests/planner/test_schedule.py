@@ -154,9 +154,25 @@ def test_interleaved_with_one_chunk_is_1f1b() -> None:
     assert interleaved(4, 1, 8).ranks == one_f_one_b(4, 8).ranks
 
 
-def test_interleaved_requires_m_multiple_of_p() -> None:
-    with pytest.raises(ValueError, match=r"m=6 is not divisible by p=4"):
-        interleaved(4, 2, 6)
+def test_interleaved_needs_at_least_p_microbatches() -> None:
+    with pytest.raises(ValueError, match=r"at least p=4 microbatches, got m=3"):
+        interleaved(4, 2, 3)
+
+
+@pytest.mark.parametrize("p,m,g", [(4, 8, 4), (4, 10, 5), (4, 9, 5), (4, 7, 7), (2, 5, 3), (8, 12, 12), (8, 20, 10)])
+def test_interleaved_groups_microbatches_as_megatron_core_does(p, m, g) -> None:
+    """m not a multiple of p: each chunk runs its microbatches in groups of g (Megatron-Core's
+    microbatch_group_size_per_vp_stage), the last group empty or at least p long; the order is complete
+    and deadlock-free."""
+    from planner.schedules.interleaved import group_size
+
+    assert group_size(p, m) == g
+    s = interleaved(p, 2, m)
+    validate(s)
+    if (p, m) == (2, 5):  # Megatron-Core's own example (model_parallel_config.py): rank 0 | 0 1 2 0 1 2 3 4 3 4
+        fwd = [(a.stage // p, a.mb) for a in s.ranks[0] if a.op is Op.F]
+        assert [mb for _, mb in fwd] == [0, 1, 2, 0, 1, 2, 3, 4, 3, 4]
+        assert [c for c, _ in fwd] == [0, 0, 0, 1, 1, 1, 0, 0, 1, 1]
 
 
 @pytest.mark.parametrize(
@@ -267,15 +283,16 @@ def test_grid_rows_columns_and_mark() -> None:
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved"])
-@pytest.mark.parametrize("p,v,mult", [(2, 2, 1), (4, 2, 1), (4, 3, 1), (2, 2, 2), (4, 2, 2), (4, 2, 3), (3, 3, 2)])
-def test_memory_model_in_flight_count_is_the_generated_orders_peak(name, p, v, mult):
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (4, 2, 4), (4, 3, 4), (2, 2, 4), (4, 2, 8), (4, 2, 12), (3, 3, 6),
+                                   (4, 2, 6), (4, 3, 9), (4, 2, 10), (3, 2, 5), (8, 2, 12)])
+def test_memory_model_in_flight_count_is_the_generated_orders_peak(name, p, v, m):
     """The memory model's microbatches in flight per rank (inflight) equal the peak of forwards run minus
-    backwards run in the order the generator emits, over v — for m = p (Megatron's all-forwards-first case) too."""
+    backwards run in the order the generator emits, over v — for m = p (Megatron's all-forwards-first case)
+    and m not a multiple of p too."""
     from planner.schedules import SCHEDULES
 
     kind = SCHEDULES[name]
     v = v if name == "interleaved" else 1
-    m = p * mult
     sched = kind.generate(p, m, v)
     for r, acts in enumerate(sched.ranks):
         live = peak = 0
