@@ -41,6 +41,7 @@ from passes.load import ModelFile
 from ..plan import Plan, plan_schedule
 from ..schedule import Action, Op, grid
 from .groups import Groups, make_groups, make_shared_groups
+from .optim import GradSync
 from .stage import (StageModule, TensorSpec, apply_tensor_parallel, boundary_specs, build_split,
                     implicit_replication, stage_modules)
 
@@ -158,9 +159,16 @@ class Executor:
             for local, param in st.named_parameters(remove_duplicate=False):
                 self.params.setdefault(st.names[local], param)
         self.params = dict(sorted(self.params.items()))
-        unique = list({id(p): p for p in self.params.values()}.values())
-        opt = torch.optim.Adam if options.optimizer == "adam" else torch.optim.SGD
-        self.optimizer = opt(unique, lr=options.lr) if unique else None  # a stage may hold no weights
+        self.sync = GradSync(self.params, shared=groups.shared, dp_group=groups.dp_group, dp_size=self.c.dp_size,
+                             dp_rank=self.c.dp, zero=self.cfg.zero >= 1, overlap=self.cfg.overlap_grad_reduce,
+                             optimizer=options.optimizer, lr=options.lr)
+        self._names = {id(p): n for n, p in self.params.items()}
+        # the last backward of each stage: its gradients are final there (overlapped reduction starts)
+        self._last_backward = {}
+        for i, a in enumerate(self.actions):
+            if a.op is Op.B:
+                self._last_backward[a.stage] = i
+        self._stage_params = {k: [p for _, p in st.named_parameters()] for k, st in self.stages.items()}
         self.bubble_info = {b.id: b for b in plan.bubbles if b.rank == self.c.pp}
         self.measured: dict[int, float] = {}
         """Bubble id -> duration observed in step 0 (seconds, this rank)."""
@@ -174,14 +182,15 @@ class Executor:
     # -- one step ------------------------------------------------------------------------------
 
     def run_step(self, index: int) -> dict[str, Any]:
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
+        self.sync.zero_grad()
         inputs, targets = self._microbatches(index)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         st = _Step(index=index, t0=time.perf_counter(), inputs=inputs, targets=targets)
         for i, action in enumerate(self.actions):
             try:
+                if self._last_backward.get(action.stage) == i:
+                    self.sync.arm(self._stage_params[action.stage])
                 self._do(st, action)
             except Exception as exc:  # noqa: BLE001 - re-raised with the schedule position
                 raise ActionError(self.c.pp, i, action, exc) from exc
@@ -214,12 +223,11 @@ class Executor:
             for work in st.pending:
                 work.wait()
             st.pending.clear()
-            self._reduce_gradients()
+            self.sync.reduce(self.groups.shared, self._names)
         elif op is Op.OPT:
             self._end_bubble(st)
-            if self.optimizer is not None:
-                with implicit_replication(self.tp):
-                    self.optimizer.step()
+            with implicit_replication(self.tp):
+                self.sync.step()
         elif op is Op.BUBBLE:
             self._begin_bubble(st, a.mb)
 
@@ -301,40 +309,6 @@ class Executor:
         st.out_grads[(k, mb)] = self._recv([self.specs[n] for n in names], k + 1, self._tag(1, k, mb))
 
     # -- gradients, loss -----------------------------------------------------------------------
-
-    def _local_grads(self) -> dict[str, torch.Tensor]:
-        from torch.distributed.tensor import DTensor
-
-        out: dict[str, torch.Tensor] = {}
-        seen: set[int] = set()
-        with torch.no_grad():
-            for name, p in self.params.items():
-                if id(p) in seen:
-                    continue
-                seen.add(id(p))
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                if isinstance(p.grad, DTensor):
-                    if tuple(p.grad.placements) != tuple(p.placements):
-                        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-                    out[name] = p.grad.to_local()
-                else:
-                    out[name] = p.grad
-        return out
-
-    def _reduce_gradients(self) -> None:
-        grads = self._local_grads()
-        for name, group in sorted(self.groups.shared.items()):
-            if name in grads:  # Megatron's embedding group: sum the copies' gradients
-                dist.all_reduce(grads[name], group=group)
-        if self.c.dp_size > 1 and grads:
-            flat = torch.cat([g.reshape(-1) for g in grads.values()])
-            dist.all_reduce(flat, group=self.groups.dp_group)
-            flat /= self.c.dp_size
-            offset = 0
-            for g in grads.values():
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
 
     def _step_loss(self, st: _Step) -> float | None:
         """Sum over microbatches of loss/m, averaged over dp; only the last pipeline rank has it."""

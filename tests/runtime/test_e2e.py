@@ -38,6 +38,10 @@ CASES = {  # name: (model, model args, pins)
     "interleaved_p4": (GPT, gpt_args(6), dict(t=1, p=4, d=1, b=2, v=2, schedule="interleaved")),
     "tp2_p2": (GPT, gpt_args(), dict(t=2, p=2, d=1, b=2, v=1, schedule="1f1b", recompute="full")),
     "skip_p4": (SKIPNET, {}, dict(t=1, p=4, d=1, b=2, v=1, schedule="1f1b", recompute="full")),
+    # ZeRO-1 with the reduction overlapped with the backward (and the tied embedding on both end stages)
+    "interleaved_p2_d2_zero_overlap": (GPT, gpt_args(), dict(t=1, p=2, d=2, b=1, v=2, schedule="interleaved",
+                                                             zero=1, overlap=True)),
+    "tp2_d2_zero_overlap": (GPT, gpt_args(), dict(t=2, p=1, d=2, b=2, v=1, schedule="1f1b", zero=1, overlap=True)),
 }
 
 

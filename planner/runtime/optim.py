@@ -1,0 +1,194 @@
+"""Data-parallel gradient reduction and the optimizer step, as the plan prices them.
+
+- Gradients are averaged over the data-parallel group in buckets of Megatron-Core's size
+  (`costmodels.comm.megatron_bucket_params`). With ``overlap_grad_reduce`` a bucket's all-reduce is
+  launched asynchronously during the last microbatch's backward of its stage, as soon as every
+  gradient in it is final (DDP and Megatron-Core do the same); the ``ALLREDUCE`` action only waits.
+- With ``zero`` = 1 (ZeRO-1, Megatron's distributed optimizer) each data-parallel rank holds an fp32
+  copy of 1/d of the flattened parameters and the optimizer state for it, steps that shard, and the
+  updated shards are all-gathered into every replica's parameters. Adam and SGD are elementwise, so
+  this equals the replicated optimizer to rounding. (gloo has no reduce-scatter: the gradients are
+  all-reduced and each rank takes its slice; the bytes a rank ends up owning are the same.)
+
+Parameters shared between pipeline stages (a tied embedding and LM head) are first summed over their
+embedding group, so they are reduced at the ``ALLREDUCE`` action, never during the backward.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from costmodels.comm import megatron_bucket_params
+
+__all__ = ["GradSync", "local_grad", "local_tensor"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The rank's own part of a (possibly DTensor) tensor, sharing its storage."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def local_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """The rank's part of p's gradient laid out like p (a partial DTensor gradient is reduced over the
+    tensor-parallel group first); zeros where the parameter got no gradient."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+        return local_tensor(p.grad)
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, acc = [], 0
+    for n in sizes:
+        out.append(acc)
+        acc += n
+    return out
+
+
+class _Bucket:
+    __slots__ = ("params", "waiting", "flat", "work")
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params, self.waiting, self.flat, self.work = params, 0, None, None
+
+
+class GradSync:
+    """One rank's gradient reduction and optimizer (see the module docstring)."""
+
+    def __init__(self, params: dict[str, torch.nn.Parameter], *, shared: Iterable[str], dp_group: Any, dp_size: int,
+                 dp_rank: int, zero: bool, overlap: bool, optimizer: str, lr: float) -> None:
+        self.group, self.d, self.rank = dp_group, dp_size, dp_rank
+        unique: dict[int, tuple[str, torch.nn.Parameter]] = {}
+        for name, p in params.items():
+            unique.setdefault(id(p), (name, p))
+        self.named = list(unique.values())
+        shared = set(shared)
+        self.shared = [p for n, p in self.named if n in shared]
+        self.overlap = overlap and dp_size > 1
+        self.zero = zero and dp_size > 1
+        own = [p for n, p in self.named if n not in shared]
+        self.buckets = self._buckets(own[::-1])  # roughly the order the backward finishes them
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._armed: set[int] = set()
+        if self.overlap:
+            for p in own:
+                p.register_post_accumulate_grad_hook(self._ready)
+        opt = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
+        if self.zero:
+            sizes = [local_tensor(p).numel() for _, p in self.named]
+            total = sum(sizes)
+            self.shard_len = -(-total // dp_size)
+            flat = torch.zeros(self.shard_len * dp_size, dtype=torch.float32)
+            with torch.no_grad():
+                for (_, p), lo, n in zip(self.named, _offsets(sizes), sizes):
+                    flat[lo:lo + n] = local_tensor(p).detach().reshape(-1).float().cpu()
+            flat = flat.to(self.named[0][1].device) if self.named else flat
+            lo = dp_rank * self.shard_len
+            self.master = torch.nn.Parameter(flat[lo:lo + self.shard_len].clone())
+            self.optimizer = opt([self.master], lr=lr)
+        else:
+            ps = [p for _, p in self.named]
+            self.optimizer = opt(ps, lr=lr) if ps else None  # a stage may hold no weights
+
+    def _buckets(self, params: list[torch.nn.Parameter]) -> list[_Bucket]:
+        limit, out, cur, size = megatron_bucket_params(self.d), [], [], 0
+        for p in params:
+            cur.append(p)
+            size += local_tensor(p).numel()
+            if size >= limit:
+                out.append(_Bucket(cur))
+                cur, size = [], 0
+        if cur:
+            out.append(_Bucket(cur))
+        return out
+
+    # -- during the step -------------------------------------------------------------------------
+
+    def zero_grad(self) -> None:
+        for _, p in self.named:
+            p.grad = None
+        for b in self.buckets:
+            b.waiting, b.flat, b.work = len(b.params), None, None
+        self._armed.clear()
+
+    def arm(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """The next backward is the last one of these parameters' stage: reduce their buckets as they finish."""
+        if self.overlap:
+            self._armed.update(id(p) for p in params if id(p) in self._bucket_of)
+
+    def _ready(self, p: torch.nn.Parameter) -> None:
+        if id(p) not in self._armed:
+            return
+        self._armed.discard(id(p))
+        bucket = self._bucket_of[id(p)]
+        bucket.waiting -= 1
+        if bucket.waiting == 0:
+            self._launch(bucket, async_op=True)
+
+    def _launch(self, bucket: _Bucket, async_op: bool) -> None:
+        bucket.flat = torch.cat([local_grad(p).reshape(-1) for p in bucket.params])
+        bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=async_op)
+
+    def reduce(self, shared_groups: dict[str, Any], names: dict[int, str]) -> None:
+        """The ALLREDUCE action: shared parameters over their embedding group, then every bucket not yet
+        launched; wait for all and write the averages back."""
+        for p in self.shared:
+            dist.all_reduce(local_grad(p), group=shared_groups[names[id(p)]])
+        buckets = self.buckets + ([_Bucket(self.shared)] if self.shared else [])
+        for b in buckets:
+            if self.d == 1:
+                for p in b.params:
+                    local_grad(p)
+                continue
+            if b.flat is None:
+                self._launch(b, async_op=False)
+            else:
+                b.work.wait()
+            b.flat /= self.d
+            offset = 0
+            for p in b.params:
+                g = local_grad(p)
+                g.copy_(b.flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+
+    def step(self) -> None:
+        """The OPT action."""
+        if self.optimizer is None:
+            return
+        if not self.zero:
+            self.optimizer.step()
+            return
+        lo = self.rank * self.shard_len
+        with torch.no_grad():
+            grads = torch.cat([local_grad(p).reshape(-1).float() for _, p in self.named])
+            g = torch.zeros(self.shard_len, dtype=torch.float32, device=grads.device)
+            part = grads[lo:lo + self.shard_len]
+            g[:part.numel()] = part
+            self.master.grad = g
+        self.optimizer.step()
+        with torch.no_grad():
+            shards = [torch.empty_like(self.master) for _ in range(self.d)]
+            dist.all_gather(shards, self.master.detach(), group=self.group)
+            flat, offset = torch.cat(shards), 0
+            for _, p in self.named:
+                t = local_tensor(p)
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    # -- what the rank holds -----------------------------------------------------------------------
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds (moments; the fp32 master shard under ZeRO-1)."""
+        if self.optimizer is None:
+            return 0
+        held = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
+                   if isinstance(t, torch.Tensor) and t.dim() > 0)
+        return held + (self.master.numel() * self.master.element_size() if self.zero else 0)
