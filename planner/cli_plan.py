@@ -42,12 +42,15 @@ def plan(
     recompute: Optional[str] = typer.Option(None, "--recompute", help=f"pin: {_choices(RECOMPUTE)}"),
     schedule: Optional[str] = typer.Option(None, "--schedule", help=f"pin: {_choices(SCHEDULES)}"),
     allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let t span nodes"),
-    shard_optimizer: bool = typer.Option(False, "--shard-optimizer", help="shard optimizer state over d (ZeRO-1)"),
+    shard_optimizer: Optional[bool] = typer.Option(
+        None, "--shard-optimizer/--no-shard-optimizer", help="pin optimizer state sharded over d x cp (ZeRO-1, "
+        "Megatron's distributed optimizer) or replicated; by default sharded wherever there are replicas"),
     grad_fp32: bool = typer.Option(False, "--grad-fp32", help="accumulate and reduce gradients in fp32 (Megatron's "
                                    "--accumulate-allreduce-grads-in-fp32: 18 bytes per parameter)"),
-    overlap_grad_reduce: bool = typer.Option(
-        False, "--overlap-grad-reduce", help="bucket the data-parallel gradient reduction and overlap it with the "
-        "backward (with --shard-optimizer also the parameter all-gather with the forward), as Megatron-Core does"),
+    overlap_grad_reduce: Optional[bool] = typer.Option(
+        None, "--overlap-grad-reduce/--no-overlap-grad-reduce", help="pin the data-parallel gradient reduction "
+        "bucketed and overlapped with the backward (with a sharded optimizer also the parameter all-gather with the "
+        "forward), as Megatron-Core does, or run after it; by default overlapped wherever there are replicas"),
     sequence_parallel: Optional[bool] = typer.Option(
         None, "--sequence-parallel/--no-sequence-parallel",
         help="pin sequence parallelism (Korthikanti et al. 2022); by default the search tries both where t > 1"),
@@ -78,7 +81,7 @@ def plan(
         spec = load_fill_spec(fill) if fill else None
         cal = load_calibration(calibration) if calibration else None
         pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
-                    zero=1 if shard_optimizer else 0, grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce, sp=sequence_parallel, precision=dtype,
+                    zero=None if shard_optimizer is None else int(shard_optimizer), grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce, sp=sequence_parallel, precision=dtype,
                     allow_cross_node_tp=allow_cross_node_tp)
         if global_batch < 1:
             raise UserError(f"--global-batch must be positive, got {global_batch}")

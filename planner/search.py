@@ -41,9 +41,9 @@ class Pins:
     recompute: str | None = None
     schedule: str | None = None
     cp: int | None = None  # context parallelism; None: the search tries the degrees a ring inside one node allows
-    zero: int = 0
+    zero: int | None = None  # None: 1 wherever d*cp > 1 (it dominates: the same bytes, a shorter step, less memory)
     grad_fp32: bool = False
-    overlap_grad_reduce: bool = False
+    overlap_grad_reduce: bool | None = None  # None: on wherever d*cp > 1 (overlap never exposes more)
     sp: bool | None = None  # sequence parallelism; None: the search tries both where t > 1
     precision: str = "bf16"
     max_microbatch: int = 16
@@ -57,7 +57,7 @@ class Pins:
             raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.precision not in PRECISIONS:
             raise UserError(f"--dtype must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
-        if self.zero not in ZERO_STAGES:
+        if self.zero is not None and self.zero not in ZERO_STAGES:
             raise UserError(f"optimizer sharding stage must be one of {ZERO_STAGES}, got {self.zero!r}")
         for name in ("tp", "pp", "dp", "cp", "b", "v"):
             value = getattr(self, name)
@@ -163,6 +163,9 @@ def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int,
 
 def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int, pins: Pins,
                  rejected: Counter) -> Iterator[ParallelConfig]:
+    replicas = d * cp > 1
+    zero = pins.zero if pins.zero is not None else int(replicas)
+    overlap = pins.overlap_grad_reduce if pins.overlap_grad_reduce is not None else replicas
     for b in divisors(per_replica):
         if pins.b not in (None, b) or (pins.b is None and b > pins.max_microbatch):
             continue
@@ -184,8 +187,8 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                     if pins.recompute not in (None, rc):
                         continue
                     for sp in ((False, True) if pins.sp is None else (pins.sp,)) if t > 1 else (False,):
-                        yield ParallelConfig(tp=t, pp=p, dp=d, cp=cp, b=b, m=m, v=v, zero=pins.zero,
-                                             grad_fp32=pins.grad_fp32, overlap_grad_reduce=pins.overlap_grad_reduce,
+                        yield ParallelConfig(tp=t, pp=p, dp=d, cp=cp, b=b, m=m, v=v, zero=zero,
+                                             grad_fp32=pins.grad_fp32, overlap_grad_reduce=overlap,
                                              recompute=rc,
                                              sp=sp, schedule=name, precision=pins.precision)
 

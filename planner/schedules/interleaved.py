@@ -63,7 +63,7 @@ def generate(p: int, m: int, v: int = 1) -> Schedule:
 def _check(p: int, v: int, m: int) -> str | None:
     if v == 1 or group_size(p, m) is not None:
         return None
-    return f"interleaving needs at least p={p} microbatches, got m={m}"
+    return "interleaving needs at least p microbatches"
 
 
 def inflight(p: int, v: int, m: int, rank: int) -> float:

@@ -155,7 +155,7 @@ def test_interleaved_with_one_chunk_is_1f1b() -> None:
 
 
 def test_interleaved_needs_at_least_p_microbatches() -> None:
-    with pytest.raises(ValueError, match=r"at least p=4 microbatches, got m=3"):
+    with pytest.raises(ValueError, match=r"p=4 m=3: interleaving needs at least p microbatches"):
         interleaved(4, 2, 3)
 
 
