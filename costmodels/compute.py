@@ -55,6 +55,13 @@ def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str) -> tu
     return (fwd + launches) * eff.calibration, (bwd + 2 * launches) * eff.calibration
 
 
+def _gemm_s(part: Part, b: float, t: int, hw: Hardware, precision: str) -> float:
+    """Forward seconds of the part's products that are not a fused attention kernel, divided over t."""
+    bw = hw.gpu.hbm_bw * hw.eff.hbm
+    return sum(max(f(b) / t / hw.matmul_rate(f(b) / t, precision), by(b) / t / bw)
+               for f, by, _, fused in part.products if not fused and f(b) > 0) * hw.eff.calibration
+
+
 def tp_allreduce_s(nbytes: float, t: int, hw: Hardware) -> float:
     """One all-reduce of `nbytes` over t tensor-parallel GPUs (within a node when t fits in one)."""
     if t == 1 or nbytes == 0:
@@ -98,6 +105,12 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     n = max(unit.tp_allreduces, 1)
     ar_f = n * tp_allreduce_s(unit.tp_fwd_allreduce_bytes(b) / n, t, hw) if unit.tp_allreduces else 0.0
     ar_b = tp_allreduce_s(unit.tp_bwd_allreduce_bytes(b) / n, t, hw) * n if t > 1 else 0.0
+    if cfg.tp_comm_overlap and (ar_f or ar_b):
+        # Transformer Engine's userbuffers (Megatron --tp-comm-overlap): each all-gather / reduce-scatter of the
+        # sequence-parallel regions is split into t chunks exchanged around the ring while the linear's GEMM runs
+        # on the chunk already there: only what the GEMMs' (t-1)/t cannot cover stays exposed
+        cover = _gemm_s(unit.sharded, b, t, hw, cfg.precision) * (t - 1) / t
+        ar_f, ar_b = max(0.0, ar_f - cover), max(0.0, ar_b - 2 * cover)
     cp_f, cp_b = cp_ring_s(unit, hw, cfg)
     kf, kb = hw.eff.unit_factor(unit.kind)
     fwd = (sf + rf) * kf + ar_f + cp_f

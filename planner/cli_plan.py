@@ -51,6 +51,9 @@ def plan(
         None, "--overlap-grad-reduce/--no-overlap-grad-reduce", help="pin the data-parallel gradient reduction "
         "bucketed and overlapped with the backward (with a sharded optimizer also the parameter all-gather with the "
         "forward), as Megatron-Core does, or run after it; by default overlapped wherever there are replicas"),
+    tp_comm_overlap: bool = typer.Option(
+        False, "--tp-comm-overlap", help="price Transformer Engine's overlap of the sequence-parallel all-gathers / "
+        "reduce-scatters with the linears' GEMMs (Megatron --tp-comm-overlap) wherever sp is on"),
     sequence_parallel: Optional[bool] = typer.Option(
         None, "--sequence-parallel/--no-sequence-parallel",
         help="pin sequence parallelism (Korthikanti et al. 2022); by default the search tries both where t > 1"),
@@ -81,7 +84,8 @@ def plan(
         spec = load_fill_spec(fill) if fill else None
         cal = load_calibration(calibration) if calibration else None
         pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
-                    zero=None if shard_optimizer is None else int(shard_optimizer), grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce, sp=sequence_parallel, precision=dtype,
+                    zero=None if shard_optimizer is None else int(shard_optimizer), grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce,
+                    tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype,
                     allow_cross_node_tp=allow_cross_node_tp)
         if global_batch < 1:
             raise UserError(f"--global-batch must be positive, got {global_batch}")

@@ -12,6 +12,8 @@ grad_fp32       gradients accumulated and reduced in fp32 under bf16/fp16 (Megat
 overlap_grad_reduce  data-parallel gradient reduction bucketed and launched during the backward (and, with
                 zero=1, the parameter all-gather during the next forward): Megatron's --overlap-grad-reduce /
                 --overlap-param-gather
+tp_comm_overlap tensor-parallel all-gathers / reduce-scatters split and overlapped with the linears' GEMMs
+                (Megatron's --tp-comm-overlap, Transformer Engine userbuffers; needs sp)
 b, m, v         microbatch size, microbatches per iteration, model chunks per pipeline rank
 recompute       activation recomputation mode (registry: costmodels.recompute)
 schedule        pipeline schedule kind (registry: planner.schedules)
@@ -57,6 +59,7 @@ class ParallelConfig:
     zero: int = 0
     grad_fp32: bool = False
     overlap_grad_reduce: bool = False
+    tp_comm_overlap: bool = False
     recompute: str = "none"
     schedule: str = "1f1b"
     precision: str = "bf16"
@@ -73,6 +76,11 @@ class ParallelConfig:
                              "needs tp > 1, got tp=1")
         if type(self.overlap_grad_reduce) is not bool:
             raise ConfigError(f"overlap_grad_reduce must be true or false, got {self.overlap_grad_reduce!r}")
+        if type(self.tp_comm_overlap) is not bool:
+            raise ConfigError(f"tp_comm_overlap must be true or false, got {self.tp_comm_overlap!r}")
+        if self.tp_comm_overlap and not self.sp:
+            raise ConfigError("tensor-parallel communication overlap (tp_comm_overlap) splits the all-gathers and "
+                              "reduce-scatters of sequence parallelism: it needs sp (and tp > 1)")
         if type(self.grad_fp32) is not bool:
             raise ConfigError(f"grad_fp32 must be true or false, got {self.grad_fp32!r}")
         if self.zero not in ZERO_STAGES:
@@ -146,11 +154,12 @@ class ParallelConfig:
 
     def unit_key(self) -> tuple:
         """The fields a unit's own time and memory depend on (the evaluator caches by it)."""
-        return (self.b, self.tp, self.cp, self.sp, self.recompute, self.precision)
+        return (self.b, self.tp, self.cp, self.sp, self.tp_comm_overlap, self.recompute, self.precision)
 
     def __str__(self) -> str:
         extra = "".join([f" cp={self.cp}" if self.cp > 1 else "", " sp" if self.sp else "",
                          f" zero={self.zero}" if self.zero else "", " grad-fp32" if self.grad_fp32 else "",
-                         " overlap" if self.overlap_grad_reduce else ""])
+                         " overlap" if self.overlap_grad_reduce else "",
+                         " tp-overlap" if self.tp_comm_overlap else ""])
         return (f"t={self.tp} p={self.pp} d={self.dp}{extra} b={self.b} m={self.m} v={self.v} "
                 f"{self.schedule} recompute={self.recompute}")

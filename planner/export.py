@@ -115,6 +115,9 @@ def _titan_job(plan: Plan, module: str | None, config: str | None) -> tuple[str,
         unexpressed.append("sharded optimizer (ZeRO-1): torchtitan shards with FSDP only; exported as FSDP over the "
                            "data-parallel ranks without resharding after the forward (ZeRO-2: gradients are "
                            "sharded too, parameters gathered once per step)")
+    if c.tp_comm_overlap:
+        unexpressed.append("tensor-parallel communication overlap: torchtitan's nearest is async TP "
+                           "(parallelism.enable_async_tensor_parallel, under torch.compile); not set")
     if c.pp > 1:
         parallel.update(pipeline_parallel_schedule=TITAN_SCHEDULES[c.schedule],
                         pipeline_parallel_microbatch_size=c.microbatch)
@@ -237,6 +240,8 @@ def to_megatron(plan: Plan) -> Export:
         argv += ["--num-layers-per-virtual-pipeline-stage", str(shape.get("layers", 0) // (c.pp * c.vp))]
     if c.vp > 1 and c.microbatches % c.pp:  # Megatron-Core's default group is p
         argv += ["--microbatch-group-size-per-virtual-pipeline-stage", str(group_size(c.pp, c.microbatches))]
+    if c.tp_comm_overlap:
+        argv.append("--tp-comm-overlap")
     if c.zero:
         argv.append("--use-distributed-optimizer")
     if c.grad_fp32:

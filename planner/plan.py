@@ -64,6 +64,8 @@ class ConfigModel(_Model):
     grad_fp32: bool = Field(False, description="gradients accumulated and reduced in fp32 (Megatron's main_grad)")
     overlap_grad_reduce: bool = Field(False, description="data-parallel gradient reduction bucketed and overlapped "
                                       "with the backward (and, with zero=1, the parameter all-gather with the forward)")
+    tp_comm_overlap: bool = Field(False, description="tensor-parallel all-gathers / reduce-scatters overlapped with "
+                                  "the linears' GEMMs (Megatron --tp-comm-overlap)")
     microbatch: int = Field(description="microbatch size b")
     microbatches: int = Field(description="microbatches per iteration m = B / (d b)")
     vp: int = Field(description="model chunks per pipeline rank v (interleaving)")
@@ -79,12 +81,13 @@ class ConfigModel(_Model):
     @classmethod
     def of(cls, c: ParallelConfig) -> "ConfigModel":
         return cls(tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp, sp=c.sp, zero=c.zero, grad_fp32=c.grad_fp32,
-                   overlap_grad_reduce=c.overlap_grad_reduce, microbatch=c.b, microbatches=c.m,
+                   overlap_grad_reduce=c.overlap_grad_reduce, tp_comm_overlap=c.tp_comm_overlap, microbatch=c.b, microbatches=c.m,
                    vp=c.v, recompute=c.recompute, schedule=c.schedule, precision=c.precision)
 
     def to_config(self) -> ParallelConfig:
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, sp=self.sp, zero=self.zero,
                               grad_fp32=self.grad_fp32, overlap_grad_reduce=self.overlap_grad_reduce,
+                              tp_comm_overlap=self.tp_comm_overlap,
                               b=self.microbatch, m=self.microbatches, v=self.vp, recompute=self.recompute,
                               schedule=self.schedule, precision=self.precision)
 

@@ -44,6 +44,7 @@ class Pins:
     zero: int | None = None  # None: 1 wherever d*cp > 1 (it dominates: the same bytes, a shorter step, less memory)
     grad_fp32: bool = False
     overlap_grad_reduce: bool | None = None  # None: on wherever d*cp > 1 (overlap never exposes more)
+    tp_comm_overlap: bool = False  # an option (Transformer Engine's userbuffers): on with every sequence-parallel config
     sp: bool | None = None  # sequence parallelism; None: the search tries both where t > 1
     precision: str = "bf16"
     max_microbatch: int = 16
@@ -189,6 +190,7 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                     for sp in ((False, True) if pins.sp is None else (pins.sp,)) if t > 1 else (False,):
                         yield ParallelConfig(tp=t, pp=p, dp=d, cp=cp, b=b, m=m, v=v, zero=zero,
                                              grad_fp32=pins.grad_fp32, overlap_grad_reduce=overlap,
+                                             tp_comm_overlap=pins.tp_comm_overlap and sp,
                                              recompute=rc,
                                              sp=sp, schedule=name, precision=pins.precision)
 

@@ -79,3 +79,23 @@ def test_the_evaluator_prices_overlap_below_the_plain_reduction_and_the_plan_rec
             assert over.iteration_s < plain.iteration_s
     cfg = ParallelConfig(**common, zero=1, overlap_grad_reduce=True)
     assert ConfigModel.of(cfg).to_config() == cfg
+
+
+def test_tensor_parallel_overlap_hides_communication_behind_the_gemms_and_needs_sp():
+    from pathlib import Path
+
+    from costmodels.compute import unit_time
+    from costmodels.hardware import Hardware
+    from passes.pipeline import analyze
+    from planner.config import ConfigError, ParallelConfig
+    from targets.registry import get_target
+
+    prof, _ = analyze(str(Path(__file__).parents[2] / "examples" / "gpt.py"), {})
+    hw = Hardware(target=get_target("h100-sxm"))
+    block = next(u for u in prof.units if u.kind == "block")
+    plain = unit_time(block, hw, ParallelConfig(tp=8, pp=1, dp=1, b=1, m=1, sp=True))
+    over = unit_time(block, hw, ParallelConfig(tp=8, pp=1, dp=1, b=1, m=1, sp=True, tp_comm_overlap=True))
+    assert 0 <= over.tp_comm_s < plain.tp_comm_s
+    assert over.fwd_s + over.bwd_s == pytest.approx(plain.fwd_s + plain.bwd_s - (plain.tp_comm_s - over.tp_comm_s))
+    with pytest.raises(ConfigError, match="needs sp"):
+        ParallelConfig(tp=8, pp=1, dp=1, b=1, m=1, tp_comm_overlap=True)
