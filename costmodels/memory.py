@@ -18,7 +18,7 @@ from .recompute import RECOMPUTE
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
-__all__ = ["StageMemory", "activation_bytes", "param_count", "stage_memory", "static_bytes_per_param"]
+__all__ = ["StageMemory", "activation_bytes", "param_count", "rank_param_count", "stage_memory", "static_bytes_per_param"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,6 +44,23 @@ def param_count(unit: Unit, cfg: ParallelConfig) -> float:
     return unit.sharded.params / cfg.tp + unit.replicated.params + kv  # GQA: kv heads replicated past kv_heads
 
 
+def rank_param_count(units: list[Unit], cfg: ParallelConfig) -> float:
+    """Parameters one tensor-parallel rank holds of `units` (the stages of one pipeline rank): a weight tied
+    between the embedding and the LM head is held once. (Repeated blocks may be priced from one traced
+    block and share its weight names: blocks are never deduplicated.)"""
+    total, seen = 0.0, set()
+    for u in units:
+        total += param_count(u, cfg)
+        if u.kind == "block":
+            continue
+        for part, div in ((u.sharded, cfg.tp), (u.replicated, 1)):
+            for name, n in part.weights:
+                if name in seen:
+                    total -= n / div
+                seen.add(name)
+    return total
+
+
 def activation_bytes(unit: Unit, cfg: ParallelConfig) -> float:
     """Bytes one microbatch leaves on the device from the unit's forward until its backward."""
     return cfg.recompute_mode.kept_bytes(unit, cfg.local_b, cfg.tp, cfg.sp_degree)
@@ -57,7 +74,7 @@ def static_bytes_per_param(cfg: ParallelConfig) -> float:
 def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int) -> StageMemory:
     """Peak memory of pipeline rank `rank` holding `units` (all its model chunks)."""
     num = cfg.numerics
-    params = sum(param_count(u, cfg) for u in units)
+    params = rank_param_count(units, cfg)
     mode = cfg.recompute_mode
     acts = sum(mode.kept_bytes(u, cfg.local_b, cfg.tp, cfg.sp_degree) for u in units) * cfg.inflight(rank)
     if mode.working_set:  # the unit being recomputed holds its full activations during its backward

@@ -30,8 +30,6 @@ class RecomputeMode:
     """unit -> FLOPs per sample the recomputation executes."""
     working_set: bool
     """The recomputed unit holds its full activations again during its backward."""
-    checkpoint_blocks: bool
-    """The runtime wraps each block in activation checkpointing."""
 
 
 def _plain_bytes(u: Unit, b: float, t: int, r: int = 1) -> float:
@@ -76,17 +74,17 @@ def recompute_mode(name: str) -> RecomputeMode:
 register_recompute(RecomputeMode(
     name="none", help="keep every activation the backward needs",
     kept_bytes=_plain_bytes, extra_backward_s=lambda u, b, t, hw, prec, fwd: 0.0, extra_flops=lambda u: 0.0,
-    working_set=False, checkpoint_blocks=False))
+    working_set=False))
 
 register_recompute(RecomputeMode(
     name="selective", help="recompute the attention core in the backward (Korthikanti et al. 2022)",
     kept_bytes=_selective_bytes, extra_backward_s=_selective_s,
     extra_flops=lambda u: u.sharded.selective_flops(1) + u.replicated.selective_flops(1),
-    working_set=False, checkpoint_blocks=True))  # the runtime checkpoints whole blocks: a memory-safe superset
+    working_set=False))  # the runtime checkpoints each block's attention core (planner/runtime/stage.py)
 
 register_recompute(RecomputeMode(
     name="full", help="keep each block's input only and redo its whole forward in the backward",
     kept_bytes=_full_bytes,
     extra_backward_s=lambda u, b, t, hw, prec, fwd: fwd if u.kind == "block" else 0.0,
     extra_flops=lambda u: u.fwd_flops(1) if u.kind == "block" else 0.0,
-    working_set=True, checkpoint_blocks=True))
+    working_set=True))

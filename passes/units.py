@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 import sympy
 import torch.fx as fx
@@ -20,7 +21,7 @@ from .poly import Poly
 from .shapes import B, TensorInfo
 from .tp import Heads, activation_input, annotate_tp_roles, linear_shape
 
-__all__ = ["Part", "Unit", "group_nodes", "lower_units"]
+__all__ = ["Part", "Unit", "attention_core", "group_nodes", "lower_units"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,6 +42,8 @@ class Part:
     selective_bytes: Poly = field(default_factory=Poly)  # of saved_bytes, what selective recompute drops
     selective_flops: Poly = field(default_factory=Poly)  # forward FLOPs selective recompute redoes
     params: int = 0
+    weights: tuple[tuple[str, int], ...] = ()  # (name, elements) of each weight in `params`: a weight tied between
+    # two units (embedding and LM head) appears in both, and a rank holding both holds it once
     kernels: int = 0  # nodes that launch a kernel (views excluded), for launch overhead
 
     @property
@@ -155,8 +158,8 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
         c: NodeCost = n.meta[COST]
         fw, bw, mm, fb, bb = fw + c.fwd_flops, bw + c.bwd_flops, mm + c.mm_flops, fb + c.fwd_bytes, bb + c.bwd_bytes
         full += c.mm_flops if c.full_mm_flops is None else c.full_mm_flops
-        if n.op == "call_module":
-            params[str(n.target)] = c.params
+        if n.op == "call_module":  # keyed by the parameter's own name where it is one, as a get_attr of it is
+            params[c.param_names[0] if len(c.param_names) == 1 else str(n.target)] = c.params
         params.update((str(a.target), a.meta[COST].params) for a in n.all_input_nodes if a.op == "get_attr")
         saved.update(c.saved)
         if c.mm_flops != 0:
@@ -170,7 +173,7 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
     return Part(fwd_flops=p(fw), bwd_flops=p(bw), mm_flops=p(mm), mm_bytes=p(mmb), model_flops=p(full),
                 products=tuple((p(f), p(by), p(bf), fused) for f, by, bf, fused in products),
                 fwd_bytes=p(fb), bwd_bytes=p(bb), saved_bytes=p(sum(saved.values(), z)), selective_bytes=p(sel_b), selective_flops=p(sel_f),
-                params=sum(params.values()), kernels=kernels)
+                params=sum(params.values()), weights=tuple(sorted(params.items())), kernels=kernels)
 
 
 def _selective_bytes(nodes: list[fx.Node], core: set[str], saved: dict[str, sympy.Expr]) -> sympy.Expr:
@@ -227,14 +230,17 @@ def _boundary_bytes(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr]:
     return sum(ins.values(), z), sum(outs.values(), z)
 
 
-def _selective_set(nodes: list[fx.Node]) -> set[str]:
+def attention_core(nodes: list[fx.Node], kind: Callable[[fx.Node], str] | None = None) -> set[str]:
     """The attention core, which selective recomputation redoes (Korthikanti et al. 2022): a fused
-    attention kernel, or each product of two activations (Q K^T) up to the next one (scores x V)."""
-    core = [i for i, n in enumerate(nodes) if n.meta[COST].kind == "matmul"
+    attention kernel, or each product of two activations (Q K^T) up to the next one (scores x V).
+    `kind` names a node's op (default: its priced cost's kind; the runtime, which prices nothing, passes
+    passes.costs.node_kind)."""
+    kind = kind or (lambda n: n.meta[COST].kind)
+    core = [i for i, n in enumerate(nodes) if kind(n) == "matmul"
             and all(a.op != "get_attr" for a in n.all_input_nodes)]
-    chosen = {n.name for n in nodes if n.meta[COST].kind == "attention"}  # a fused kernel is the whole core
+    chosen = {n.name for n in nodes if kind(n) == "attention"}  # a fused kernel is the whole core
     for first, second in zip(core[::2], core[1::2]):
-        chosen.update(n.name for n in nodes[first:second + 1] if n.meta[COST].kind != "none")
+        chosen.update(n.name for n in nodes[first:second + 1] if kind(n) != "none")
     return chosen
 
 
@@ -249,18 +255,24 @@ def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
             n.meta[UNIT] = index
         in_b, out_b = _boundary_bytes(nodes)
         elem = next((p.element_size() for p in gm.parameters()), 4)
-        selective = _selective_set(nodes)
+        selective = attention_core(nodes)
         sharded = [n for n in nodes if n.meta[TP] != "replicated"]
         replicated = [n for n in nodes if n.meta[TP] == "replicated"]
         fwd_ar, bwd_ar, count = _tp_allreduces(nodes)
         mod_type = type(root.get_submodule(name)).__name__ if "+" not in name and name else kind
         split, whole = _saved_by_layout(nodes, selective, role_of)
+        layout = _tp_layout(nodes, root)
+        # a row-parallel linear's bias is added after the all-reduce: every tensor-parallel rank holds all of it
+        row_bias = sum(b.numel() for path, style in layout if style == "rowwise"
+                       for b in [root.get_submodule(path).bias] if b is not None)
+        sh, rep = _part(sharded, selective), _part(replicated, selective)
         units.append(Unit(index=index, name=name, kind=kind, module_type=mod_type,
-                          nodes=tuple(n.name for n in nodes), sharded=replace(_part(sharded, selective), **split),
-                          replicated=replace(_part(replicated, selective), **whole), param_bytes_per_param=elem,
+                          nodes=tuple(n.name for n in nodes),
+                          sharded=replace(sh, params=sh.params - row_bias, **split),
+                          replicated=replace(rep, params=rep.params + row_bias, **whole), param_bytes_per_param=elem,
                           input_bytes=Poly.of(in_b, B), output_bytes=Poly.of(out_b, B),
                           tp_fwd_allreduce_bytes=Poly.of(fwd_ar, B), tp_bwd_allreduce_bytes=Poly.of(bwd_ar, B),
-                          tp_allreduces=count, tp_layout=_tp_layout(nodes, root),
+                          tp_allreduces=count, tp_layout=layout,
                           heads=heads[index].heads, kv_heads=heads[index].kv_heads,
                           kv=_kv_part(nodes, heads[index], gm), attn_kv_bytes=Poly.of(_attention_kv_bytes(nodes), B),
                           matmuls=sum(1 for n in nodes if n.meta[COST].mm_flops != 0)))

@@ -18,7 +18,9 @@ GiB = 2**30
 def _fmt(what: str, x: float | None) -> str:
     if x is None:
         return "-"
-    return f"{x / GiB:.2f} GiB" if what == "peak memory" else (f"{x:.1f}" if what.startswith("fill") else _ms(x))
+    if what == "peak memory" or what.endswith("bytes"):
+        return f"{x / GiB:.2f} GiB" if x >= 2**24 else f"{x / 2**10:,.1f} KiB"
+    return f"{x:,.0f}" if what == "parameters" else f"{x:.1f}" if what.startswith("fill") else _ms(x)
 
 
 @app.command()
@@ -63,6 +65,8 @@ def validate(
             table.add_row(row.what, _fmt(row.what, row.predicted), _fmt(row.what, row.measured),
                           "-" if e is None else f"{e:+.1%}")
         out.print(table)
+    for line in result.mismatches:
+        out.print(f"[red]mismatch:[/] {line}", highlight=False)
     it = result.iteration
     out.print(f"iteration (slowest rank): predicted {_ms(it.predicted)}, measured {_ms(it.measured)}, "
               f"error {it.error:+.1%}; written {output}", highlight=False)

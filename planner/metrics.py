@@ -207,6 +207,24 @@ class Characterization(_Model):
     probes: list[tuple[float, float]] = Field(description="(wait, slowest step time) in seconds, in the order tried")
 
 
+class Holdings(_Model):
+    """What one rank actually holds and runs, to check against the plan (`planner validate`)."""
+
+    parameters: int = Field(description="parameter elements the rank holds (its tensor-parallel shards; a weight "
+                            "shared by two of its stages once)")
+    parameter_dtype: str = Field(description="dtype of the parameters the model runs in (torch name)")
+    optimizer_state_bytes: int = Field(description="optimizer state held after a step: moments, and the fp32 master "
+                                       "copy where the parameters are lower precision")
+    tensor_parallel: list[str] = Field(description="modules whose weights are sharded over the tensor-parallel group")
+    recompute: Literal["none", "selective", "full"] = Field(description="what the rank's blocks recompute: the "
+                                                            "attention core (selective), whole blocks (full)")
+    saved_activation_bytes: dict[str, int] = Field(description="virtual stage -> bytes one microbatch leaves for the "
+                                                   "backward: tensors autograd saves (weights excluded) and the inputs "
+                                                   "a checkpoint keeps; measured with saved-tensor hooks in step 0")
+    overlapped_buckets: int = Field(description="gradient buckets whose data-parallel reduction was launched during "
+                                    "the backward in the last step")
+
+
 class RankRecord(_Model):
     """One process's record (gathered to rank 0)."""
 
@@ -219,6 +237,7 @@ class RankRecord(_Model):
     fill_report: Optional[FillReport] = Field(description="the fill executor's report; null when no fill client ran")
     fill_client: str = Field(description="class of the fill hooks at the end (FillClient, NullFill)")
     characterization: Optional[Characterization] = Field(description="with --characterize, else null")
+    holds: Optional[Holdings] = Field(None, description="what the rank holds and runs (null in older metrics)")
 
     @field_validator("fill_report", mode="before")
     @classmethod
@@ -286,6 +305,9 @@ class ValidationReport(_Model):
     steps: int = Field(description="steps run, the warm-up included")
     iteration: Comparison = Field(description="the slowest rank's iteration")
     ranks: list[RankValidation]
+    mismatches: list[str] = Field(default_factory=list, description="what a rank holds or runs unlike the plan: "
+                                  "parameters, optimizer state or saved activations more than 5% off, another dtype, "
+                                  "recomputation or tensor-parallel layout; one sentence each")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,6 +68,61 @@ def _fill_rows(plan: Plan, run: RunEntry, rank: int) -> list[RankComparison]:
             for bid in sorted(set(planned) | set(done)) if bid >= 0]
 
 
+TOLERANCE = 0.05
+"""What a rank holds may differ from the plan by this much before `planner validate` flags it."""
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _held(plan: Plan, rank: int) -> dict[str, float]:
+    """What the plan says pipeline rank `rank` holds: parameters, optimizer-state bytes, and per stage the
+    bytes one microbatch saves for the backward."""
+    mem = plan.predictions.memory[rank]
+    out = {"parameters": mem.weights / plan.config.to_config().numerics.weight_bytes,
+           "optimizer state bytes": mem.optimizer}
+    out.update({f"stage {st.stage} saved activation bytes": st.activation_bytes
+                for st in plan.partition if st.rank == rank})
+    return out
+
+
+def _measured(h: Any) -> dict[str, float]:
+    out = {"parameters": h.parameters, "optimizer state bytes": h.optimizer_state_bytes}
+    out.update({f"stage {k} saved activation bytes": v for k, v in h.saved_activation_bytes.items()})
+    return out
+
+
+def _holding_rows(plan: Plan, run: RunEntry, rank: int) -> list[RankComparison]:
+    seen = [_measured(r.holds) for r in run.ranks if r.pp == rank and r.holds is not None]
+    if not seen:
+        return []
+    return [_row(what, planned, _mean([m[what] for m in seen if what in m]), rank=rank)
+            for what, planned in _held(plan, rank).items()]
+
+
+def mismatches(plan: Plan, run: RunEntry) -> list[str]:
+    """One sentence per way a rank holds or runs something other than the plan says."""
+    c, out = plan.config, []
+    for r in run.ranks:
+        h = r.holds
+        if h is None:
+            continue
+        who = f"rank {r.rank} (pipeline {r.pp}, data {r.dp}, tensor {r.tp})"
+        got = _measured(h)
+        for what, planned in _held(plan, r.pp).items():
+            e = error(got.get(what), planned)
+            if e is not None and abs(e) > TOLERANCE:
+                out.append(f"{who}: {what} {got[what]:,.0f} held, {planned:,.0f} planned ({e:+.1%})")
+        if h.parameter_dtype != DTYPES[c.precision]:
+            out.append(f"{who}: trains in {h.parameter_dtype}, the plan in {c.precision}")
+        if h.recompute != c.recompute:
+            out.append(f"{who}: recomputes {h.recompute}, the plan {c.recompute}")
+        planned_tp = sorted({m for st in plan.partition if st.rank == r.pp for m in st.tensor_parallel})
+        if h.tensor_parallel != planned_tp:
+            extra, missing = set(h.tensor_parallel) - set(planned_tp), set(planned_tp) - set(h.tensor_parallel)
+            out.append(f"{who}: tensor-parallel layout differs from the plan (sharded but not planned: "
+                       f"{sorted(extra) or 'none'}; planned but not sharded: {sorted(missing) or 'none'})")
+    return out
+
+
 def compare(plan: Plan, metrics: MetricsDocument, skip: int = 1) -> ValidationReport:
     """Predicted against measured for the document's first run (a run of `plan`)."""
     run = metrics.runs[0]
@@ -88,12 +143,14 @@ def compare(plan: Plan, metrics: MetricsDocument, skip: int = 1) -> ValidationRe
         peaks = [s.peak_memory_bytes for s in steps if s.peak_memory_bytes is not None]
         rows.append(_row("peak memory", plan.predictions.memory[r].total, max(peaks) if peaks else None, rank=r))
         rows.extend(_fill_rows(plan, run, r))
+        rows.extend(_holding_rows(plan, run, r))
         ranks.append(RankValidation(rank=r, rows=rows))
     slowest = [max(s.iteration_s for s in step_set) for step_set in zip(*[r.steps[skip:] for r in run.ranks])]
     measured = _mean(slowest)
     it = Comparison(what="iteration (slowest rank)", predicted=plan.predictions.iteration_s, measured=measured,
                     error=error(measured, plan.predictions.iteration_s))
-    return ValidationReport(plan=run.plan, device=run.device, steps=run.steps, iteration=it, ranks=ranks)
+    return ValidationReport(plan=run.plan, device=run.device, steps=run.steps, iteration=it, ranks=ranks,
+                            mismatches=mismatches(plan, run))
 
 
 def refit(plan: Plan, metrics: MetricsDocument, skip: int = 1) -> Plan:

@@ -41,7 +41,7 @@ from passes.load import ModelFile
 from ..plan import Plan, plan_schedule
 from ..schedule import Action, Op, grid
 from .groups import Groups, make_groups, make_shared_groups
-from .optim import GradSync
+from .optim import GradSync, SavedBytes, local_tensor
 from .stage import (StageModule, TensorSpec, apply_tensor_parallel, boundary_specs, build_split,
                     implicit_replication, stage_modules)
 
@@ -178,6 +178,7 @@ class Executor:
         self._slots = slots  # tags must agree between sender and receiver: from all stages' programs
         self._mail: dict[int, torch.Tensor] = {}
         self.hold: tuple[tuple[int, int], float] | None = None  # ((pp rank, bubble id), seconds) to occupy
+        self.saved_bytes: dict[int, int] = {}  # stage -> bytes one microbatch saves for the backward (step 0)
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -234,7 +235,14 @@ class Executor:
     def _forward(self, st: _Step, k: int, mb: int) -> None:
         stage = self.stages[k]
         received = st.received.pop((k, mb), {})
-        sends, out = stage.run(received, st.inputs[mb])
+        if k in self.saved_bytes:
+            sends, out = stage.run(received, st.inputs[mb])
+        else:  # the first forward of the stage: measure what it leaves for the backward
+            with SavedBytes(self.params.values()) as probe:
+                stage.probe = probe.keep
+                sends, out = stage.run(received, st.inputs[mb])
+                stage.probe = None
+            self.saved_bytes[k] = probe.total
         if stage.program.last:
             loss = self._loss(out, st.targets[mb]) / self.m
             st.loss = loss.detach() if st.loss is None else st.loss + loss.detach()
@@ -388,7 +396,22 @@ class Executor:
         found = self._characterize(len(steps)) if self.options.characterize else None
         return {"rank": self.c.rank, "pp": self.c.pp, "dp": self.c.dp, "tp": self.c.tp,
                 "stages": sorted(self.stages), "steps": steps, "fill_report": report,
-                "fill_client": type(self.fill).__name__, "characterization": found}
+                "fill_client": type(self.fill).__name__, "characterization": found, "holds": self.holdings()}
+
+    def holdings(self) -> dict[str, Any]:
+        """What this rank holds and runs (planner.metrics.Holdings)."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        unique = {id(p): (n, p) for n, p in self.params.items()}.values()
+        sharded = sorted({n.rsplit(".", 1)[0] for n, p in unique
+                          if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)})
+        modes = {st.recompute for st in self.stages.values()}
+        return {"parameters": sum(local_tensor(p).numel() for _, p in unique),
+                "parameter_dtype": str(next(iter(unique))[1].dtype).removeprefix("torch.") if unique else "float32",
+                "optimizer_state_bytes": self.sync.state_bytes(), "tensor_parallel": sharded,
+                "recompute": "full" if "full" in modes else "selective" if "selective" in modes else "none",
+                "saved_activation_bytes": {str(k): v for k, v in sorted(self.saved_bytes.items())},
+                "overlapped_buckets": self.sync.overlapped}
 
     def _characterize(self, first_step: int) -> dict[str, Any]:
         """Every rank runs the same probe sequence: each probe is a training step whose slowest-rank

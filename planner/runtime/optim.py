@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from costmodels.comm import megatron_bucket_params
 
-__all__ = ["GradSync", "local_grad", "local_tensor"]
+__all__ = ["GradSync", "SavedBytes", "local_grad", "local_tensor"]
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -78,6 +78,7 @@ class GradSync:
         self.buckets = self._buckets(own[::-1])  # roughly the order the backward finishes them
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._armed: set[int] = set()
+        self.overlapped = 0
         if self.overlap:
             for p in own:
                 p.register_post_accumulate_grad_hook(self._ready)
@@ -118,6 +119,7 @@ class GradSync:
         for b in self.buckets:
             b.waiting, b.flat, b.work = len(b.params), None, None
         self._armed.clear()
+        self.overlapped = 0  # buckets launched during the backward this step
 
     def arm(self, params: Iterable[torch.nn.Parameter]) -> None:
         """The next backward is the last one of these parameters' stage: reduce their buckets as they finish."""
@@ -132,6 +134,7 @@ class GradSync:
         bucket.waiting -= 1
         if bucket.waiting == 0:
             self._launch(bucket, async_op=True)
+            self.overlapped += 1
 
     def _launch(self, bucket: _Bucket, async_op: bool) -> None:
         bucket.flat = torch.cat([local_grad(p).reshape(-1) for p in bucket.params])
@@ -189,6 +192,41 @@ class GradSync:
         """Bytes of optimizer state this rank holds (moments; the fp32 master shard under ZeRO-1)."""
         if self.optimizer is None:
             return 0
-        held = sum(t.numel() * t.element_size() for s in self.optimizer.state.values() for t in s.values()
-                   if isinstance(t, torch.Tensor) and t.dim() > 0)
-        return held + (self.master.numel() * self.master.element_size() if self.zero else 0)
+        held = sum(local_tensor(t).numel() * t.element_size() for s in self.optimizer.state.values()
+                   for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        lower = any(p.dtype != torch.float32 for _, p in self.named)  # the master copy is extra only then
+        return held + (self.master.numel() * self.master.element_size() if self.zero and lower else 0)
+
+
+class SavedBytes:
+    """Bytes a forward leaves for its backward: the storages autograd saves (each once, weights excluded), as
+    saved-tensor hooks see them, plus the inputs a checkpointed piece keeps (`keep`) to recompute from."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
+        self._weights = {local_tensor(p).untyped_storage().data_ptr() for p in params}
+        self._seen: set[int] = set()
+        self.total = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _count(self, t: torch.Tensor) -> None:
+        storage = local_tensor(t).untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and ptr not in self._weights and ptr not in self._seen:
+            self._seen.add(ptr)
+            self.total += storage.nbytes()
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self._count(t)
+        return t
+
+    def keep(self, args: Iterable[Any]) -> None:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                self._count(a)
+
+    def __enter__(self) -> "SavedBytes":
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._hooks.__exit__(*exc)

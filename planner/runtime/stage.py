@@ -40,7 +40,8 @@ from passes.errors import UserError
 from passes.load import ModelFile
 from passes.split import split_by
 from passes.trace import trace_model
-from passes.units import group_nodes
+from passes.costs import node_kind
+from passes.units import attention_core, group_nodes
 
 from ..plan import Plan
 
@@ -55,7 +56,7 @@ class Piece:
     index: int
     stage: int
     checkpoint: bool
-    """Run under torch.utils.checkpoint (a block unit with recompute planned)."""
+    """Run under torch.utils.checkpoint: a block (full recomputation) or its attention core (selective)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,6 +95,8 @@ class SplitModel:
     """id(parameter) -> its name in the model (the first name, for tied weights)."""
     holders: dict[str, set[int]]
     """Canonical parameter name -> pipeline ranks whose stages use it."""
+    recompute: str = "none"
+    """The plan's recomputation mode, as the checkpointed pieces run it."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,25 +106,35 @@ class SplitModel:
 def _pieces(gm: fx.GraphModule, root: nn.Module, plan: Plan) -> tuple[dict[str, int], list[Piece]]:
     """Node name -> piece index, and the pieces in graph order."""
     stage_of_unit = {name: s.stage for s in plan.partition for name in s.units}
-    # the mode says what the runtime checkpoints ('selective' runs as whole blocks: a memory-safe superset)
-    recompute = plan.config.to_config().recompute_mode.checkpoint_blocks
+    mode = plan.config.recompute  # full: each block checkpointed; selective: each block's attention core
     unit_of: dict[str, tuple[int, str, str]] = {}
+    core: set[str] = set()
     for i, (name, kind, nodes) in enumerate(group_nodes(gm, root)):
         if name not in stage_of_unit:
             raise UserError(f"the plan's partition does not place unit {name!r}; the model traced differently "
                             "than when it was planned (leaves or model arguments changed?) - re-plan")
         unit_of.update({n.name: (i, kind, name) for n in nodes})
-    keys: dict[tuple[int, int], int] = {}
+        if mode == "selective" and kind == "block":
+            core |= attention_core(nodes, kind=lambda n: node_kind(n, gm))
+    keys: dict[tuple[int, int, int], int] = {}
     part_of: dict[str, int] = {}
     pieces: list[Piece] = []
+    segment: dict[int, int] = {}  # unit -> 0 before its attention core, 1 inside, 2 after
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr", "output"):
             continue
         unit, kind, name = unit_of[node.name]
-        key = (stage_of_unit[name], unit if recompute else -1)
+        if mode == "selective":
+            seg = 1 if node.name in core else (2 if segment.get(unit, 0) >= 1 else 0)
+            segment[unit] = seg
+            key = (stage_of_unit[name], unit, seg)
+            ckpt = seg == 1
+        else:
+            key = (stage_of_unit[name], unit if mode == "full" else -1, 0)
+            ckpt = mode == "full" and kind == "block"
         if key not in keys:
             keys[key] = len(pieces)
-            pieces.append(Piece(index=len(pieces), stage=key[0], checkpoint=recompute and kind == "block"))
+            pieces.append(Piece(index=len(pieces), stage=key[0], checkpoint=ckpt))
         part_of[node.name] = keys[key]
     return part_of, pieces
 
@@ -188,7 +201,8 @@ def build_split(model: nn.Module, plan: Plan) -> SplitModel:
     for prog in programs:
         for param in _program_params(split, prog):
             holders.setdefault(canonical[id(param)], set()).add(prog.rank)
-    return SplitModel(split=split, pieces=pieces, programs=programs, canonical=canonical, holders=holders)
+    return SplitModel(split=split, pieces=pieces, programs=programs, canonical=canonical, holders=holders,
+                      recompute=plan.config.recompute)
 
 
 def _program_params(split: fx.GraphModule, prog: StageProgram) -> list[nn.Parameter]:
@@ -309,6 +323,8 @@ class StageModule(nn.Module):
         """Local parameter name -> canonical name in the model."""
         self.tp_mesh = None
         self._replicate: dict[str, set[str]] = {}
+        self.probe: Callable[[tuple[Any, ...]], None] | None = None  # sees the inputs a checkpoint keeps
+        self.recompute = split.recompute if self._checkpointed else "none"
 
     def run(self, received: dict[str, Any], data: Sequence[Any]) -> tuple[list[Any], Any]:
         """Evaluate the stage: returns (values to send, model output or None)."""
@@ -346,6 +362,8 @@ class StageModule(nn.Module):
             interp = _ReplicatingInterpreter(self.pieces[name], self._replicate.setdefault(name, set()))
             fn = interp.run
         if name in self._checkpointed and torch.is_grad_enabled():
+            if self.probe is not None:
+                self.probe(args)
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
 

@@ -1,0 +1,108 @@
+"""The runtime holds and runs what the plan prices (real torchrun, gloo, 2 processes): tensor-parallel
+parameter counts, the sharded optimizer, recomputation modes, and `planner validate` flagging what differs."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from planner.metrics import load_metrics
+from planner.validate import compare, mismatches
+
+from ._util import GPT, gpt_args, plan_file, reference, torchrun
+
+pytestmark = pytest.mark.multiprocess
+
+B, STEPS, LR = 4, 3, 1e-3
+CASES = {  # name: pins; all on GPT tiny with 2 layers, 2 processes
+    "t2": dict(t=2, p=1, d=1, b=2, v=1, schedule="1f1b"),
+    "d2": dict(t=1, p=1, d=2, b=2, v=1, schedule="1f1b"),
+    "d2_zero": dict(t=1, p=1, d=2, b=2, v=1, schedule="1f1b", zero=1, overlap=True),
+    "none": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", recompute="none"),
+    "selective": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", recompute="selective"),
+    "full": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", recompute="full"),
+}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("fidelity")
+    plans = {n: plan_file(tmp / f"{n}.json", GPT, gpt_args(2), gpus=2, global_batch=B, **pins)
+             for n, pins in CASES.items()}
+    proc = torchrun(2, [*(str(tmp / f"{n}.json") for n in CASES), "--steps", str(STEPS), "--optimizer", "adam",
+                        "--lr", str(LR), "--no-fill", "--metrics", str(tmp / "metrics.json"),
+                        "--dump-params", str(tmp / "dump")], cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    doc = load_metrics(tmp / "metrics.json")
+    return {"dir": tmp, "plans": plans, "runs": dict(zip(CASES, doc.runs))}
+
+
+def _holds(run: dict, name: str):
+    return [r.holds for r in run["runs"][name].ranks]
+
+
+def _dump(run: dict, name: str, rank: int) -> dict:
+    return torch.load(run["dir"] / "dump" / str(list(CASES).index(name)) / f"rank{rank}.pt")
+
+
+def test_each_tensor_parallel_rank_holds_exactly_the_plans_parameters(run):
+    plan = run["plans"]["t2"]
+    planned = plan.predictions.memory[0].weights / 4  # fp32
+    every = {f"layers.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")}
+    for h in _holds(run, "t2"):
+        assert h.parameters == planned
+        assert set(h.tensor_parallel) == every == set(plan.partition[0].tensor_parallel)
+    # half of every attention and MLP weight (and of the column-parallel biases) left on each rank
+    full = _dump(run, "d2", 0)["params"]
+    halved = sum(p.numel() for n, p in full.items() if n.rsplit(".", 1)[0] in every
+                 and (n.endswith("weight") or plan.partition[0].tensor_parallel[n.rsplit(".", 1)[0]] == "colwise"))
+    assert _holds(run, "t2")[0].parameters == _holds(run, "d2")[0].parameters - halved // 2
+
+
+def test_zero1_matches_replicated_adam_and_holds_one_dth_of_its_state(run):
+    for rank in range(2):
+        plain, zero = _dump(run, "d2", rank)["params"], _dump(run, "d2_zero", rank)["params"]
+        for name, value in plain.items():
+            assert torch.allclose(zero[name], value, rtol=0, atol=1e-5), name
+    assert run["runs"]["d2"].loss == pytest.approx(run["runs"]["d2_zero"].loss, abs=1e-6)
+    ref = reference(GPT, gpt_args(2), global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
+    assert run["runs"]["d2_zero"].loss == pytest.approx(ref["loss"], abs=1e-5)
+    full = _holds(run, "d2")[0].optimizer_state_bytes
+    for h in _holds(run, "d2_zero"):
+        assert h.optimizer_state_bytes == pytest.approx(full / 2, abs=8)  # padding to a multiple of d
+        assert h.overlapped_buckets >= 1  # reduced during the backward, not after it
+    for name in ("d2", "d2_zero"):
+        assert not mismatches(run["plans"][name], run["runs"][name])
+
+
+def test_selective_recomputation_saves_between_none_and_full_as_planned(run):
+    ref = reference(GPT, gpt_args(2), global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
+    saved = {}
+    for mode in ("none", "selective", "full"):
+        holds = _holds(run, mode)
+        assert {h.recompute for h in holds} == {mode}
+        saved[mode] = [holds[r].saved_activation_bytes[str(r)] for r in range(2)]
+        planned = [st.activation_bytes for st in run["plans"][mode].partition]
+        assert run["runs"][mode].loss == pytest.approx(ref["loss"], abs=1e-5)  # recomputation changes no number
+        if mode != "full":  # full keeps only block inputs: a few KiB, where the embedding's own saves dominate
+            assert saved[mode] == pytest.approx(planned, rel=0.05)
+    for r in range(2):
+        assert saved["none"][r] > saved["selective"][r] > saved["full"][r]
+
+
+def test_validate_flags_a_planted_mismatch(run):
+    plan, metrics = run["plans"]["d2"], run["runs"]["d2"]
+    assert not compare(plan, _doc(metrics)).mismatches
+    mem = plan.predictions.memory[0].model_copy(update={"optimizer": plan.predictions.memory[0].optimizer / 2})
+    planted = plan.model_copy(update={"predictions": plan.predictions.model_copy(update={"memory": [mem]})})
+    found = compare(planted, _doc(metrics)).mismatches
+    assert len(found) == 2 and all("optimizer state bytes" in f and "(+100.0%)" in f for f in found)
+    stage = plan.partition[0].model_copy(update={"tensor_parallel": {"blocks.0.mlp.fc1": "colwise"}})
+    assert any("tensor-parallel layout" in f for f in mismatches(plan.model_copy(update={"partition": [stage]}), metrics))
+    fp16 = plan.model_copy(update={"config": plan.config.model_copy(update={"precision": "fp16"})})
+    assert any("trains in float32, the plan in fp16" in f for f in mismatches(fp16, metrics))
+
+
+def _doc(entry):
+    from planner.metrics import MetricsDocument
+
+    return MetricsDocument(runs=[entry])
