@@ -257,7 +257,8 @@ class RunEntry(_Model):
     optimizer: Literal["adam", "sgd"]
     lr: float = Field(description="learning rate")
     seed: int = Field(description="torch.manual_seed before build_model on every rank")
-    dtype: Literal["float32"] = Field(description="precision the runtime trains in (the plan's is for planning)")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(description="dtype of the parameters and activations "
+                                                             "the runtime trains in (the plan's precision)")
     loss: list[float] = Field(description="per step, from the last pipeline rank (dp 0, tp 0)")
     predicted_iteration_s: float = Field(description="the plan's predicted iteration on its target, seconds")
     ranks: list[RankRecord] = Field(min_length=1, description="per global rank, in order")

@@ -190,7 +190,7 @@ def _run_entry(c: CheckedPlan, ranks: list[dict[str, Any]], args: argparse.Names
     return RunEntry.model_validate({
         "plan": str(c.path), "config": cfg.model_dump(), "world": len(ranks), "device": device,
         "steps": args.steps, "fill": not args.no_fill, "optimizer": args.optimizer, "lr": args.lr,
-        "seed": args.seed, "dtype": "float32",
+        "seed": args.seed, "dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.precision, "float32"),
         "loss": [s["loss"] for s in last["steps"]],
         "predicted_iteration_s": c.plan.predictions.iteration_s,
         "ranks": sorted(ranks, key=lambda r: r["rank"])})

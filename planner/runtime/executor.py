@@ -179,6 +179,8 @@ class Executor:
         self._mail: dict[int, torch.Tensor] = {}
         self.hold: tuple[tuple[int, int], float] | None = None  # ((pp rank, bubble id), seconds) to occupy
         self.saved_bytes: dict[int, int] = {}  # stage -> bytes one microbatch saves for the backward (step 0)
+        self.dtype = DTYPES[self.cfg.precision]
+        self.scaler = LossScaler() if self.dtype == torch.float16 else None
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -228,7 +230,10 @@ class Executor:
         elif op is Op.OPT:
             self._end_bubble(st)
             with implicit_replication(self.tp):
-                self.sync.step()
+                if self.scaler is None:
+                    self.sync.step()
+                elif self.scaler.update(self.sync.finite()):
+                    self.sync.step(self.scaler.applied)
         elif op is Op.BUBBLE:
             self._begin_bubble(st, a.mb)
 
@@ -252,14 +257,17 @@ class Executor:
             st.out_acts[(k, mb)] = [s.detach() if isinstance(s, torch.Tensor) else s for s in sends]
 
     def _loss(self, output: Any, targets: Any) -> torch.Tensor:
-        return self.mf.module.loss_fn(output, targets)  # not ModelFile.call: no model kwargs
+        """The model file's loss, in fp32 whatever the precision (not ModelFile.call: no model kwargs)."""
+        output = torch.utils._pytree.tree_map(
+            lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x, output)
+        return self.mf.module.loss_fn(output, targets)
 
     def _backward(self, st: _Step, k: int, mb: int) -> None:
         stage = self.stages[k]
         received, outs = st.saved.pop((k, mb))
         with implicit_replication(self.tp):
             if stage.program.last:
-                outs.backward()
+                (outs * self.scaler.scale if self.scaler else outs).backward()
             else:
                 grads = st.out_grads.pop((k, mb))
                 pairs = [(o, g) for o, g in zip(self._grad_values(stage.program.send, outs), grads)
@@ -368,8 +376,8 @@ class Executor:
         inputs, targets = self.mf.call("sample_batch", B, step)
         inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
         lo = self.c.dp * (B // d)
-        take = lambda x, i: x[lo + i * b: lo + (i + 1) * b].to(self.options.device) \
-            if isinstance(x, torch.Tensor) else x  # noqa: E731
+        take = lambda x, i: x[lo + i * b: lo + (i + 1) * b].to(  # noqa: E731 - floating inputs in the precision
+            self.options.device, self.dtype if x.is_floating_point() else x.dtype) if isinstance(x, torch.Tensor) else x
         return ([tuple(take(x, i) for x in inputs) for i in range(self.m)], [take(targets, i) for i in range(self.m)])
 
     def _sync(self) -> None:
@@ -460,13 +468,37 @@ class Executor:
         torch.save({"params": params, "grads": grads, "coords": [self.c.pp, self.c.dp, self.c.tp]}, path)
 
 
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""Plan precision -> the dtype the runtime's parameters and activations take."""
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16 (as torch.amp.GradScaler and Megatron do): the loss is multiplied by
+    `scale` before the backward; a step whose gradients overflow anywhere is skipped and the scale halved;
+    after `window` good steps it doubles."""
+
+    def __init__(self, scale: float = 2.0 ** 16, window: int = 1000) -> None:
+        self.scale, self.window, self.good, self.applied = scale, window, 0, scale
+
+    def update(self, finite: bool) -> bool:
+        """After the backward: whether to step (with the scale the gradients carry, `applied`)."""
+        self.applied = self.scale
+        if not finite:
+            self.scale, self.good = self.scale / 2, 0
+            return False
+        self.good += 1
+        if self.good % self.window == 0:
+            self.scale *= 2
+        return True
+
+
 def prepare(plan: Plan, model_file: ModelFile, options: RunOptions) -> Executor:
     """Build groups, model, stages and optimizer for this rank (collective: every rank calls it)."""
     c = plan.config.to_config()
     groups = make_groups(device_type="cuda" if options.device.startswith("cuda") else "cpu",
                          pp=c.pp, dp=c.dp, tp=c.tp)
     torch.manual_seed(options.seed)
-    model = model_file.build(options.device, torch.float32)
+    model = model_file.build(options.device, torch.float32).to(DTYPES[c.precision])  # fp32 init, then rounded
     model.train()
     split = build_split(model, plan)
     make_shared_groups(groups, split.holders)

@@ -4,6 +4,9 @@
   (`costmodels.comm.megatron_bucket_params`). With ``overlap_grad_reduce`` a bucket's all-reduce is
   launched asynchronously during the last microbatch's backward of its stage, as soon as every
   gradient in it is final (DDP and Megatron-Core do the same); the ``ALLREDUCE`` action only waits.
+- Parameters in bf16 or fp16 are stepped through fp32 master weights (a copy of each, or of the rank's
+  shard under ZeRO-1) and copied back rounded, as Megatron's mixed-precision optimizer does; gradients
+  accumulate and are reduced in the parameters' dtype.
 - With ``zero`` = 1 (ZeRO-1, Megatron's distributed optimizer) each data-parallel rank holds an fp32
   copy of 1/d of the flattened parameters and the optimizer state for it, steps that shard, and the
   updated shards are all-gathered into every replica's parameters. Adam and SGD are elementwise, so
@@ -83,6 +86,8 @@ class GradSync:
             for p in own:
                 p.register_post_accumulate_grad_hook(self._ready)
         opt = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
+        self.lower = any(p.dtype != torch.float32 for _, p in self.named)  # bf16/fp16: fp32 master weights
+        self.masters: list[torch.nn.Parameter] = []
         if self.zero:
             sizes = [local_tensor(p).numel() for _, p in self.named]
             total = sum(sizes)
@@ -95,6 +100,9 @@ class GradSync:
             lo = dp_rank * self.shard_len
             self.master = torch.nn.Parameter(flat[lo:lo + self.shard_len].clone())
             self.optimizer = opt([self.master], lr=lr)
+        elif self.lower:
+            self.masters = [torch.nn.Parameter(local_tensor(p).detach().float().clone()) for _, p in self.named]
+            self.optimizer = opt(self.masters, lr=lr) if self.masters else None
         else:
             ps = [p for _, p in self.named]
             self.optimizer = opt(ps, lr=lr) if ps else None  # a stage may hold no weights
@@ -112,6 +120,16 @@ class GradSync:
         return out
 
     # -- during the step -------------------------------------------------------------------------
+
+    def finite(self) -> bool:
+        """Every gradient of every rank is finite (fp16 loss scaling skips the step otherwise)."""
+        bad = torch.tensor([0.0])
+        for _, p in self.named:
+            if p.grad is not None and not torch.isfinite(local_grad(p)).all():
+                bad.fill_(1.0)
+                break
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        return not bad.item()
 
     def zero_grad(self) -> None:
         for _, p in self.named:
@@ -162,16 +180,29 @@ class GradSync:
                 g.copy_(b.flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
 
-    def step(self) -> None:
-        """The OPT action."""
+    def step(self, scale: float = 1.0) -> None:
+        """The OPT action; gradients are divided by `scale` first (fp16 loss scaling)."""
         if self.optimizer is None:
             return
+        if self.masters:  # fp32 master weights of bf16/fp16 parameters: step them, copy back rounded
+            with torch.no_grad():
+                for (_, p), m in zip(self.named, self.masters):
+                    m.grad = local_grad(p).float() / scale
+            self.optimizer.step()
+            with torch.no_grad():
+                for (_, p), m in zip(self.named, self.masters):
+                    local_tensor(p).copy_(m)
+            return
         if not self.zero:
+            if scale != 1.0:
+                with torch.no_grad():
+                    for _, p in self.named:
+                        local_grad(p).div_(scale)
             self.optimizer.step()
             return
         lo = self.rank * self.shard_len
         with torch.no_grad():
-            grads = torch.cat([local_grad(p).reshape(-1).float() for _, p in self.named])
+            grads = torch.cat([local_grad(p).reshape(-1).float() for _, p in self.named]) / scale
             g = torch.zeros(self.shard_len, dtype=torch.float32, device=grads.device)
             part = grads[lo:lo + self.shard_len]
             g[:part.numel()] = part
@@ -194,8 +225,8 @@ class GradSync:
             return 0
         held = sum(local_tensor(t).numel() * t.element_size() for s in self.optimizer.state.values()
                    for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-        lower = any(p.dtype != torch.float32 for _, p in self.named)  # the master copy is extra only then
-        return held + (self.master.numel() * self.master.element_size() if self.zero and lower else 0)
+        masters = [self.master] if self.zero else self.masters
+        return held + (sum(m.numel() * m.element_size() for m in masters) if self.lower else 0)
 
 
 class SavedBytes:

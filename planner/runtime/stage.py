@@ -228,11 +228,13 @@ def _attr(module: nn.Module, target: str) -> Any:
 
 def boundary_specs(model_file: ModelFile, plan: Plan) -> dict[str, TensorSpec | Any]:
     """Shape pass on the meta device: every top-level value of one microbatch (b samples)."""
-    meta = model_file.build("meta", torch.float32)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.config.precision, torch.float32)
+    meta = model_file.build("meta", torch.float32).to(dtype)  # boundary tensors take the precision's dtype
     meta.train()
     split, _ = _trace_split(meta, plan)
     inputs, _ = model_file.call("sample_batch", plan.config.microbatch, 0)
-    inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
+    inputs = tuple(x.to("meta", dtype if x.is_floating_point() else x.dtype) if isinstance(x, torch.Tensor) else x
+                   for x in inputs)
     interp = fx.Interpreter(split, garbage_collect_values=False)
     with torch.no_grad():
         interp.run(*inputs)

@@ -26,11 +26,11 @@ def gpt_args(layers: int = 4) -> dict[str, Any]:
 
 def plan_file(path: Path, model: Path, model_args: dict[str, Any], *, gpus: int, global_batch: int,
               t: int, p: int, d: int, b: int, v: int, schedule: str, recompute: str = "none", zero: int = 0,
-              overlap: bool = False) -> Plan:
+              overlap: bool = False, precision: str = "fp32") -> Plan:
     plan, _ = make_plan(str(model), gpus=gpus, global_batch=global_batch, target="a100-80gb", gpus_per_node=gpus,
                         model_args=model_args,
                         pins=Pins(tp=t, pp=p, dp=d, b=b, v=v, schedule=schedule, recompute=recompute, sp=False, cp=1,
-                                  precision="fp32", zero=zero, overlap_grad_reduce=overlap))
+                                  precision=precision, zero=zero, overlap_grad_reduce=overlap))
     c = plan.config
     assert (c.tp, c.pp, c.dp, c.microbatch, c.vp, c.schedule, c.zero) == (t, p, d, b, v, schedule, zero)
     save_plan(plan, path)
@@ -59,20 +59,31 @@ def exit_codes(text: str) -> dict[int, int]:
 
 
 def reference(model: Path, model_args: dict[str, Any], *, global_batch: int, steps: int, optimizer: str,
-              lr: float, seed: int = 0) -> dict[str, Any]:
-    """Single-process training on the full global batch: losses, final parameters and gradients."""
+              lr: float, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+    """Single-process training on the full global batch: losses, final parameters and gradients. Under
+    bf16/fp16 the model runs in that dtype (initialised in fp32, then rounded) and the optimizer steps fp32
+    master weights, the loss in fp32 (mixed precision as Megatron runs it)."""
     mf = load_model_file(model, model_args)
     torch.manual_seed(seed)
-    net = mf.build("cpu", torch.float32)
+    net = mf.build("cpu", torch.float32).to(dtype)
     net.train()
-    opt = (torch.optim.Adam if optimizer == "adam" else torch.optim.SGD)(net.parameters(), lr=lr)
+    masters = [torch.nn.Parameter(p.detach().float().clone()) for p in net.parameters()] \
+        if dtype != torch.float32 else list(net.parameters())
+    opt = (torch.optim.Adam if optimizer == "adam" else torch.optim.SGD)(masters, lr=lr)
     losses = []
     for step in range(steps):
-        opt.zero_grad(set_to_none=True)
+        net.zero_grad(set_to_none=True)
         inputs, targets = mf.call("sample_batch", global_batch, step)
-        loss = mf.module.loss_fn(net(*inputs), targets)
+        loss = mf.module.loss_fn(net(*inputs).float(), targets)
         loss.backward()
+        if dtype != torch.float32:
+            for p, m in zip(net.parameters(), masters):
+                m.grad = p.grad.float()
         opt.step()
+        if dtype != torch.float32:
+            with torch.no_grad():
+                for p, m in zip(net.parameters(), masters):
+                    p.copy_(m)
         losses.append(loss.item())
     return {"loss": losses, "params": {n: p.detach().clone() for n, p in net.named_parameters()},
             "grads": {n: p.grad.clone() for n, p in net.named_parameters()}}
