@@ -6,7 +6,8 @@
   gradient in it is final (DDP and Megatron-Core do the same); the ``ALLREDUCE`` action only waits.
 - Parameters in bf16 or fp16 are stepped through fp32 master weights (a copy of each, or of the rank's
   shard under ZeRO-1) and copied back rounded, as Megatron's mixed-precision optimizer does; gradients
-  accumulate and are reduced in the parameters' dtype.
+  accumulate and are reduced in the parameters' dtype, or in fp32 buffers under ``grad_fp32`` (Megatron's
+  main_grad with --accumulate-allreduce-grads-in-fp32).
 - With ``zero`` = 1 (ZeRO-1, Megatron's distributed optimizer) each data-parallel rank holds an fp32
   copy of 1/d of the flattened parameters and the optimizer state for it, steps that shard, and the
   updated shards are all-gathered into every replica's parameters. Adam and SGD are elementwise, so
@@ -67,7 +68,7 @@ class GradSync:
     """One rank's gradient reduction and optimizer (see the module docstring)."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter], *, shared: Iterable[str], dp_group: Any, dp_size: int,
-                 dp_rank: int, zero: bool, overlap: bool, optimizer: str, lr: float) -> None:
+                 dp_rank: int, zero: bool, overlap: bool, optimizer: str, lr: float, grad_fp32: bool = False) -> None:
         self.group, self.d, self.rank = dp_group, dp_size, dp_rank
         unique: dict[int, tuple[str, torch.nn.Parameter]] = {}
         for name, p in params.items():
@@ -82,9 +83,13 @@ class GradSync:
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._armed: set[int] = set()
         self.overlapped = 0
-        if self.overlap:
-            for p in own:
-                p.register_post_accumulate_grad_hook(self._ready)
+        # fp32 gradient accumulation (Megatron's main_grad): each microbatch's gradient is added to an fp32
+        # buffer and the parameter's own gradient dropped; the reduction and the step read the buffers
+        self.main = {id(p): torch.zeros_like(local_tensor(p), dtype=torch.float32) for _, p in self.named} \
+            if grad_fp32 and any(p.dtype != torch.float32 for _, p in self.named) else None
+        if self.overlap or self.main is not None:
+            for _, p in self.named:
+                p.register_post_accumulate_grad_hook(self._accumulated)
         opt = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
         self.lower = any(p.dtype != torch.float32 for _, p in self.named)  # bf16/fp16: fp32 master weights
         self.masters: list[torch.nn.Parameter] = []
@@ -125,7 +130,7 @@ class GradSync:
         """Every gradient of every rank is finite (fp16 loss scaling skips the step otherwise)."""
         bad = torch.tensor([0.0])
         for _, p in self.named:
-            if p.grad is not None and not torch.isfinite(local_grad(p)).all():
+            if (p.grad is not None or self.main is not None) and not torch.isfinite(self.grad(p)).all():
                 bad.fill_(1.0)
                 break
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
@@ -134,6 +139,8 @@ class GradSync:
     def zero_grad(self) -> None:
         for _, p in self.named:
             p.grad = None
+        for buf in (self.main or {}).values():
+            buf.zero_()
         for b in self.buckets:
             b.waiting, b.flat, b.work = len(b.params), None, None
         self._armed.clear()
@@ -144,7 +151,15 @@ class GradSync:
         if self.overlap:
             self._armed.update(id(p) for p in params if id(p) in self._bucket_of)
 
-    def _ready(self, p: torch.nn.Parameter) -> None:
+    def grad(self, p: torch.nn.Parameter) -> torch.Tensor:
+        """The rank's accumulated gradient of p: the fp32 buffer under grad_fp32, else p's own."""
+        return self.main[id(p)] if self.main is not None else local_grad(p)
+
+    def _accumulated(self, p: torch.nn.Parameter) -> None:
+        if self.main is not None:
+            with torch.no_grad():
+                self.main[id(p)] += local_grad(p)
+            p.grad = None
         if id(p) not in self._armed:
             return
         self._armed.discard(id(p))
@@ -155,19 +170,19 @@ class GradSync:
             self.overlapped += 1
 
     def _launch(self, bucket: _Bucket, async_op: bool) -> None:
-        bucket.flat = torch.cat([local_grad(p).reshape(-1) for p in bucket.params])
+        bucket.flat = torch.cat([self.grad(p).reshape(-1) for p in bucket.params])
         bucket.work = dist.all_reduce(bucket.flat, group=self.group, async_op=async_op)
 
     def reduce(self, shared_groups: dict[str, Any], names: dict[int, str]) -> None:
         """The ALLREDUCE action: shared parameters over their embedding group, then every bucket not yet
         launched; wait for all and write the averages back."""
         for p in self.shared:
-            dist.all_reduce(local_grad(p), group=shared_groups[names[id(p)]])
+            dist.all_reduce(self.grad(p), group=shared_groups[names[id(p)]])
         buckets = self.buckets + ([_Bucket(self.shared)] if self.shared else [])
         for b in buckets:
             if self.d == 1:
                 for p in b.params:
-                    local_grad(p)
+                    self.grad(p)
                 continue
             if b.flat is None:
                 self._launch(b, async_op=False)
@@ -176,7 +191,7 @@ class GradSync:
             b.flat /= self.d
             offset = 0
             for p in b.params:
-                g = local_grad(p)
+                g = self.grad(p)
                 g.copy_(b.flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
 
@@ -187,7 +202,7 @@ class GradSync:
         if self.masters:  # fp32 master weights of bf16/fp16 parameters: step them, copy back rounded
             with torch.no_grad():
                 for (_, p), m in zip(self.named, self.masters):
-                    m.grad = local_grad(p).float() / scale
+                    m.grad = self.grad(p).float() / scale
             self.optimizer.step()
             with torch.no_grad():
                 for (_, p), m in zip(self.named, self.masters):
@@ -197,12 +212,12 @@ class GradSync:
             if scale != 1.0:
                 with torch.no_grad():
                     for _, p in self.named:
-                        local_grad(p).div_(scale)
+                        self.grad(p).div_(scale)
             self.optimizer.step()
             return
         lo = self.rank * self.shard_len
         with torch.no_grad():
-            grads = torch.cat([local_grad(p).reshape(-1).float() for _, p in self.named]) / scale
+            grads = torch.cat([self.grad(p).reshape(-1).float() for _, p in self.named]) / scale
             g = torch.zeros(self.shard_len, dtype=torch.float32, device=grads.device)
             part = grads[lo:lo + self.shard_len]
             g[:part.numel()] = part

@@ -22,6 +22,7 @@ CASES = {  # name: pins; all on GPT tiny with 2 layers, 2 processes
     "full": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", recompute="full"),
     "bf16_p2": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", precision="bf16"),
     "bf16_d2_zero": dict(t=1, p=1, d=2, b=2, v=1, schedule="1f1b", zero=1, overlap=True, precision="bf16"),
+    "bf16_p2_fp32_grads": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", precision="bf16", grad_fp32=True),
 }
 
 
@@ -113,7 +114,7 @@ def _doc(entry):
 def test_bf16_plans_train_in_bf16_with_fp32_master_weights_and_match_a_bf16_single_process(run):
     ref = reference(GPT, gpt_args(2), global_batch=B, steps=STEPS, optimizer="adam", lr=LR, dtype=torch.bfloat16)
     fp32 = reference(GPT, gpt_args(2), global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
-    for name in ("bf16_p2", "bf16_d2_zero"):
+    for name in ("bf16_p2", "bf16_d2_zero", "bf16_p2_fp32_grads"):
         entry = run["runs"][name]
         assert entry.dtype == "bfloat16" and {h.parameter_dtype for h in _holds(run, name)} == {"bfloat16"}
         # microbatches accumulate bf16 gradients where the reference takes one backward: bf16 rounding apart

@@ -115,7 +115,6 @@ def test_check_plan_accepts_good_plan(small_plan: Path) -> None:
     (lambda d: d["actions"][1].remove("1RECV_F0"), 2, "(1F0): needs 1RECV_F0 earlier on rank 1"),
     (lambda d: (d["config"].update(cp=2), d["source"].update(gpus=4), d["launch"].update(nproc_per_node=4)), 4,
      "context parallelism (cp=2), which this runtime does not run yet"),
-    (lambda d: d["config"].update(grad_fp32=True), 2, "fp32 gradient accumulation"),
     (lambda d: d["config"].update(vp=2), 2, "field config: schedule 1f1b with pp=2 v=2"),
 ])
 def test_check_plan_rejects(small_plan: Path, tmp_path: Path, edit, world: int, message: str) -> None:
