@@ -412,7 +412,8 @@ class Executor:
 
         unique = {id(p): (n, p) for n, p in self.params.items()}.values()
         sharded = sorted({n.rsplit(".", 1)[0] for n, p in unique
-                          if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)})
+                          if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)}
+                         | {m for st in self.stages.values() for m in st.tp_sharded})
         modes = {st.recompute for st in self.stages.values()}
         return {"parameters": sum(local_tensor(p).numel() for _, p in unique),
                 "parameter_dtype": str(next(iter(unique))[1].dtype).removeprefix("torch.") if unique else "float32",
@@ -459,11 +460,17 @@ class Executor:
         """Debug: this rank's parameters and gradients, full tensors under canonical names."""
         from torch.distributed.tensor import DTensor
 
-        full = lambda t: (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()  # noqa: E731
+        gather = {k: f for st in self.stages.values() for k, f in st.tp_full.items()}
+
+        def full(t: torch.Tensor, owner: torch.nn.Parameter) -> torch.Tensor:
+            if id(owner) in gather:  # a Megatron-layout shard: gathered in the model's order
+                t = gather[id(owner)](t.detach())
+            return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+
         params, grads = {}, {}
         for name, p in self.params.items():
-            params[name] = full(p)
-            grads[name] = full(p.grad) if p.grad is not None else None
+            params[name] = full(p, p)
+            grads[name] = full(p.grad, p) if p.grad is not None else None
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"params": params, "grads": grads, "coords": [self.c.pp, self.c.dp, self.c.tp]}, path)
 
@@ -502,11 +509,12 @@ def prepare(plan: Plan, model_file: ModelFile, options: RunOptions) -> Executor:
     model.train()
     split = build_split(model, plan)
     make_shared_groups(groups, split.holders)
-    specs = boundary_specs(model_file, plan)
+    inner: dict[str, dict[str, Any]] | None = {} if c.tp > 1 else None
+    specs = boundary_specs(model_file, plan, inner)
     constants = {k: v for k, v in specs.items() if not isinstance(v, TensorSpec)}
     stages = stage_modules(split, groups.coords.pp, constants)
     if c.tp > 1:
-        apply_tensor_parallel(stages, plan, model, groups.tp_mesh)
+        apply_tensor_parallel(stages, plan, model, groups.tp_mesh, inner)
     slots = 1 + max(len(p.send) for p in split.programs)
     return Executor(plan=plan, model_file=model_file, groups=groups, stages=stages, specs=specs, slots=slots,
                     options=options)

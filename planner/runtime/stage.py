@@ -226,8 +226,10 @@ def _attr(module: nn.Module, target: str) -> Any:
     return getattr(module, leaf)
 
 
-def boundary_specs(model_file: ModelFile, plan: Plan) -> dict[str, TensorSpec | Any]:
-    """Shape pass on the meta device: every top-level value of one microbatch (b samples)."""
+def boundary_specs(model_file: ModelFile, plan: Plan,
+                   inner: dict[str, dict[str, Any]] | None = None) -> dict[str, TensorSpec | Any]:
+    """Shape pass on the meta device: every top-level value of one microbatch (b samples). With `inner`,
+    also every value inside each piece: piece name -> node name -> shape (tensors) or value (ints)."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.config.precision, torch.float32)
     meta = model_file.build("meta", torch.float32).to(dtype)  # boundary tensors take the precision's dtype
     meta.train()
@@ -235,11 +237,29 @@ def boundary_specs(model_file: ModelFile, plan: Plan) -> dict[str, TensorSpec | 
     inputs, _ = model_file.call("sample_batch", plan.config.microbatch, 0)
     inputs = tuple(x.to("meta", dtype if x.is_floating_point() else x.dtype) if isinstance(x, torch.Tensor) else x
                    for x in inputs)
-    interp = fx.Interpreter(split, garbage_collect_values=False)
+    interp = _InnerShapes(split, inner) if inner is not None else fx.Interpreter(split, garbage_collect_values=False)
     with torch.no_grad():
         interp.run(*inputs)
     return {node.name: (TensorSpec(shape=tuple(v.shape), dtype=v.dtype) if isinstance(v, torch.Tensor) else v)
             for node, v in interp.env.items()}
+
+
+class _InnerShapes(fx.Interpreter):
+    """Runs the split, recording what each piece computes inside (shapes of tensors, ints as they are)."""
+
+    def __init__(self, split: fx.GraphModule, out: dict[str, dict[str, Any]]) -> None:
+        super().__init__(split, garbage_collect_values=False)
+        self.out = out
+
+    def call_module(self, target: Any, args: Any, kwargs: Any) -> Any:
+        piece = self.fetch_attr(str(target))
+        if not isinstance(piece, fx.GraphModule):
+            return super().call_module(target, args, kwargs)
+        sub = fx.Interpreter(piece, garbage_collect_values=False)
+        result = sub.run(*args)
+        self.out[str(target)] = {n.name: (tuple(v.shape) if isinstance(v, torch.Tensor) else v)
+                                 for n, v in sub.env.items()}
+        return result
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,6 +346,8 @@ class StageModule(nn.Module):
         self.tp_mesh = None
         self._replicate: dict[str, set[str]] = {}
         self.probe: Callable[[tuple[Any, ...]], None] | None = None  # sees the inputs a checkpoint keeps
+        self.tp_sharded: set[str] = set()  # modules split Megatron's way (megatron_tp), on local tensors
+        self.tp_full: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # id(param) -> gather of the whole
         self.recompute = split.recompute if self._checkpointed else "none"
 
     def run(self, received: dict[str, Any], data: Sequence[Any]) -> tuple[list[Any], Any]:
@@ -400,10 +422,69 @@ def stage_modules(split: SplitModel, pipeline_rank: int, constants: dict[str, An
 # Tensor parallelism
 
 
-def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module, tp_mesh: Any) -> None:
-    """Shard the plan's linears over ``tp_mesh``; every other parameter becomes a replicated DTensor.
+def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module, tp_mesh: Any,
+                          shapes: dict[str, dict[str, Any]] | None = None) -> None:
+    """Shard the plan's linears over ``tp_mesh``.
 
-    A parameter shared by two stages of this rank stays one object (memo by identity)."""
+    First choice, Megatron's layout on local tensors (planner.runtime.megatron_tp): attention split by heads,
+    the MLP by its hidden features, every other weight replicated; it needs the pieces' meta `shapes`
+    (boundary_specs with `inner`). Where a piece does something to a sharded tensor that layout's rules do not
+    know, every stage falls back to DTensor: the plan's linears get ``ColwiseParallel`` / ``RowwiseParallel``,
+    every other parameter becomes a replicated DTensor, and an op whose sharding DTensor cannot propagate runs
+    replicated (attention then runs whole on every rank).
+    """
+    from .megatron_tp import apply_shards, plan_shards
+
+    paths = {id(m): path for path, m in root.named_modules()}
+    heads = {v for k, v in (plan.source.model_shape or {}).items() if k in ("heads", "kv_heads") and v}
+    t, rank, group = tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh.get_group()
+    colwise: dict[str, int] = {}
+    work = []
+    for st in stages if shapes is not None else ():
+        styles = plan.partition[st.index].tensor_parallel
+        top: dict[str, tuple[int, str]] = {}  # top-level value -> (sharded dim, its linear): pieces pass them on
+        for node in st._nodes:
+            if node.op == "call_function" and node.args and isinstance(top.get(getattr(node.args[0], "name", "")), list):
+                item = top[node.args[0].name][node.args[1]]  # getitem of a piece's tuple of results
+                if item is not None:
+                    top[node.name] = item
+                continue
+            if node.op != "call_module":
+                continue
+            piece = st.pieces[str(node.target)]
+            mine = {paths[id(m)]: styles[paths[id(m)]] for m in piece.modules() if paths.get(id(m)) in styles}
+            given = [top.get(a.name) if isinstance(a, fx.Node) else None for a in node.args]
+            if not mine and not any(given):
+                continue
+            planned = plan_shards(piece, shapes.get(str(node.target), {}), mine, paths, t, heads, colwise, given)
+            if planned is None:
+                work = None
+                break
+            rewrites, outs = planned
+            if any(outs):
+                top[node.name] = outs if _returns_tuple(piece) else outs[0]
+            work.append((st, piece, mine, rewrites))
+        leaving = set(st.program.send) | ({a.name for a in st._output.all_input_nodes} if st.program.last else set())
+        if work is None or any(top.get(v) is not None for v in leaving):
+            work = None  # a sharded value would leave the stage
+            break
+    if work:
+        for st, piece, mine, rewrites in work:
+            for path, module in apply_shards(piece, rewrites, colwise, mine, paths, t, rank, group).items():
+                st.tp_sharded.add(path)
+                st.tp_full.update({id(p): module.full for p in module.parameters()})
+        return
+    _dtensor_parallel(stages, plan, root, tp_mesh)
+
+
+def _returns_tuple(piece: fx.GraphModule) -> bool:
+    out = next(n for n in piece.graph.nodes if n.op == "output")
+    return isinstance(out.args[0], (tuple, list))
+
+
+def _dtensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module, tp_mesh: Any) -> None:
+    """The plan's linears as DTensor Colwise/RowwiseParallel; every other parameter a replicated DTensor. A
+    parameter shared by two stages of this rank stays one object (memo by identity)."""
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
