@@ -69,7 +69,7 @@ def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
                         f"{plan.source.model_sha256[:16]}...; the file changed since planning - re-run `planner plan`")
     c = plan.config.to_config()
     missing = [(what, fix) for used, what, fix in (
-        (c.cp > 1, f"context parallelism (cp={c.cp})", "--cp 1"), (c.sp, "sequence parallelism", "--no-sequence-parallel"),
+        (c.cp > 1, f"context parallelism (cp={c.cp})", "--cp 1"),
         (c.tp_comm_overlap, "tensor-parallel communication overlap", "without --tp-comm-overlap")) if used]
     if missing:  # refused rather than run unlike what was priced (the runtime's issue adds them)
         raise UserError(f"plan {path} uses {' and '.join(w for w, _ in missing)}, which this runtime does not run "

@@ -161,7 +161,8 @@ class Executor:
         self.params = dict(sorted(self.params.items()))
         self.sync = GradSync(self.params, shared=groups.shared, dp_group=groups.dp_group, dp_size=self.c.dp_size,
                              dp_rank=self.c.dp, zero=self.cfg.zero >= 1, overlap=self.cfg.overlap_grad_reduce,
-                             optimizer=options.optimizer, lr=options.lr, grad_fp32=self.cfg.grad_fp32)
+                             optimizer=options.optimizer, lr=options.lr, grad_fp32=self.cfg.grad_fp32,
+                             tp_partial=[p for st in stages for p in st.tp_partial], tp_group=groups.tp_group)
         self._names = {id(p): n for n, p in self.params.items()}
         # the last backward of each stage: its gradients are final there (overlapped reduction starts)
         self._last_backward = {}

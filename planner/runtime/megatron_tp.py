@@ -30,7 +30,7 @@ from torch import nn
 
 from passes.costs import node_kind
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "plan_shards", "apply_shards"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SeqParallel", "plan_shards", "apply_shards"]
 
 ELEMENTWISE = {"add", "sub", "mul", "truediv", "div", "masked_fill", "softmax", "gelu", "relu", "silu", "dropout",
                "Dropout", "contiguous", "float", "to", "type_as", "neg", "exp", "tanh", "sigmoid", "clone",
@@ -66,23 +66,108 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+def _gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    """Sum over the group, keep this rank's slice along dim (all-reduce + slice: gloo has no reduce-scatter)."""
+    x = x.contiguous()
+    dist.all_reduce(x, group=group)
+    return _slice(x, dim, group)
+
+
+def _slice(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    return x.narrow(dim, r * (x.shape[dim] // n), x.shape[dim] // n).contiguous()
+
+
+class _SeqOp(torch.autograd.Function):
+    """Sequence-parallel regions (Korthikanti et al. 2022): forward and backward collectives along dim."""
+
+    OPS = {"reduce_scatter": (_reduce_scatter, _gather),  # out of a row-parallel linear
+           "gather": (_gather, _slice),  # to a consumer that needs the whole sequence, replicated
+           "scatter": (_slice, _gather)}  # a replicated value joining the sharded sequence
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, kind: str, dim: int, group: Any) -> torch.Tensor:
+        ctx.kind, ctx.dim, ctx.group = kind, dim, group
+        return _SeqOp.OPS[kind][0](x, dim, group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _SeqOp.OPS[ctx.kind][1](grad, ctx.dim, ctx.group), None, None, None
+
+
+class SeqParallel(nn.Module):
+    """One sequence-parallel collective, inserted into a traced piece."""
+
+    def __init__(self, kind: str, dim: int, group: Any) -> None:
+        super().__init__()
+        self.kind, self.dim, self.group = kind, dim, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _SeqOp.apply(x, self.kind, self.dim, self.group)
+
+
+class GlobalShape(nn.Module):
+    """The whole sequence's shape of a sequence-sharded tensor (what the traced code read as x.shape)."""
+
+    def __init__(self, dim: int, t: int) -> None:
+        super().__init__()
+        self.dim, self.t = dim, t
+
+    def forward(self, x: torch.Tensor) -> torch.Size:
+        shape = list(x.shape)
+        shape[self.dim] *= self.t
+        return torch.Size(shape)
+
+
 def _rows(n: int, t: int, rank: int, groups: int) -> torch.Tensor:
     """Indices of this rank's rows of an output dimension of n laid out as `groups` blocks of heads."""
     per = n // groups
     return torch.cat([torch.arange(g * per + rank * per // t, g * per + (rank + 1) * per // t) for g in range(groups)])
 
 
+class _GatheredLinear(torch.autograd.Function):
+    """A column-parallel linear on a sequence-parallel input, as Megatron runs it: the input is all-gathered
+    along the sequence for the product, only this rank's part is kept for the backward (gathered again
+    there), and the input gradient leaves reduce-scattered."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int,
+                group: Any) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.dim, ctx.group, ctx.bias = dim, group, bias is not None
+        return F.linear(_gather(x, dim, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        full = _gather(x, ctx.dim, ctx.group)
+        grad_x = _reduce_scatter(grad @ weight, ctx.dim, ctx.group)
+        grad_w = grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias else None
+        return grad_x, grad_w, grad_b, None, None
+
+
 class ColumnParallelLinear(nn.Module):
     """This rank's rows of a linear (output features split over t, in `groups` strided blocks)."""
 
-    def __init__(self, linear: nn.Linear, t: int, rank: int, groups: int, group: Any) -> None:
+    def __init__(self, linear: nn.Linear, t: int, rank: int, groups: int, group: Any,
+                 seq_dim: int | None = None) -> None:
         super().__init__()
         self.t, self.rank, self.groups, self.group = t, rank, groups, group
+        self.seq_dim = seq_dim  # the input is split along this dim (sequence parallelism): gathered here
         rows = _rows(linear.out_features, t, rank, groups)
         self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
         self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.seq_dim is not None:
+            return _GatheredLinear.apply(x, self.weight, self.bias, self.seq_dim, self.group)
         return F.linear(_CopyToTP.apply(x, self.group), self.weight, self.bias)
 
     def full(self, local: torch.Tensor) -> torch.Tensor:
@@ -99,15 +184,17 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """This rank's input columns of a linear; the partial outputs are summed over the group, then the bias."""
 
-    def __init__(self, linear: nn.Linear, t: int, rank: int, group: Any) -> None:
+    def __init__(self, linear: nn.Linear, t: int, rank: int, group: Any, seq_dim: int | None = None) -> None:
         super().__init__()
-        self.t, self.group = t, group
+        self.t, self.group, self.seq_dim = t, group, seq_dim  # seq_dim: reduce-scatter along it (SP)
         cols = linear.in_features // t
         self.weight = nn.Parameter(linear.weight.detach()[:, rank * cols:(rank + 1) * cols].clone())
         self.bias = nn.Parameter(linear.bias.detach().clone()) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = _ReduceFromTP.apply(F.linear(x, self.weight), self.group)
+        out = F.linear(x, self.weight)
+        out = (_ReduceFromTP.apply(out, self.group) if self.seq_dim is None
+               else _SeqOp.apply(out, "reduce_scatter", self.seq_dim, self.group))
         return out + self.bias if self.bias is not None else out
 
     def full(self, local: torch.Tensor) -> torch.Tensor:
@@ -139,21 +226,57 @@ class _Div:
 
 
 def plan_shards(piece: fx.GraphModule, shapes: dict[str, Any], styles: dict[str, str], paths: dict[int, str],
-                t: int, heads: set[int], colwise: dict[str, int], inputs: list[tuple[int, str] | None]
-                ) -> tuple[list, list[tuple[int, str] | None]] | None:
+                t: int, heads: set[int], colwise: dict[str, int], inputs: list, sp: bool = False,
+                leaving: frozenset[int] = frozenset()) -> tuple[list, list] | None:
     """How to shard `piece`: its argument rewrites, and per output which dim is sharded (and from which
     column-parallel linear), given the same for its inputs; row groups of column-parallel linears go into
     `colwise`. None where an op on a sharded tensor is not one the rules know. Changes nothing."""
     try:
-        return _propagate(piece, shapes, styles, paths, t, heads, colwise, inputs)
+        return _propagate(piece, shapes, styles, paths, t, heads, colwise, inputs, sp, leaving)
     except _Unsupported:
         return None
 
 
+def _attr(piece: fx.GraphModule, target: str) -> Any:
+    obj: Any = piece
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, int], styles: dict[str, str],
-                 paths: dict[int, str], t: int, rank: int, group: Any) -> dict[str, nn.Module]:
-    """Rewrite `piece` as planned; returns {module path: its parallel replacement}."""
-    for node, setter, new in rewrites:
+                 paths: dict[int, str], t: int, rank: int, group: Any) -> tuple[dict[str, nn.Module], list]:
+    """Rewrite `piece` as planned; returns {module path: its parallel replacement} and the parameters whose
+    gradients are partial sums over the tensor-parallel group (applied to a part of the sequence)."""
+    graph, gathered, row_seq, partial, bias_of = piece.graph, {}, {}, [], []
+    for entry in rewrites:
+        if isinstance(entry[0], str):
+            what = entry[0]
+            if what == "wrap":
+                _, consumer, arg, kind, dim = entry
+                name = f"_sp{len(list(piece.named_children()))}"
+                piece.add_submodule(name, SeqParallel(kind, dim, group))
+                with graph.inserting_before(consumer):
+                    wrapped = graph.call_module(name, (arg,))
+                consumer.replace_input_with(arg, wrapped)
+            elif what == "gathered":
+                gathered[entry[1]] = entry[2]
+            elif what == "row_sp":
+                row_seq[entry[1]] = entry[2]
+            elif what == "partial":
+                partial.append(entry[1])
+            elif what == "partial_bias":
+                bias_of.append(entry[1])
+            elif what == "shape":
+                _, node, dim = entry
+                name = f"_sp{len(list(piece.named_children()))}"
+                piece.add_submodule(name, GlobalShape(dim, t))
+                with graph.inserting_before(node):
+                    whole = graph.call_module(name, (node.args[0],))
+                node.replace_all_uses_with(whole)
+                graph.erase_node(node)
+            continue
+        node, setter, new = entry
         out = []
         for a in (new if isinstance(new, list) else [new]):
             if isinstance(a, _Div):
@@ -169,28 +292,39 @@ def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, int],
         path = paths.get(id(linear))
         if path not in styles:
             continue
-        module = (ColumnParallelLinear(linear, t, rank, colwise.get(path, 1), group) if styles[path] == "colwise"
-                  else RowParallelLinear(linear, t, rank, group))
+        module = (ColumnParallelLinear(linear, t, rank, colwise.get(path, 1), group, gathered.get(path))
+                  if styles[path] == "colwise" else RowParallelLinear(linear, t, rank, group, row_seq.get(path)))
         parent, _, name = str(node.target).rpartition(".")
         setattr(piece.get_submodule(parent) if parent else piece, name, module)
         done[path] = module
+        if path in bias_of and module.bias is not None:
+            partial.append(module.bias)
     piece.recompile()
-    return done
+    return done, partial
+
+
+NORMS = {"layer_norm", "LayerNorm", "rms_norm", "RMSNorm", "LlamaRMSNorm", "dropout", "Dropout", "Identity"}
 
 
 def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles: dict[str, str],
-               paths: dict[int, str], t: int, heads: set[int], colwise: dict[str, int],
-               inputs: list[tuple[int, str] | None]):
+               paths: dict[int, str], t: int, heads: set[int], colwise: dict[str, int], inputs: list,
+               sp: bool = False, leaving: frozenset[int] = frozenset()):
+    """Walk the piece in order, tracking which values are split and how: ("tp", dim, linear) between a
+    column- and a row-parallel linear, ("seq", dim) in a sequence-parallel region. Returns the rewrites and the
+    state of each output; raises _Unsupported on an op it cannot place."""
     sharded: dict[str, int] = {}  # node -> its sharded dim (global shape from the meta pass)
     source: dict[str, str] = {}  # sharded node -> the column-parallel linear it comes from
+    seq: dict[str, int] = {}  # node -> its sequence dim, split over t (sequence parallelism)
     tuples: dict[str, int] = {}  # unbind/split result -> sharded dim of its items
     local: set[str] = set()  # ints read off sharded tensors: already this rank's sizes
-    rewrites: list[tuple[fx.Node, Callable, Any]] = []
+    rewrites: list = []
     graph = piece.graph
-    outputs: list[tuple[int, str] | None] = []
+    outputs: list = []
     for ph, given in zip((n for n in graph.nodes if n.op == "placeholder"), inputs):
-        if given is not None:
-            sharded[ph.name], source[ph.name] = given
+        if given is not None and given[0] == "tp":
+            sharded[ph.name], source[ph.name] = given[1], given[2]
+        elif given is not None:
+            seq[ph.name] = given[1]
 
     def shape(n: fx.Node) -> tuple[int, ...]:
         if not isinstance(shapes.get(n.name), tuple):
@@ -215,6 +349,12 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
             raise _Unsupported(f"{src}: rows needed in {colwise[src]} and {g} groups")
         colwise[src] = g
 
+    def seq_dim(n: fx.Node) -> int:
+        dims = shape(n)
+        if len(dims) < 2 or dims[1] % t:
+            raise _Unsupported(f"{n.name}: no sequence dim to split")
+        return 1  # traced models are batch-first: (b, s, ...)
+
     for n in list(graph.nodes):
         if n.op in ("placeholder", "get_attr"):
             continue
@@ -222,20 +362,37 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
             if any(a.name in tuples for a in n.all_input_nodes):
                 raise _Unsupported("a sharded tuple leaves the piece")
             results = n.args[0] if isinstance(n.args[0], (tuple, list)) else (n.args[0],)
-            outputs = [(sharded[a.name], source[a.name]) if isinstance(a, fx.Node) and a.name in sharded else None
-                       for a in results]
+            for k, a in enumerate(results):
+                name = a.name if isinstance(a, fx.Node) else None
+                if name in sharded:
+                    if k in leaving:
+                        raise _Unsupported("a tensor-parallel shard leaves the stage")
+                    outputs.append(("tp", sharded[name], source[name]))
+                elif name in seq and k in leaving:
+                    rewrites.append(("wrap", n, a, "gather", seq[name]))
+                    outputs.append(None)
+                else:
+                    outputs.append(("seq", seq[name]) if name in seq else None)
             continue
         kind = node_kind(n, piece)
-        path = paths.get(id(piece.get_submodule(str(n.target)))) if n.op == "call_module" else None
+        module = piece.get_submodule(str(n.target)) if n.op == "call_module" else None
+        path = paths.get(id(module)) if module is not None else None
         ins = [a for a in n.all_input_nodes if a.name in sharded]
+        in_seq = [a for a in n.all_input_nodes if a.name in seq]
         if path in styles:
             if styles[path] == "colwise":
                 if ins:
                     raise _Unsupported(f"{path} reads a sharded input")
+                for a in in_seq:  # the sequence, all-gathered into the tensor-parallel region by the linear
+                    rewrites.append(("gathered", path, seq[a.name]))
                 sharded[n.name], source[n.name] = len(shape(n)) - 1, path
             else:
                 if len(ins) != 1 or sharded[ins[0].name] != len(shape(ins[0])) - 1:
                     raise _Unsupported(f"{path}: its input is not split on the features")
+                if sp:  # reduce-scattered along the sequence instead of all-reduced; its bias added to a part
+                    seq[n.name] = seq_dim(n)
+                    rewrites.append(("row_sp", path, seq[n.name]))
+                    rewrites.append(("partial_bias", path))
             continue
         if n.op == "call_function" and n.target is operator.getitem and n.args[0].name in tuples:
             sharded[n.name], source[n.name] = tuples[n.args[0].name], source[n.args[0].name]
@@ -243,12 +400,47 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
         if kind in ("getattr", "size") or (n.op == "call_function" and n.target is getattr):
             if n.args[0].name in sharded:
                 local.add(n.name)
+            elif n.args[0].name in seq:  # the code reads the whole sequence's shape
+                if not (n.target is getattr and n.args[1] == "shape") and kind != "size":
+                    raise _Unsupported(n.name)
+                rewrites.append(("shape", n, seq[n.args[0].name]))
             continue
         if n.op == "call_function" and n.target is operator.getitem and n.args[0].name in local:
             local.add(n.name)
             continue
+        if sp and not in_seq and not ins and kind in NORMS and len(n.all_input_nodes) >= 1:
+            x0 = n.all_input_nodes[0]
+            if isinstance(shapes.get(x0.name), tuple) and len(shapes[x0.name]) == 3 and shapes[x0.name][1] % t == 0:
+                rewrites.append(("wrap", n, x0, "scatter", 1))  # the sequence-parallel region starts here
+                seq[n.name] = 1
+                if module is not None:
+                    rewrites.extend(("partial", p) for p in module.parameters())
+                continue
+        if in_seq and not ins:
+            others = [a for a in n.all_input_nodes if a.name not in seq and isinstance(shapes.get(a.name), tuple)]
+            if kind in NORMS or kind in ELEMENTWISE:
+                dim = seq[in_seq[0].name]
+                if any(seq[a.name] != dim for a in in_seq):
+                    raise _Unsupported(n.name)
+                out = shape(n)
+                for a in others:  # a replicated operand spanning the sequence joins the split
+                    o = shapes[a.name]
+                    idx = len(o) - (len(out) - dim)
+                    if idx >= 0 and o[idx] == out[dim] > 1:
+                        rewrites.append(("wrap", n, a, "scatter", idx))
+                    if a.op == "get_attr":  # a weight applied to part of the sequence: partial gradient
+                        rewrites.append(("partial", _attr(piece, str(a.target))))
+                seq[n.name] = dim
+                if module is not None:
+                    rewrites.extend(("partial", p) for p in module.parameters())
+                continue
+            for a in in_seq:  # anything else sees the whole sequence
+                rewrites.append(("wrap", n, a, "gather", seq[a.name]))
+            continue
         if not ins:
             continue
+        if in_seq:
+            raise _Unsupported(f"{n.name}: mixes a tensor-parallel shard and a sequence shard")
         x = ins[0]
         dim = sharded[x.name]
         if kind in ("view", "reshape"):
@@ -282,7 +474,7 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
             along = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % len(shape(x))
             if along == dim:
                 raise _Unsupported(n.name)
-            tuples[n.name], source[n.name] = dim - (along < dim), source[x.name]
+            tuples[n.name] = dim - (along < dim)
         elif kind in ("split", "chunk"):
             along = (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)) % len(shape(x))
             size = n.args[1]
@@ -295,7 +487,7 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                 group_of(x, shape(x)[dim] // whole)
                 rewrites.append((n, lambda new, n=n: setattr(n, "args", (n.args[0], new, *n.args[2:])),
                                  divided(size, n)))
-            tuples[n.name], source[n.name] = dim, source[x.name]
+            tuples[n.name] = dim
         elif kind in ("matmul", "attention") or kind in ELEMENTWISE:
             rank_ = len(shape(x))
             for other in n.all_input_nodes:
@@ -306,7 +498,7 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                     raise _Unsupported(f"{n.name}: a replicated operand spans the sharded dim")
             if kind == "matmul" and len(ins) == 1 and dim >= rank_ - 2:
                 raise _Unsupported(f"{n.name}: product over a sharded dim")
-            sharded[n.name], source[n.name] = dim, source[x.name]
+            sharded[n.name] = dim
         else:
             raise _Unsupported(f"{n.name}: {kind}")
         source.setdefault(n.name, source[x.name])

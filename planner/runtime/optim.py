@@ -68,17 +68,21 @@ class GradSync:
     """One rank's gradient reduction and optimizer (see the module docstring)."""
 
     def __init__(self, params: dict[str, torch.nn.Parameter], *, shared: Iterable[str], dp_group: Any, dp_size: int,
-                 dp_rank: int, zero: bool, overlap: bool, optimizer: str, lr: float, grad_fp32: bool = False) -> None:
+                 dp_rank: int, zero: bool, overlap: bool, optimizer: str, lr: float, grad_fp32: bool = False,
+                 tp_partial: Iterable[torch.nn.Parameter] = (), tp_group: Any = None) -> None:
         self.group, self.d, self.rank = dp_group, dp_size, dp_rank
         unique: dict[int, tuple[str, torch.nn.Parameter]] = {}
         for name, p in params.items():
             unique.setdefault(id(p), (name, p))
         self.named = list(unique.values())
         shared = set(shared)
-        self.shared = [p for n, p in self.named if n in shared]
+        partial = {id(p) for p in tp_partial}
+        self.tp_group = tp_group
+        self.partial = [p for _, p in self.named if id(p) in partial]  # sequence-parallel: summed over t first
+        self.shared = [p for n, p in self.named if n in shared or id(p) in partial]
         self.overlap = overlap and dp_size > 1
         self.zero = zero and dp_size > 1
-        own = [p for n, p in self.named if n not in shared]
+        own = [p for n, p in self.named if n not in shared and id(p) not in partial]
         self.buckets = self._buckets(own[::-1])  # roughly the order the backward finishes them
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._armed: set[int] = set()
@@ -176,8 +180,11 @@ class GradSync:
     def reduce(self, shared_groups: dict[str, Any], names: dict[int, str]) -> None:
         """The ALLREDUCE action: shared parameters over their embedding group, then every bucket not yet
         launched; wait for all and write the averages back."""
+        for p in self.partial:  # gradients of weights each tensor-parallel rank applied to its part of the sequence
+            dist.all_reduce(self.grad(p), group=self.tp_group)
         for p in self.shared:
-            dist.all_reduce(self.grad(p), group=shared_groups[names[id(p)]])
+            if names[id(p)] in shared_groups:
+                dist.all_reduce(self.grad(p), group=shared_groups[names[id(p)]])
         buckets = self.buckets + ([_Bucket(self.shared)] if self.shared else [])
         for b in buckets:
             if self.d == 1:

@@ -348,6 +348,7 @@ class StageModule(nn.Module):
         self.probe: Callable[[tuple[Any, ...]], None] | None = None  # sees the inputs a checkpoint keeps
         self.tp_sharded: set[str] = set()  # modules split Megatron's way (megatron_tp), on local tensors
         self.tp_full: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # id(param) -> gather of the whole
+        self.tp_partial: list[nn.Parameter] = []  # applied to this rank's part of the sequence (SP): summed over t
         self.recompute = split.recompute if self._checkpointed else "none"
 
     def run(self, received: dict[str, Any], data: Sequence[Any]) -> tuple[list[Any], Any]:
@@ -439,10 +440,12 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
     heads = {v for k, v in (plan.source.model_shape or {}).items() if k in ("heads", "kv_heads") and v}
     t, rank, group = tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh.get_group()
     colwise: dict[str, int] = {}
+    sp = plan.config.sp
     work = []
     for st in stages if shapes is not None else ():
         styles = plan.partition[st.index].tensor_parallel
-        top: dict[str, tuple[int, str]] = {}  # top-level value -> (sharded dim, its linear): pieces pass them on
+        leaving = set(st.program.send) | ({a.name for a in st._output.all_input_nodes} if st.program.last else set())
+        top: dict[str, Any] = {}  # top-level value -> how it is split: pieces pass shards on within the stage
         for node in st._nodes:
             if node.op == "call_function" and node.args and isinstance(top.get(getattr(node.args[0], "name", "")), list):
                 item = top[node.args[0].name][node.args[1]]  # getitem of a piece's tuple of results
@@ -456,7 +459,9 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
             given = [top.get(a.name) if isinstance(a, fx.Node) else None for a in node.args]
             if not mine and not any(given):
                 continue
-            planned = plan_shards(piece, shapes.get(str(node.target), {}), mine, paths, t, heads, colwise, given)
+            out = frozenset(k for k, user in _result_users(node) if user in leaving)
+            planned = plan_shards(piece, shapes.get(str(node.target), {}), mine, paths, t, heads, colwise, given,
+                                  sp=sp, leaving=out)
             if planned is None:
                 work = None
                 break
@@ -464,17 +469,29 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
             if any(outs):
                 top[node.name] = outs if _returns_tuple(piece) else outs[0]
             work.append((st, piece, mine, rewrites))
-        leaving = set(st.program.send) | ({a.name for a in st._output.all_input_nodes} if st.program.last else set())
         if work is None or any(top.get(v) is not None for v in leaving):
             work = None  # a sharded value would leave the stage
             break
     if work:
         for st, piece, mine, rewrites in work:
-            for path, module in apply_shards(piece, rewrites, colwise, mine, paths, t, rank, group).items():
+            done, partial = apply_shards(piece, rewrites, colwise, mine, paths, t, rank, group)
+            for path, module in done.items():
                 st.tp_sharded.add(path)
                 st.tp_full.update({id(p): module.full for p in module.parameters()})
+            st.tp_partial.extend(partial)
         return
+    if plan.config.sp:
+        raise UserError("the plan runs sequence parallelism, but this model's graph applies an op to a split tensor "
+                        "that the runtime's Megatron layout does not know (planner/runtime/megatron_tp.py); re-plan "
+                        "with --no-sequence-parallel to run it here")
     _dtensor_parallel(stages, plan, root, tp_mesh)
+
+
+def _result_users(node: fx.Node) -> list[tuple[int, str]]:
+    """(output position, top-level node holding it) of a piece call: its getitems, or the call itself."""
+    items = [(u.args[1], u.name) for u in node.users if u.op == "call_function" and len(u.args) == 2
+             and isinstance(u.args[1], int)]
+    return items or [(0, node.name)]
 
 
 def _returns_tuple(piece: fx.GraphModule) -> bool:
