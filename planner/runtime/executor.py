@@ -258,7 +258,10 @@ class Executor:
             st.out_acts[(k, mb)] = [s.detach() if isinstance(s, torch.Tensor) else s for s in sends]
 
     def _loss(self, output: Any, targets: Any) -> torch.Tensor:
-        """The model file's loss, in fp32 whatever the precision (not ModelFile.call: no model kwargs)."""
+        """The model file's loss, in fp32 whatever the precision (not ModelFile.call: no model kwargs). An
+        exported graph returns its outputs flattened: a single one (a ModelOutput's logits) is passed alone."""
+        if isinstance(output, (tuple, list)) and len(output) == 1:
+            output = output[0]
         output = torch.utils._pytree.tree_map(
             lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x, output)
         return self.mf.module.loss_fn(output, targets)
@@ -508,7 +511,7 @@ def prepare(plan: Plan, model_file: ModelFile, options: RunOptions) -> Executor:
     torch.manual_seed(options.seed)
     model = model_file.build(options.device, torch.float32).to(DTYPES[c.precision])  # fp32 init, then rounded
     model.train()
-    split = build_split(model, plan)
+    split = build_split(model, plan, model_file)
     make_shared_groups(groups, split.holders)
     inner: dict[str, dict[str, Any]] | None = {} if c.tp > 1 else None
     specs = boundary_specs(model_file, plan, inner)

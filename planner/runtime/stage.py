@@ -36,7 +36,8 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from passes.errors import UserError
+from passes.errors import TraceFailure, UserError
+from passes.capture import export_graph
 from passes.load import ModelFile
 from passes.split import split_by
 from passes.trace import trace_model
@@ -181,8 +182,21 @@ def _programs(split: fx.GraphModule, pieces: list[Piece], plan: Plan) -> list[St
             for s in range(n_stages)]
 
 
-def _trace_split(model: nn.Module, plan: Plan) -> tuple[fx.GraphModule, list[Piece]]:
-    gm = trace_model(model, plan.source.leaves)
+def _trace_split(model: nn.Module, plan: Plan, model_file: ModelFile) -> tuple[fx.GraphModule, list[Piece]]:
+    """The model's graph split by the plan's partition: a symbolic_trace graph where the model traces (module
+    calls stay modules, which tensor parallelism rewrites), else the torch.export graph the plan was made from
+    (every Hugging Face model; its weights are read as attributes)."""
+    try:
+        gm = trace_model(model, plan.source.leaves)
+    except TraceFailure:
+        if plan.source.frontend != "export":
+            raise
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        gm = export_graph(model, model_file.inputs(max(2, plan.config.microbatch), device))  # batch dim from 2
+        if plan.config.tp > 1:
+            raise UserError("this model runs from its torch.export graph, where the runtime does not split "
+                            "linears over tensor-parallel ranks yet; re-plan with --tp 1 to run it here (or export "
+                            "the plan to Megatron-LM or torchtitan with `planner export`)") from None
     part_of, pieces = _pieces(gm, model, plan)
     if {pc.stage for pc in pieces} != set(range(len(plan.partition))):
         raise UserError(f"the plan has {len(plan.partition)} stages but its partition places nodes on stages "
@@ -190,9 +204,9 @@ def _trace_split(model: nn.Module, plan: Plan) -> tuple[fx.GraphModule, list[Pie
     return split_by(gm, model, part_of.__getitem__), pieces
 
 
-def build_split(model: nn.Module, plan: Plan) -> SplitModel:
+def build_split(model: nn.Module, plan: Plan, model_file: ModelFile) -> SplitModel:
     """Trace ``model`` (real weights) and split it by the plan's partition."""
-    split, pieces = _trace_split(model, plan)
+    split, pieces = _trace_split(model, plan, model_file)
     programs = _programs(split, pieces, plan)
     canonical = {}
     for name, param in model.named_parameters():  # dedup: a tied weight keeps its first name
@@ -233,7 +247,7 @@ def boundary_specs(model_file: ModelFile, plan: Plan,
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.config.precision, torch.float32)
     meta = model_file.build("meta", torch.float32).to(dtype)  # boundary tensors take the precision's dtype
     meta.train()
-    split, _ = _trace_split(meta, plan)
+    split, _ = _trace_split(meta, plan, model_file)
     inputs, _ = model_file.call("sample_batch", plan.config.microbatch, 0)
     inputs = tuple(x.to("meta", dtype if x.is_floating_point() else x.dtype) if isinstance(x, torch.Tensor) else x
                    for x in inputs)

@@ -74,7 +74,8 @@ def reference(model: Path, model_args: dict[str, Any], *, global_batch: int, ste
     for step in range(steps):
         net.zero_grad(set_to_none=True)
         inputs, targets = mf.call("sample_batch", global_batch, step)
-        loss = mf.module.loss_fn(net(*inputs).float(), targets)
+        out = net(*inputs)
+        loss = mf.module.loss_fn(out.float() if isinstance(out, torch.Tensor) else out, targets)
         loss.backward()
         if dtype != torch.float32:
             for p, m in zip(net.parameters(), masters):

@@ -39,7 +39,7 @@ def _pipeline(plan: Plan, model_path: Path, model_args: dict) -> tuple[torch.Ten
     mf = load_model_file(model_path, model_args)
     torch.manual_seed(0)
     model = mf.build("cpu", torch.float32)
-    split = build_split(model, plan)
+    split = build_split(model, plan, mf)
     specs = boundary_specs(mf, plan)
     consts = {k: v for k, v in specs.items() if not isinstance(v, TensorSpec)}
     stages = [StageModule(split, k, consts) for k in range(len(plan.partition))]
@@ -62,7 +62,7 @@ def test_stages_in_sequence_equal_the_model(gpt_plan: Plan) -> None:
 
 def test_skip_value_travels_through_middle_stages(skip_plan: Plan) -> None:
     mf = load_model_file(SKIPNET)
-    split = build_split(mf.build("cpu", torch.float32), skip_plan)
+    split = build_split(mf.build("cpu", torch.float32), skip_plan, mf)
     # the stem's output, read again by the head on the last stage, crosses every boundary
     crossing = set.intersection(*(set(p.recv) for p in split.programs[1:]))
     assert len(crossing) == 1 and all(crossing <= set(p.send) for p in split.programs[:-1])
@@ -72,7 +72,8 @@ def test_skip_value_travels_through_middle_stages(skip_plan: Plan) -> None:
 
 
 def test_tied_weight_has_both_end_ranks_as_holders(gpt_plan: Plan) -> None:
-    split = build_split(load_model_file(GPT, gpt_args(4)).build("cpu", torch.float32), gpt_plan)
+    mf = load_model_file(GPT, gpt_args(4))
+    split = build_split(mf.build("cpu", torch.float32), gpt_plan, mf)
     assert split.holders["embedding.tok.weight"] == {0, 1}  # stage 0 on rank 0, stage 3 on rank 1
     assert all(len(r) == 1 for n, r in split.holders.items() if n != "embedding.tok.weight")
     assert [p.rank for p in split.programs] == [0, 1, 0, 1]
@@ -82,7 +83,8 @@ def test_tied_weight_has_both_end_ranks_as_holders(gpt_plan: Plan) -> None:
 
 def test_boundary_specs_are_microbatch_shaped(gpt_plan: Plan) -> None:
     specs = boundary_specs(load_model_file(GPT, gpt_args(4)), gpt_plan)
-    split = build_split(load_model_file(GPT, gpt_args(4)).build("meta", torch.float32), gpt_plan)
+    mf = load_model_file(GPT, gpt_args(4))
+    split = build_split(mf.build("meta", torch.float32), gpt_plan, mf)
     for prog in split.programs[:-1]:
         assert [specs[n] for n in prog.send] == [TensorSpec(shape=(1, 32, 64), dtype=torch.float32)]
 

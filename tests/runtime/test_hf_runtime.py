@@ -1,0 +1,62 @@
+"""Hugging Face models under the runtime (real torchrun, gloo, 2 processes): stages are split from the same
+torch.export graph the plan was made from, and training matches a single process."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from planner.api import make_plan
+from planner.metrics import load_metrics
+from planner.plan import save_plan
+from planner.search import Pins
+from planner.validate import mismatches
+
+from ._util import ROOT, reference, torchrun
+
+pytestmark = pytest.mark.multiprocess
+
+LLAMA = ROOT / "examples" / "hf_llama.py"
+TINY = {"layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "vocab_size": 256, "seq": 32}
+B, STEPS, LR = 4, 2, 1e-3
+CASES = {"p2": dict(tp=1, pp=2, dp=1, b=1, schedule="1f1b"), "d2": dict(tp=1, pp=1, dp=2, b=2, schedule="1f1b")}
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    tmp = tmp_path_factory.mktemp("hf")
+    plans = {}
+    for name, pins in CASES.items():
+        plan, _ = make_plan(str(LLAMA), gpus=2, global_batch=B, target="a100-80gb", gpus_per_node=2, model_args=TINY,
+                            pins=Pins(**pins, v=1, recompute="none", sp=False, cp=1, precision="fp32"))
+        assert plan.source.frontend == "export"
+        save_plan(plan, tmp / f"{name}.json")
+        plans[name] = plan
+    proc = torchrun(2, [*(str(tmp / f"{n}.json") for n in CASES), "--steps", str(STEPS), "--optimizer", "adam",
+                        "--lr", str(LR), "--no-fill", "--metrics", str(tmp / "metrics.json")], cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    return {"plans": plans, "runs": dict(zip(CASES, load_metrics(tmp / "metrics.json").runs))}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_llama_trains_from_its_exported_graph_as_one_process_does(run, name):
+    ref = reference(Path(LLAMA), TINY, global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
+    assert run["runs"][name].loss == pytest.approx(ref["loss"], abs=1e-5)
+    assert not [m for m in mismatches(run["plans"][name], run["runs"][name]) if "saved activation" not in m]
+
+
+def test_tensor_parallelism_on_an_exported_graph_is_refused_with_the_pin_to_drop():
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    import torch
+
+    from passes.errors import UserError
+    from passes.load import load_model_file
+    from planner.runtime.stage import build_split
+
+    plan, _ = make_plan(str(LLAMA), gpus=2, global_batch=B, target="a100-80gb", gpus_per_node=2, model_args=TINY,
+                        pins=Pins(tp=2, pp=1, dp=1, b=2, v=1, recompute="none", sp=False, cp=1, precision="fp32"))
+    mf = load_model_file(LLAMA, TINY)
+    with pytest.raises(UserError, match="re-plan with --tp 1"):
+        build_split(mf.build("cpu", torch.float32), plan, mf)
