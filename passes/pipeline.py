@@ -153,14 +153,13 @@ def _check(ctx: Context) -> None:
 
 
 def _runtime_note(model: torch.nn.Module) -> list[str]:
-    """fxplanner's runtime splits stages from a torch.fx.symbolic_trace graph, else from the torch.export one
-    without tensor parallelism: say so when symbolic tracing fails."""
+    """fxplanner's runtime splits stages from a torch.fx.symbolic_trace graph, else from the torch.export one:
+    say which when symbolic tracing fails."""
     try:
         trace_model(model)
     except TraceFailure as exc:
-        return [f"the fxplanner runtime runs this model from its torch.export graph with pipeline and data "
-                f"parallelism only: torch.fx.symbolic_trace, which its tensor parallelism rewrites, fails here "
-                f"({str(exc).split(';')[0]}); pin --tp 1 to run it there, or export the plan to an engine"]
+        return [f"the fxplanner runtime runs this model from its torch.export graph (torch.fx.symbolic_trace fails "
+                f"here: {str(exc).split(';')[0]}); biased linears and sequence parallelism are not split there yet"]
     return []
 
 

@@ -30,7 +30,8 @@ from torch import nn
 
 from passes.costs import node_kind
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SeqParallel", "plan_shards", "apply_shards"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SeqParallel", "TensorParallelOp", "plan_shards",
+           "apply_shards", "gather_rows", "gather_cols", "shard_rows"]
 
 ELEMENTWISE = {"add", "sub", "mul", "truediv", "div", "masked_fill", "softmax", "gelu", "relu", "silu", "dropout",
                "Dropout", "contiguous", "float", "to", "type_as", "neg", "exp", "tanh", "sigmoid", "clone",
@@ -101,6 +102,34 @@ class _SeqOp(torch.autograd.Function):
         return _SeqOp.OPS[ctx.kind][1](grad, ctx.dim, ctx.group), None, None, None
 
 
+class TensorParallelOp(nn.Module):
+    """Megatron's f (before a column-parallel product) or g (after a row-parallel one), inserted into a piece."""
+
+    def __init__(self, kind: str, group: Any) -> None:
+        super().__init__()
+        self.fn, self.group = {"f": _CopyToTP, "g": _ReduceFromTP}[kind], group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fn.apply(x, self.group)
+
+
+def gather_rows(local: torch.Tensor, t: int, groups: int, group: Any) -> torch.Tensor:
+    """The whole tensor from every rank's rows (taken in `groups` strided blocks), in the model's order."""
+    parts = [torch.empty_like(local) for _ in range(t)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    n = local.shape[0] * t
+    out = torch.empty((n, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    for r, part in enumerate(parts):
+        out[_rows(n, t, r, groups)] = part
+    return out
+
+
+def gather_cols(local: torch.Tensor, t: int, group: Any) -> torch.Tensor:
+    parts = [torch.empty_like(local) for _ in range(t)]
+    dist.all_gather(parts, local.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
 class SeqParallel(nn.Module):
     """One sequence-parallel collective, inserted into a traced piece."""
 
@@ -153,6 +182,10 @@ class _GatheredLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+def shard_rows(n: int, t: int, rank: int, groups: int) -> torch.Tensor:
+    return _rows(n, t, rank, groups)
+
+
 class ColumnParallelLinear(nn.Module):
     """This rank's rows of a linear (output features split over t, in `groups` strided blocks)."""
 
@@ -172,13 +205,7 @@ class ColumnParallelLinear(nn.Module):
 
     def full(self, local: torch.Tensor) -> torch.Tensor:
         """The whole weight (or bias) from every rank's `local` shard, in the model's row order."""
-        parts = [torch.empty_like(local) for _ in range(self.t)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
-        n = local.shape[0] * self.t
-        out = torch.empty((n, *local.shape[1:]), dtype=local.dtype, device=local.device)
-        for r, part in enumerate(parts):
-            out[_rows(n, self.t, r, self.groups)] = part
-        return out
+        return gather_rows(local, self.t, self.groups, self.group)
 
 
 class RowParallelLinear(nn.Module):
@@ -200,9 +227,7 @@ class RowParallelLinear(nn.Module):
     def full(self, local: torch.Tensor) -> torch.Tensor:
         if local.dim() == 1:
             return local  # the bias is whole on every rank
-        parts = [torch.empty_like(local) for _ in range(self.t)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
-        return torch.cat(parts, dim=1)
+        return gather_cols(local, self.t, self.group)
 
 
 class _Unsupported(Exception):
@@ -227,12 +252,12 @@ class _Div:
 
 def plan_shards(piece: fx.GraphModule, shapes: dict[str, Any], styles: dict[str, str], paths: dict[int, str],
                 t: int, heads: set[int], colwise: dict[str, int], inputs: list, sp: bool = False,
-                leaving: frozenset[int] = frozenset()) -> tuple[list, list] | None:
+                leaving: frozenset[int] = frozenset(), weights: dict[str, str] | None = None) -> tuple[list, list] | None:
     """How to shard `piece`: its argument rewrites, and per output which dim is sharded (and from which
     column-parallel linear), given the same for its inputs; row groups of column-parallel linears go into
     `colwise`. None where an op on a sharded tensor is not one the rules know. Changes nothing."""
     try:
-        return _propagate(piece, shapes, styles, paths, t, heads, colwise, inputs, sp, leaving)
+        return _propagate(piece, shapes, styles, paths, t, heads, colwise, inputs, sp, leaving, weights)
     except _Unsupported:
         return None
 
@@ -245,13 +270,29 @@ def _attr(piece: fx.GraphModule, target: str) -> Any:
 
 
 def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, int], styles: dict[str, str],
-                 paths: dict[int, str], t: int, rank: int, group: Any) -> tuple[dict[str, nn.Module], list]:
-    """Rewrite `piece` as planned; returns {module path: its parallel replacement} and the parameters whose
-    gradients are partial sums over the tensor-parallel group (applied to a part of the sequence)."""
+                 paths: dict[int, str], t: int, rank: int, group: Any) -> tuple[dict[str, nn.Module], list, list]:
+    """Rewrite `piece` as planned; returns {module path: its parallel replacement}, the parameters whose
+    gradients are partial sums over the tensor-parallel group (applied to a part of the sequence), and the
+    (path, style, row groups) of weights the piece reads as inputs, for the caller to shard."""
     graph, gathered, row_seq, partial, bias_of = piece.graph, {}, {}, [], []
+    weights: list[tuple[str, str, int]] = []  # exported graphs: (path, style, row groups) of weights to shard
     for entry in rewrites:
         if isinstance(entry[0], str):
             what = entry[0]
+            if what == "weight":  # a linear reading its weight as an input: f before it, or g after it
+                _, path, node = entry
+                name = f"_sp{len(list(piece.named_children()))}"
+                piece.add_submodule(name, TensorParallelOp("f" if styles[path] == "colwise" else "g", group))
+                if styles[path] == "colwise":
+                    with graph.inserting_before(node):
+                        copied = graph.call_module(name, (node.args[0],))
+                    node.replace_input_with(node.args[0], copied)
+                else:
+                    with graph.inserting_after(node):
+                        reduced = graph.call_module(name, (node,))
+                    node.replace_all_uses_with(reduced, delete_user_cb=lambda u: u is not reduced)
+                weights.append((path, styles[path], colwise.get(path, 1)))
+                continue
             if what == "wrap":
                 _, consumer, arg, kind, dim = entry
                 name = f"_sp{len(list(piece.named_children()))}"
@@ -300,7 +341,7 @@ def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, int],
         if path in bias_of and module.bias is not None:
             partial.append(module.bias)
     piece.recompile()
-    return done, partial
+    return done, partial, weights
 
 
 NORMS = {"layer_norm", "LayerNorm", "rms_norm", "RMSNorm", "LlamaRMSNorm", "dropout", "Dropout", "Identity"}
@@ -308,7 +349,7 @@ NORMS = {"layer_norm", "LayerNorm", "rms_norm", "RMSNorm", "LlamaRMSNorm", "drop
 
 def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles: dict[str, str],
                paths: dict[int, str], t: int, heads: set[int], colwise: dict[str, int], inputs: list,
-               sp: bool = False, leaving: frozenset[int] = frozenset()):
+               sp: bool = False, leaving: frozenset[int] = frozenset(), weights: dict[str, str] | None = None):
     """Walk the piece in order, tracking which values are split and how: ("tp", dim, linear) between a
     column- and a row-parallel linear, ("seq", dim) in a sequence-parallel region. Returns the rewrites and the
     state of each output; raises _Unsupported on an op it cannot place."""
@@ -377,6 +418,12 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
         kind = node_kind(n, piece)
         module = piece.get_submodule(str(n.target)) if n.op == "call_module" else None
         path = paths.get(id(module)) if module is not None else None
+        if kind == "linear_fn" and weights and getattr(n.args[1], "name", None) in weights:  # exported graph
+            path = weights[n.args[1].name]
+            if path in styles and (len(n.args) > 2 and n.args[2] is not None or sp):
+                raise _Unsupported(f"{path}: a biased linear / sequence parallelism on an exported graph")
+            if path in styles:
+                rewrites.append(("weight", path, n))
         ins = [a for a in n.all_input_nodes if a.name in sharded]
         in_seq = [a for a in n.all_input_nodes if a.name in seq]
         if path in styles:
@@ -396,6 +443,8 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
             continue
         if n.op == "call_function" and n.target is operator.getitem and n.args[0].name in tuples:
             sharded[n.name], source[n.name] = tuples[n.args[0].name], source[n.args[0].name]
+            continue
+        if kind in ("assert_tensor_metadata", "sym_size"):  # checks dtype and device only / reads the batch
             continue
         if kind in ("getattr", "size") or (n.op == "call_function" and n.target is getattr):
             if n.args[0].name in sharded:
@@ -470,6 +519,13 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
         elif kind == "transpose":
             a, b = (d % len(shape(x)) for d in n.args[1:3])
             sharded[n.name] = b if dim == a else a if dim == b else dim
+        elif kind in ("slice", "cat", "unsqueeze", "squeeze"):
+            along = n.args[1] if kind in ("slice", "unsqueeze", "squeeze") and len(n.args) > 1 else \
+                n.args[1] if kind == "cat" and len(n.args) > 1 else n.kwargs.get("dim", 0)
+            along = along % (len(shape(n)) if kind == "unsqueeze" else len(shape(x)))
+            if along == dim or kind == "squeeze" and shape(x)[dim] == 1:
+                raise _Unsupported(n.name)
+            sharded[n.name] = dim + (kind == "unsqueeze" and along <= dim) - (kind == "squeeze" and along < dim)
         elif kind == "unbind":
             along = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % len(shape(x))
             if along == dim:

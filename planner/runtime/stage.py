@@ -193,10 +193,7 @@ def _trace_split(model: nn.Module, plan: Plan, model_file: ModelFile) -> tuple[f
             raise
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         gm = export_graph(model, model_file.inputs(max(2, plan.config.microbatch), device))  # batch dim from 2
-        if plan.config.tp > 1:
-            raise UserError("this model runs from its torch.export graph, where the runtime does not split "
-                            "linears over tensor-parallel ranks yet; re-plan with --tp 1 to run it here (or export "
-                            "the plan to Megatron-LM or torchtitan with `planner export`)") from None
+
     part_of, pieces = _pieces(gm, model, plan)
     if {pc.stage for pc in pieces} != set(range(len(plan.partition))):
         raise UserError(f"the plan has {len(plan.partition)} stages but its partition places nodes on stages "
@@ -470,12 +467,16 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
                 continue
             piece = st.pieces[str(node.target)]
             mine = {paths[id(m)]: styles[paths[id(m)]] for m in piece.modules() if paths.get(id(m)) in styles}
+            placeholders = [n.name for n in piece.graph.nodes if n.op == "placeholder"]
+            weights = {ph: str(a.target)[:-len(".weight")] for ph, a in zip(placeholders, node.args)
+                       if isinstance(a, fx.Node) and a.op == "get_attr" and str(a.target).endswith(".weight")}
+            mine.update({w: styles[w] for w in weights.values() if w in styles})  # an exported graph's linears
             given = [top.get(a.name) if isinstance(a, fx.Node) else None for a in node.args]
             if not mine and not any(given):
                 continue
             out = frozenset(k for k, user in _result_users(node) if user in leaving)
             planned = plan_shards(piece, shapes.get(str(node.target), {}), mine, paths, t, heads, colwise, given,
-                                  sp=sp, leaving=out)
+                                  sp=sp, leaving=out, weights=weights)
             if planned is None:
                 work = None
                 break
@@ -488,17 +489,42 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
             break
     if work:
         for st, piece, mine, rewrites in work:
-            done, partial = apply_shards(piece, rewrites, colwise, mine, paths, t, rank, group)
+            done, partial, weights = apply_shards(piece, rewrites, colwise, mine, paths, t, rank, group)
             for path, module in done.items():
                 st.tp_sharded.add(path)
                 st.tp_full.update({id(p): module.full for p in module.parameters()})
             st.tp_partial.extend(partial)
+            for path, style, groups in weights:
+                _shard_attr(st, path, style, groups, t, rank, group)
         return
+    if any(_key(f"{path}.weight") in st.attr_params for st in stages for path in plan.partition[st.index].tensor_parallel):
+        raise UserError("this model runs from its torch.export graph, and it applies an op to a split tensor that "
+                        "the runtime's Megatron layout does not know (planner/runtime/megatron_tp.py); re-plan with "
+                        "--tp 1 to run it here, or export the plan to Megatron-LM or torchtitan (`planner export`)")
     if plan.config.sp:
         raise UserError("the plan runs sequence parallelism, but this model's graph applies an op to a split tensor "
                         "that the runtime's Megatron layout does not know (planner/runtime/megatron_tp.py); re-plan "
                         "with --no-sequence-parallel to run it here")
     _dtensor_parallel(stages, plan, root, tp_mesh)
+
+
+def _shard_attr(st: StageModule, path: str, style: str, groups: int, t: int, rank: int, group: Any) -> None:
+    """Replace the whole weight `path`.weight the stage reads as an attribute by this rank's shard."""
+    from .megatron_tp import gather_cols, gather_rows, shard_rows
+
+    key = _key(f"{path}.weight")
+    whole = st.attr_params[key]
+    if style == "colwise":
+        part = whole.detach()[shard_rows(whole.shape[0], t, rank, groups)]
+        full = lambda local: gather_rows(local, t, groups, group)  # noqa: E731
+    else:
+        cols = whole.shape[1] // t
+        part = whole.detach()[:, rank * cols:(rank + 1) * cols]
+        full = lambda local: gather_cols(local, t, group)  # noqa: E731
+    shard = nn.Parameter(part.clone(), requires_grad=whole.requires_grad)
+    st.attr_params[key] = shard
+    st.tp_full[id(shard)] = full
+    st.tp_sharded.add(path)
 
 
 def _result_users(node: fx.Node) -> list[tuple[int, str]]:

@@ -20,7 +20,8 @@ LLAMA = ROOT / "examples" / "hf_llama.py"
 TINY = {"layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
         "vocab_size": 256, "seq": 32}
 B, STEPS, LR = 4, 2, 1e-3
-CASES = {"p2": dict(tp=1, pp=2, dp=1, b=1, schedule="1f1b"), "d2": dict(tp=1, pp=1, dp=2, b=2, schedule="1f1b")}
+CASES = {"p2": dict(tp=1, pp=2, dp=1, b=1, schedule="1f1b"), "d2": dict(tp=1, pp=1, dp=2, b=2, schedule="1f1b"),
+         "t2": dict(tp=2, pp=1, dp=1, b=2, schedule="1f1b")}  # grouped-query attention: 4 heads, 2 kv heads
 
 
 @pytest.fixture(scope="module")
@@ -44,19 +45,11 @@ def run(tmp_path_factory) -> dict:
 def test_llama_trains_from_its_exported_graph_as_one_process_does(run, name):
     ref = reference(Path(LLAMA), TINY, global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
     assert run["runs"][name].loss == pytest.approx(ref["loss"], abs=1e-5)
-    assert not [m for m in mismatches(run["plans"][name], run["runs"][name]) if "saved activation" not in m]
+    found = mismatches(run["plans"][name], run["runs"][name])
+    # the last stage's logits head saves more than the plan's formula counts for a model this small
+    assert not [m for m in found if not (name == "p2" and "stage 1 saved activation" in m)], found
+    if name == "t2":  # q, k, v and the MLP split over the two ranks, attention by (kv) heads
+        held = {r.holds.parameters for r in run["runs"][name].ranks}
+        assert held == {run["plans"][name].predictions.memory[0].weights / 4}
+        assert len(run["runs"][name].ranks[0].holds.tensor_parallel) == 14
 
-
-def test_tensor_parallelism_on_an_exported_graph_is_refused_with_the_pin_to_drop():
-    pytest.importorskip("transformers", reason="the hf extra is not installed")
-    import torch
-
-    from passes.errors import UserError
-    from passes.load import load_model_file
-    from planner.runtime.stage import build_split
-
-    plan, _ = make_plan(str(LLAMA), gpus=2, global_batch=B, target="a100-80gb", gpus_per_node=2, model_args=TINY,
-                        pins=Pins(tp=2, pp=1, dp=1, b=2, v=1, recompute="none", sp=False, cp=1, precision="fp32"))
-    mf = load_model_file(LLAMA, TINY)
-    with pytest.raises(UserError, match="re-plan with --tp 1"):
-        build_split(mf.build("cpu", torch.float32), plan, mf)
