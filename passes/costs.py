@@ -9,18 +9,16 @@ Bytes saved for backward are named per tensor so a unit counts a tensor saved by
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import sympy
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 from torch import nn
 
 from .measure import Measured
-from .meta_keys import COST, MEASURED, TENSOR
+from .meta_keys import COST, MEASURED
 from .shapes import TensorInfo, tensor_info
 
 __all__ = ["NodeCost", "annotate_costs", "node_kind", "storage_of"]

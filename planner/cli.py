@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List
 
 import typer
 from rich.console import Console

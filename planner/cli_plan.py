@@ -1,7 +1,6 @@
 """`planner plan`, `planner show`, `planner chart`."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import List, Optional
 

@@ -281,7 +281,7 @@ def to_megatron(plan: Plan) -> Export:
 
 def _script(plan: Plan, engine: str, launch: str, argv: list[str], unexpressed: list[str], tail: str = "") -> str:
     c = plan.config
-    head = [f"#!/usr/bin/env bash", f"# {engine} configuration of an fxplanner plan ({plan.source.model_file}, "
+    head = ["#!/usr/bin/env bash", f"# {engine} configuration of an fxplanner plan ({plan.source.model_file}, "
             f"{plan.source.gpus} GPUs: t={c.tp} p={c.pp} d={c.dp} cp={c.cp} b={c.microbatch} m={c.microbatches} "
             f"v={c.vp} {c.schedule} recompute={c.recompute}; predicted {plan.predictions.iteration_s:.3f} s/iteration)"]
     head += ["# not expressed:" if unexpressed else "# everything in the plan is expressed"]

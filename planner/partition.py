@@ -8,7 +8,6 @@ optimal split point is found by bisection, so a partition costs O(stages x units
 """
 from __future__ import annotations
 
-import bisect
 from dataclasses import dataclass
 from itertools import accumulate
 from typing import Sequence
