@@ -5,14 +5,14 @@ from passes.profile import measure_units
 from tests.conftest import EXAMPLES
 
 
-def test_mlp_measured_times_are_positive_and_grow_with_batch():
+def test_mlp_measured_times_are_positive_per_unit():
+    # no comparison between timings: on a shared 2-core machine a busy neighbour made 8 samples "slower" than
+    # 1024 (CI, 2026-11-23); the project keeps timing assertions out of tests
     small = measure_units(str(EXAMPLES / "mlp.py"), {}, 8, repeats=5)
     large = measure_units(str(EXAMPLES / "mlp.py"), {}, 1024, repeats=5)
     assert len(small) == len(large) == 6
     for m in small + large:
-        assert m.fwd_median_s > 0 and m.bwd_median_s > 0 and m.device == "cpu"
-    total = lambda ms: sum(m.fwd_median_s + m.bwd_median_s for m in ms)  # noqa: E731
-    assert total(large) > 2 * total(small)  # 128x the work: far above timer noise
+        assert m.fwd_median_s > 0 and m.bwd_median_s > 0 and m.device == "cpu" and m.fwd_spread >= 0
 
 
 def test_repeated_blocks_are_timed_once_with_progress_per_distinct_unit():
