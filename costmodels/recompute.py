@@ -33,12 +33,13 @@ class RecomputeMode:
 
 
 def _plain_bytes(u: Unit, b: float, t: int, r: int = 1) -> float:
-    return u.sharded.saved_bytes(b) / t + u.replicated.saved_bytes(b) / r
+    return u.sharded.saved_bytes(b) / t + u.replicated.saved_bytes(b) / r + u.loss_bytes(b)
 
 
 def _selective_bytes(u: Unit, b: float, t: int, r: int = 1) -> float:
     s, w = u.sharded, u.replicated
-    return (s.saved_bytes(b) - s.selective_bytes(b)) / t + (w.saved_bytes(b) - w.selective_bytes(b)) / r
+    return ((s.saved_bytes(b) - s.selective_bytes(b)) / t + (w.saved_bytes(b) - w.selective_bytes(b)) / r
+            + u.loss_bytes(b))
 
 
 def _full_bytes(u: Unit, b: float, t: int, r: int = 1) -> float:

@@ -6,7 +6,7 @@ error names the passes that had already run.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,6 +22,8 @@ from .measure import measure
 from .repeat import Cut, expand, representatives
 from .shape import model_shape
 from .trace import trace_model
+from .poly import Poly
+from .shapes import B, tensor_info
 from .units import Unit, lower_units
 
 __all__ = ["Context", "ModelProfile", "PASSES", "analyze", "DTYPES"]
@@ -134,7 +136,44 @@ def _costs(ctx: Context) -> None:
 def _units(ctx: Context) -> None:
     with representatives(ctx.model):
         ctx.priced = lower_units(ctx.gm, ctx.model)
+        loss = _loss_bytes(ctx)
     ctx.units = expand(ctx.priced, ctx.cuts)
+    if ctx.units:
+        ctx.units[-1] = replace(ctx.units[-1], loss_bytes=loss)
+
+
+def _loss_bytes(ctx: Context) -> Poly:
+    """Bytes the model file's loss_fn keeps for its backward, per microbatch (linear in b): the tensors its
+    autograd saves, measured with saved-tensor hooks on meta tensors at b = 1 and 2 (the model's output itself
+    is the last unit's, not counted again)."""
+    if not ctx.model_file.has("loss_fn") or not ctx.model_file.has("sample_batch"):
+        return Poly()
+    result = next(n for n in ctx.gm.graph.nodes if n.op == "output").args[0]
+    leaves = [tensor_info(x) for x in torch.utils._pytree.tree_leaves(result)]
+    if not leaves or any(info is None for info in leaves):
+        return Poly()
+    sizes = []
+    try:
+        for b in (1, 2):  # the model's output as the traced graph describes it, at microbatch b, in fp32 as the
+            # runtime hands it to the loss (Megatron computes its cross-entropy in fp32 too)
+            outs = [torch.empty([int(d.subs(B, b)) for d in info.shape], device="meta", requires_grad=True,
+                                dtype=torch.float32 if info.dtype.is_floating_point else info.dtype) for info in leaves]
+            _, targets = ctx.model_file.call("sample_batch", b, 0)
+            targets = torch.utils._pytree.tree_map(
+                lambda x: x.to("meta") if isinstance(x, torch.Tensor) else x, targets)
+            saved: dict[int, int] = {}
+
+            def pack(x: torch.Tensor) -> torch.Tensor:
+                if not any(x is o for o in outs):  # the output itself belongs to the last unit
+                    saved[id(x)] = x.numel() * x.element_size()
+                return x
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+                ctx.model_file.module.loss_fn(outs[0] if len(outs) == 1 else tuple(outs), targets)
+            sizes.append(sum(saved.values()))
+    except Exception:  # noqa: BLE001 - a loss that cannot run on meta tensors is left unpriced
+        return Poly()
+    return Poly((2.0 * sizes[0] - sizes[1], float(sizes[1] - sizes[0])))
 
 
 def _check(ctx: Context) -> None:

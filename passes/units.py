@@ -74,6 +74,8 @@ class Unit:
     kv: Part = field(default_factory=Part)  # the key/value projections (inside `sharded`): replicated past kv_heads
     attn_kv_bytes: Poly = field(default_factory=Poly)  # keys + values the attention core reads (all heads): what
     # context parallelism passes around its ring
+    loss_bytes: Poly = field(default_factory=Poly)  # the last unit only: what the model file's loss_fn keeps for its
+    # backward (cross-entropy: an fp32 log-softmax of the logits), measured on meta tensors
 
     @property
     def params(self) -> int:

@@ -243,14 +243,17 @@ class Executor:
         received = st.received.pop((k, mb), {})
         if k in self.saved_bytes:
             sends, out = stage.run(received, st.inputs[mb])
-        else:  # the first forward of the stage: measure what it leaves for the backward
+            loss = self._loss(out, st.targets[mb]) if stage.program.last else None
+        else:  # the first forward of the stage: measure what it (and the loss, on the last) leaves for the backward
             with SavedBytes(self.params.values()) as probe:
                 stage.probe = probe.keep
                 sends, out = stage.run(received, st.inputs[mb])
                 stage.probe = None
+                probe.exclude(torch.utils._pytree.tree_leaves(out))  # the output is the stage's, not the loss's
+                loss = self._loss(out, st.targets[mb]) if stage.program.last else None
             self.saved_bytes[k] = probe.total
         if stage.program.last:
-            loss = self._loss(out, st.targets[mb]) / self.m
+            loss = loss / self.m
             st.loss = loss.detach() if st.loss is None else st.loss + loss.detach()
             st.saved[(k, mb)] = (received, loss)
         else:

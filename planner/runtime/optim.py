@@ -272,6 +272,11 @@ class SavedBytes:
         self._count(t)
         return t
 
+    def exclude(self, tensors: Iterable[Any]) -> None:
+        """Storages not to count from here on (a stage's output, saved again by its loss)."""
+        self._weights.update(local_tensor(t).untyped_storage().data_ptr() for t in tensors
+                             if isinstance(t, torch.Tensor))
+
     def keep(self, args: Iterable[Any]) -> None:
         for a in args:
             if isinstance(a, torch.Tensor):

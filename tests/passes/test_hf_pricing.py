@@ -194,3 +194,15 @@ def test_planning_the_llama_example_on_64_a100s_prints_an_honest_mfu():
     mfu = float(re.search(r"MFU ([0-9.]+)% \(PaLM\)", res.stdout).group(1))
     assert 30 < mfu <= 65  # GEMMs at 66% of the A100 peak, FlashAttention-2 at 56%: no dense run on A100 beats ~65%
     assert "tokens/s" in res.stdout and "runtime runs this model from its torch.export graph" in res.stdout
+
+
+def test_the_losss_saved_tensors_are_priced_on_the_last_unit():
+    """Cross-entropy keeps an fp32 log-softmax of the logits for its backward (4 bytes x s x V per sample, 4.2 GB
+    for Llama 3 at s = 8192): measured by running the model file's loss_fn on meta tensors, on the last unit."""
+    c = PRESETS["llama3-8b"][1]
+    prof, _ = analyze(EXAMPLES / "hf_llama.py", {"layers": 2, "seq": SEQ})
+    last = prof.units[-1]
+    per_sample = 4 * SEQ * c["vocab_size"] + 8 * SEQ  # fp32 log-probabilities, int64 targets
+    assert last.loss_bytes(1) == pytest.approx(per_sample, rel=1e-3)
+    assert last.loss_bytes(4) == pytest.approx(4 * per_sample, rel=1e-3)
+    assert all(not u.loss_bytes(1) for u in prof.units[:-1])
