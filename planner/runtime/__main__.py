@@ -184,13 +184,14 @@ def _run(args: argparse.Namespace, checked: list[CheckedPlan], files: list[Any],
 def _run_entry(c: CheckedPlan, ranks: list[dict[str, Any]], args: argparse.Namespace, device: str) -> RunEntry:
     """The run's metrics from the gathered rank records, validated: a nonconforming record fails here."""
     from ..metrics import RunEntry
+    from ..validate import DTYPES
 
     cfg = c.plan.config
     last = [r for r in ranks if r["pp"] == cfg.pp - 1 and r["dp"] == 0 and r["tp"] == 0][0]
     return RunEntry.model_validate({
         "plan": str(c.path), "config": cfg.model_dump(), "world": len(ranks), "device": device,
         "steps": args.steps, "fill": not args.no_fill, "optimizer": args.optimizer, "lr": args.lr,
-        "seed": args.seed, "dtype": {"bf16": "bfloat16", "fp16": "float16"}.get(cfg.precision, "float32"),
+        "seed": args.seed, "dtype": DTYPES[cfg.precision],
         "loss": [s["loss"] for s in last["steps"]],
         "predicted_iteration_s": c.plan.predictions.iteration_s,
         "ranks": sorted(ranks, key=lambda r: r["rank"])})

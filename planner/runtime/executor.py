@@ -42,7 +42,7 @@ from ..plan import Plan, plan_schedule
 from ..schedule import Action, Op, grid
 from .groups import Groups, make_groups, make_shared_groups
 from .optim import GradSync, SavedBytes, local_tensor
-from .stage import (StageModule, TensorSpec, apply_tensor_parallel, boundary_specs, build_split,
+from .stage import (DTYPES, StageModule, TensorSpec, apply_tensor_parallel, boundary_specs, build_split,
                     implicit_replication, stage_modules)
 
 __all__ = ["RunOptions", "NullFill", "FillHooks", "ActionError", "Executor", "prepare", "load_fill_client",
@@ -480,10 +480,6 @@ class Executor:
             grads[name] = full(p.grad, p) if p.grad is not None else None
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"params": params, "grads": grads, "coords": [self.c.pp, self.c.dp, self.c.tp]}, path)
-
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-"""Plan precision -> the dtype the runtime's parameters and activations take."""
 
 
 class LossScaler:

@@ -14,7 +14,9 @@ shard, guided by the shapes of a meta pass over the same split:
 The forward enters a column-parallel linear through Megatron's ``f`` (identity; all-reduce of the input
 gradient) and leaves a row-parallel one through ``g`` (all-reduce; identity backward). Every other weight
 is replicated and gets identical gradients on every tensor-parallel rank. An op the rules do not know
-applied to a sharded tensor makes ``shard_by_heads`` return None, and the caller runs the DTensor path.
+applied to a split tensor makes ``plan_shards`` return None, and the caller runs the DTensor path.
+
+Under sequence parallelism the values between the split linears hold 1/t of the sequence (``SeqParallel``).
 """
 from __future__ import annotations
 
@@ -120,7 +122,7 @@ def gather_rows(local: torch.Tensor, t: int, groups: int, group: Any) -> torch.T
     n = local.shape[0] * t
     out = torch.empty((n, *local.shape[1:]), dtype=local.dtype, device=local.device)
     for r, part in enumerate(parts):
-        out[_rows(n, t, r, groups)] = part
+        out[shard_rows(n, t, r, groups)] = part
     return out
 
 
@@ -154,7 +156,7 @@ class GlobalShape(nn.Module):
         return torch.Size(shape)
 
 
-def _rows(n: int, t: int, rank: int, groups: int) -> torch.Tensor:
+def shard_rows(n: int, t: int, rank: int, groups: int) -> torch.Tensor:
     """Indices of this rank's rows of an output dimension of n laid out as `groups` blocks of heads."""
     per = n // groups
     return torch.cat([torch.arange(g * per + rank * per // t, g * per + (rank + 1) * per // t) for g in range(groups)])
@@ -182,10 +184,6 @@ class _GatheredLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-def shard_rows(n: int, t: int, rank: int, groups: int) -> torch.Tensor:
-    return _rows(n, t, rank, groups)
-
-
 class ColumnParallelLinear(nn.Module):
     """This rank's rows of a linear (output features split over t, in `groups` strided blocks)."""
 
@@ -194,7 +192,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.t, self.rank, self.groups, self.group = t, rank, groups, group
         self.seq_dim = seq_dim  # the input is split along this dim (sequence parallelism): gathered here
-        rows = _rows(linear.out_features, t, rank, groups)
+        rows = shard_rows(linear.out_features, t, rank, groups)
         self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
         self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
 
@@ -260,13 +258,6 @@ def plan_shards(piece: fx.GraphModule, shapes: dict[str, Any], styles: dict[str,
         return _propagate(piece, shapes, styles, paths, t, heads, colwise, inputs, sp, leaving, weights)
     except _Unsupported:
         return None
-
-
-def _attr(piece: fx.GraphModule, target: str) -> Any:
-    obj: Any = piece
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, int], styles: dict[str, str],
@@ -478,7 +469,7 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                     if idx >= 0 and o[idx] == out[dim] > 1:
                         rewrites.append(("wrap", n, a, "scatter", idx))
                     if a.op == "get_attr":  # a weight applied to part of the sequence: partial gradient
-                        rewrites.append(("partial", _attr(piece, str(a.target))))
+                        rewrites.append(("partial", operator.attrgetter(str(a.target))(piece)))
                 seq[n.name] = dim
                 if module is not None:
                     rewrites.extend(("partial", p) for p in module.parameters())

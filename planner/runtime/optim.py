@@ -49,14 +49,6 @@ def local_grad(p: torch.nn.Parameter) -> torch.Tensor:
         return local_tensor(p.grad)
 
 
-def _offsets(sizes: list[int]) -> list[int]:
-    out, acc = [], 0
-    for n in sizes:
-        out.append(acc)
-        acc += n
-    return out
-
-
 class _Bucket:
     __slots__ = ("params", "waiting", "flat", "work")
 
@@ -98,14 +90,10 @@ class GradSync:
         self.lower = any(p.dtype != torch.float32 for _, p in self.named)  # bf16/fp16: fp32 master weights
         self.masters: list[torch.nn.Parameter] = []
         if self.zero:
-            sizes = [local_tensor(p).numel() for _, p in self.named]
-            total = sum(sizes)
-            self.shard_len = -(-total // dp_size)
-            flat = torch.zeros(self.shard_len * dp_size, dtype=torch.float32)
             with torch.no_grad():
-                for (_, p), lo, n in zip(self.named, _offsets(sizes), sizes):
-                    flat[lo:lo + n] = local_tensor(p).detach().reshape(-1).float().cpu()
-            flat = flat.to(self.named[0][1].device) if self.named else flat
+                flat = torch.cat([local_tensor(p).detach().reshape(-1).float() for _, p in self.named])
+            self.shard_len = -(-flat.numel() // dp_size)
+            flat = torch.nn.functional.pad(flat, (0, self.shard_len * dp_size - flat.numel()))  # to d equal shards
             lo = dp_rank * self.shard_len
             self.master = torch.nn.Parameter(flat[lo:lo + self.shard_len].clone())
             self.optimizer = opt([self.master], lr=lr)

@@ -17,13 +17,11 @@ traced and split the same way, and run on meta inputs of one microbatch; every r
 so the receiver of a p2p transfer knows shape and dtype without a handshake. Non-tensor boundary
 values (Python ints of shapes) are constants of that pass and never travel.
 
-Tensor parallelism: the plan's ``tensor_parallel`` linears get ``ColwiseParallel`` /
-``RowwiseParallel`` with ``use_local_output=False``; every other parameter becomes a replicated
-DTensor and stage inputs are wrapped as replicated DTensors, so each op sees global shapes (the
-head count baked into ``view`` stays right). Where DTensor cannot propagate a sharding (unflattening
-a sharded dim of 3*hidden into (3, heads, d)), the piece interpreter replicates that op's inputs
-and retries: attention then runs replicated on each TP rank, the MLP stays Megatron-sharded.
-Correct on CPU, not fast. Stage outputs leave as full tensors.
+Tensor (and sequence) parallelism: Megatron's layout on local shards where the pieces' ops allow it
+(planner/runtime/megatron_tp.py: attention split by heads, sizes rewritten from a meta shape pass);
+otherwise the plan's linears get DTensor ``ColwiseParallel`` / ``RowwiseParallel``, every other parameter
+becomes a replicated DTensor, and an op whose sharding DTensor cannot propagate runs on replicated inputs
+(attention then runs whole on each TP rank). Stage outputs leave as full tensors.
 """
 from __future__ import annotations
 
@@ -45,6 +43,9 @@ from passes.costs import node_kind
 from passes.units import attention_core, group_nodes
 
 from ..plan import Plan
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""Plan precision -> the dtype the runtime's parameters and activations take."""
 
 __all__ = ["Piece", "StageProgram", "TensorSpec", "SplitModel", "StageModule", "build_split", "boundary_specs",
            "stage_modules", "apply_tensor_parallel", "implicit_replication"]
@@ -241,7 +242,7 @@ def boundary_specs(model_file: ModelFile, plan: Plan,
                    inner: dict[str, dict[str, Any]] | None = None) -> dict[str, TensorSpec | Any]:
     """Shape pass on the meta device: every top-level value of one microbatch (b samples). With `inner`,
     also every value inside each piece: piece name -> node name -> shape (tensors) or value (ints)."""
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(plan.config.precision, torch.float32)
+    dtype = DTYPES[plan.config.precision]
     meta = model_file.build("meta", torch.float32).to(dtype)  # boundary tensors take the precision's dtype
     meta.train()
     split, _ = _trace_split(meta, plan, model_file)
