@@ -63,7 +63,7 @@ def rank_param_count(units: list[Unit], cfg: ParallelConfig) -> float:
 
 def activation_bytes(unit: Unit, cfg: ParallelConfig) -> float:
     """Bytes one microbatch leaves on the device from the unit's forward until its backward."""
-    return cfg.recompute_mode.kept_bytes(unit, cfg.local_b, cfg.tp, cfg.sp_degree)
+    return cfg.recompute_mode.kept_bytes(unit, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp)
 
 
 def static_bytes_per_param(cfg: ParallelConfig) -> float:
@@ -76,10 +76,10 @@ def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int
     num = cfg.numerics
     params = rank_param_count(units, cfg)
     mode = cfg.recompute_mode
-    acts = sum(mode.kept_bytes(u, cfg.local_b, cfg.tp, cfg.sp_degree) for u in units) * cfg.inflight(rank)
+    acts = sum(mode.kept_bytes(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units) * cfg.inflight(rank)
     if mode.working_set:  # the unit being recomputed holds its full activations during its backward
         plain = RECOMPUTE["none"].kept_bytes
-        acts += max((plain(u, cfg.local_b, cfg.tp, cfg.sp_degree) for u in units), default=0.0)
+        acts += max((plain(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units), default=0.0)
     return StageMemory(weights=params * num.weight_bytes, grads=params * num.grad_bytes,
                        optimizer=params * num.optimizer_bytes / cfg.optimizer_shards, activations=acts,
                        reserve=hw.reserve_bytes)

@@ -22,8 +22,9 @@ class RecomputeMode:
     name: str
     help: str
     kept_bytes: Callable[..., float]
-    """(unit, b, t, r=1) -> bytes one microbatch keeps from the unit's forward until its backward; the
-    sharded part is split over t, the rest over r (t under sequence parallelism, else 1)."""
+    """(unit, b, t, r=1, cp=1) -> bytes one microbatch keeps from the unit's forward until its backward; the
+    sharded part is split over t, the rest over r (t under sequence parallelism, else 1); b is per context-
+    parallel rank (b/cp samples' worth of tokens)."""
     extra_backward_s: Callable[[Unit, float, int, Hardware, str, float], float]
     """(unit, b, t, hardware, precision, forward seconds) -> seconds the backward spends recomputing."""
     extra_flops: Callable[[Unit], float]
@@ -32,17 +33,21 @@ class RecomputeMode:
     """The recomputed unit holds its full activations again during its backward."""
 
 
-def _plain_bytes(u: Unit, b: float, t: int, r: int = 1) -> float:
-    return u.sharded.saved_bytes(b) / t + u.replicated.saved_bytes(b) / r + u.loss_bytes(b)
+def _plain_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
+    """Everything the forward saves; under context parallelism the attention core keeps what the fused ring
+    kernel keeps (its output and log-sum-exp), not the scores a written-out attention would."""
+    s = u.sharded
+    core = s.selective_bytes(b) - s.fused_core_bytes(b) if cp > 1 else 0.0
+    return (s.saved_bytes(b) - core) / t + u.replicated.saved_bytes(b) / r + u.loss_bytes(b)
 
 
-def _selective_bytes(u: Unit, b: float, t: int, r: int = 1) -> float:
+def _selective_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
     s, w = u.sharded, u.replicated
     return ((s.saved_bytes(b) - s.selective_bytes(b)) / t + (w.saved_bytes(b) - w.selective_bytes(b)) / r
             + u.loss_bytes(b))
 
 
-def _full_bytes(u: Unit, b: float, t: int, r: int = 1) -> float:
+def _full_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
     """A block keeps its input (split over the sequence under sequence parallelism, as Megatron does)."""
     return u.input_bytes(b) / r if u.kind == "block" else _selective_bytes(u, b, t, r)
 

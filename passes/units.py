@@ -41,6 +41,9 @@ class Part:
     saved_bytes: Poly = field(default_factory=Poly)  # activations kept for backward (no recompute)
     selective_bytes: Poly = field(default_factory=Poly)  # of saved_bytes, what selective recompute drops
     selective_flops: Poly = field(default_factory=Poly)  # forward FLOPs selective recompute redoes
+    fused_core_bytes: Poly = field(default_factory=Poly)  # what a fused (flash) attention kernel keeps of the core
+    # beyond its inputs: its output and an fp32 log-sum-exp per query; under context parallelism every engine runs
+    # the core so (Transformer Engine's ring attention), whatever the model file writes out
     params: int = 0
     weights: tuple[tuple[str, int], ...] = ()  # (name, elements) of each weight in `params`: a weight tied between
     # two units (embedding and LM head) appears in both, and a rank holding both holds it once
@@ -170,12 +173,15 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
         if n.name in selective:
             sel_f += c.fwd_flops
     sel_b = _selective_bytes(nodes, selective, saved)
+    fused_b = sum((i.nbytes + i.numel / i.shape[-1] * 4 for n in nodes if n.name in selective
+                   and any(u.name not in selective for u in n.users)  # a core's result
+                   for i in [n.meta.get(TENSOR)] if isinstance(i, TensorInfo) and i.shape), z)
     p = lambda e: Poly.of(e, B)  # noqa: E731
     kernels = sum(1 for n in nodes if n.meta[COST].kind not in ("view", "none"))
     return Part(fwd_flops=p(fw), bwd_flops=p(bw), mm_flops=p(mm), mm_bytes=p(mmb), model_flops=p(full),
                 products=tuple((p(f), p(by), p(bf), fused) for f, by, bf, fused in products),
                 fwd_bytes=p(fb), bwd_bytes=p(bb), saved_bytes=p(sum(saved.values(), z)), selective_bytes=p(sel_b), selective_flops=p(sel_f),
-                params=sum(params.values()), weights=tuple(sorted(params.items())), kernels=kernels)
+                fused_core_bytes=p(fused_b), params=sum(params.values()), weights=tuple(sorted(params.items())), kernels=kernels)
 
 
 def _selective_bytes(nodes: list[fx.Node], core: set[str], saved: dict[str, sympy.Expr]) -> sympy.Expr:

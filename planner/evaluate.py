@@ -102,7 +102,7 @@ class Evaluator:
             for i in set(self._twins):
                 u = self.units[i]
                 ut = unit_time(u, self.hw, c)
-                rows[i] = (ut.fwd_s, ut.bwd_s, ut.tp_comm_s, kept(u, c.local_b, c.tp, c.sp_degree))
+                rows[i] = (ut.fwd_s, ut.bwd_s, ut.tp_comm_s, kept(u, c.local_b, c.tp, c.sp_degree, c.cp))
             self._cache[key] = tuple(zip(*(rows[i] for i in self._twins)))
         return self._cache[key]
 

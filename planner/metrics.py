@@ -232,6 +232,7 @@ class RankRecord(_Model):
     pp: int = Field(description="pipeline rank")
     dp: int = Field(description="data-parallel rank")
     tp: int = Field(description="tensor-parallel rank")
+    cp: int = Field(0, description="context-parallel rank")
     stages: list[int] = Field(description="virtual stages this rank runs")
     steps: list[StepRecord] = Field(description="the training steps, in order")
     fill_report: Optional[FillReport] = Field(description="the fill executor's report; null when no fill client ran")

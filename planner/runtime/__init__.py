@@ -68,17 +68,14 @@ def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
         raise UserError(f"model file {model} has sha256 {digest[:16]}..., but plan {path} was made from "
                         f"{plan.source.model_sha256[:16]}...; the file changed since planning - re-run `planner plan`")
     c = plan.config.to_config()
-    missing = [(what, fix) for used, what, fix in (
-        (c.cp > 1, f"context parallelism (cp={c.cp})", "--cp 1"),
-        (c.tp_comm_overlap, "tensor-parallel communication overlap", "without --tp-comm-overlap")) if used]
-    if missing:  # refused rather than run unlike what was priced (the runtime's issue adds them)
-        raise UserError(f"plan {path} uses {' and '.join(w for w, _ in missing)}, which this runtime does not run "
-                        f"yet; re-plan {' '.join(f for _, f in missing)} (or export it to Megatron-LM or torchtitan "
-                        "with `planner export`)")
+    if c.tp_comm_overlap:  # refused rather than run unlike what was priced
+        raise UserError(f"plan {path} uses tensor-parallel communication overlap (Transformer Engine's userbuffers), "
+                        "which this runtime does not run; re-plan without --tp-comm-overlap (or export it to "
+                        "Megatron-LM with `planner export`)")
     need = c.world
     if need != world_size:
-        raise UserError(f"plan {path} needs tp*pp*dp = {c.tp}*{c.pp}*{c.dp} = {need} processes, but this launch has "
-                        f"WORLD_SIZE={world_size}; start it with {need} processes (torchrun --nproc-per-node ...)")
+        raise UserError(f"plan {path} needs tp*cp*pp*dp = {c.tp}*{c.cp}*{c.pp}*{c.dp} = {need} processes, but this "
+                        f"launch has WORLD_SIZE={world_size}; start it with {need} processes (torchrun --nproc-per-node ...)")
     return CheckedPlan(path=path, plan=plan, model_file=model)
 
 

@@ -40,6 +40,9 @@ from passes.load import ModelFile
 
 from ..plan import Plan, plan_schedule
 from ..schedule import Action, Op, grid
+from passes.errors import UserError
+
+from .context_parallel import ContextParallel
 from .groups import Groups, make_groups, make_shared_groups
 from .optim import GradSync, SavedBytes, local_tensor
 from .stage import (DTYPES, StageModule, TensorSpec, apply_tensor_parallel, boundary_specs, build_split,
@@ -145,8 +148,8 @@ class Executor:
     """One rank's view of a plan: its stages, groups, optimizer, and the action loop."""
 
     def __init__(self, *, plan: Plan, model_file: ModelFile, groups: Groups, stages: list[StageModule],
-                 specs: dict[str, Any], slots: int, options: RunOptions) -> None:
-        self.plan, self.mf, self.groups, self.options = plan, model_file, groups, options
+                 specs: dict[str, Any], slots: int, options: RunOptions, cp: ContextParallel | None = None) -> None:
+        self.plan, self.mf, self.groups, self.options, self.cp = plan, model_file, groups, options, cp
         self.c = groups.coords
         self.stages = {st.index: st for st in stages}
         self.specs = specs
@@ -159,8 +162,9 @@ class Executor:
             for local, param in st.named_parameters(remove_duplicate=False):
                 self.params.setdefault(st.names[local], param)
         self.params = dict(sorted(self.params.items()))
-        self.sync = GradSync(self.params, shared=groups.shared, dp_group=groups.dp_group, dp_size=self.c.dp_size,
-                             dp_rank=self.c.dp, zero=self.cfg.zero >= 1, overlap=self.cfg.overlap_grad_reduce,
+        self.sync = GradSync(self.params, shared=groups.shared, dp_group=groups.grad_group,  # dp x cp
+                             dp_size=self.c.dp_size * self.c.cp_size, dp_rank=self.c.dp_cp, zero=self.cfg.zero >= 1,
+                             overlap=self.cfg.overlap_grad_reduce,
                              optimizer=options.optimizer, lr=options.lr, grad_fp32=self.cfg.grad_fp32,
                              tp_partial=[p for st in stages for p in st.tp_partial], tp_group=groups.tp_group)
         self._names = {id(p): n for n, p in self.params.items()}
@@ -334,13 +338,14 @@ class Executor:
     # -- gradients, loss -----------------------------------------------------------------------
 
     def _step_loss(self, st: _Step) -> float | None:
-        """Sum over microbatches of loss/m, averaged over dp; only the last pipeline rank has it."""
+        """Sum over microbatches of loss/m, averaged over dp and cp (each cp rank's loss is the mean over its
+        tokens, the same number on each); only the last pipeline rank has it."""
         if st.loss is None:
             return None
         loss = st.loss.detach().clone().reshape(1).to(torch.float64)
-        if self.c.dp_size > 1:
-            dist.all_reduce(loss, group=self.groups.dp_group)
-            loss /= self.c.dp_size
+        if self.c.dp_size * self.c.cp_size > 1:
+            dist.all_reduce(loss, group=self.groups.grad_group)
+            loss /= self.c.dp_size * self.c.cp_size
         return float(loss.item())
 
     # -- bubbles -------------------------------------------------------------------------------
@@ -383,7 +388,8 @@ class Executor:
         inputs, targets = self.mf.call("sample_batch", B, step)
         inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
         lo = self.c.dp * (B // d)
-        take = lambda x, i: x[lo + i * b: lo + (i + 1) * b].to(  # noqa: E731 - floating inputs in the precision
+        shard = self.cp.shard if self.cp is not None else (lambda x: x)  # this cp rank's tokens
+        take = lambda x, i: shard(x[lo + i * b: lo + (i + 1) * b]).to(  # noqa: E731 - floating inputs in the precision
             self.options.device, self.dtype if x.is_floating_point() else x.dtype) if isinstance(x, torch.Tensor) else x
         return ([tuple(take(x, i) for x in inputs) for i in range(self.m)], [take(targets, i) for i in range(self.m)])
 
@@ -404,12 +410,12 @@ class Executor:
             if index == 0:
                 self.measured = {b["id"]: b["duration_s"] for b in record["bubbles"]}
             steps.append(record)
-            if record["loss"] is not None and self.c.dp == 0 and self.c.tp == 0:
+            if record["loss"] is not None and self.c.dp == 0 and self.c.tp == 0 and self.c.cp == 0:
                 log(f"step {index}: loss {record['loss']:.6f}, iteration {record['iteration_s'] * 1e3:.1f} ms")
         report = self.fill.report()
         self.fill.close()
         found = self._characterize(len(steps)) if self.options.characterize else None
-        return {"rank": self.c.rank, "pp": self.c.pp, "dp": self.c.dp, "tp": self.c.tp,
+        return {"rank": self.c.rank, "pp": self.c.pp, "dp": self.c.dp, "tp": self.c.tp, "cp": self.c.cp,
                 "stages": sorted(self.stages), "steps": steps, "fill_report": report,
                 "fill_client": type(self.fill).__name__, "characterization": found, "holds": self.holdings()}
 
@@ -479,7 +485,7 @@ class Executor:
             params[name] = full(p, p)
             grads[name] = full(p.grad, p) if p.grad is not None else None
         path.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"params": params, "grads": grads, "coords": [self.c.pp, self.c.dp, self.c.tp]}, path)
+        torch.save({"params": params, "grads": grads, "coords": [self.c.pp, self.c.dp, self.c.cp, self.c.tp]}, path)
 
 
 class LossScaler:
@@ -506,18 +512,36 @@ def prepare(plan: Plan, model_file: ModelFile, options: RunOptions) -> Executor:
     """Build groups, model, stages and optimizer for this rank (collective: every rank calls it)."""
     c = plan.config.to_config()
     groups = make_groups(device_type="cuda" if options.device.startswith("cuda") else "cpu",
-                         pp=c.pp, dp=c.dp, tp=c.tp)
+                         pp=c.pp, dp=c.dp, tp=c.tp, cp=c.cp)
     torch.manual_seed(options.seed)
     model = model_file.build(options.device, torch.float32).to(DTYPES[c.precision])  # fp32 init, then rounded
     model.train()
     split = build_split(model, plan, model_file)
     make_shared_groups(groups, split.holders)
+    cp = None
+    if c.cp > 1:  # rewritten from the whole sequence's shapes for this rank's tokens
+        whole: dict[str, dict[str, Any]] = {}
+        specs = boundary_specs(model_file, plan, whole)
+        cp = ContextParallel(size=c.cp, rank=groups.coords.cp, seq=_sequence(plan, specs), group=groups.cp_group,
+                             specs=specs, inner=whole)
+        cp.apply(split.split)
     inner: dict[str, dict[str, Any]] | None = {} if c.tp > 1 else None
-    specs = boundary_specs(model_file, plan, inner)
+    specs = boundary_specs(model_file, plan, inner, cp)
     constants = {k: v for k, v in specs.items() if not isinstance(v, TensorSpec)}
     stages = stage_modules(split, groups.coords.pp, constants)
     if c.tp > 1:
         apply_tensor_parallel(stages, plan, model, groups.tp_mesh, inner)
     slots = 1 + max(len(p.send) for p in split.programs)
     return Executor(plan=plan, model_file=model_file, groups=groups, stages=stages, specs=specs, slots=slots,
-                    options=options)
+                    options=options, cp=cp)
+
+
+def _sequence(plan: Plan, specs: dict[str, Any]) -> int:
+    """The plan's sequence length: the model's, else the first batch-first input's second dim."""
+    seq = plan.source.model_shape.get("seq")
+    if isinstance(seq, int) and seq > 0:
+        return seq
+    first = next((v for v in specs.values() if isinstance(v, TensorSpec) and len(v.shape) >= 2), None)
+    if first is None:
+        raise UserError("the plan runs context parallelism, but the model takes no (batch, sequence) input")
+    return first.shape[1]

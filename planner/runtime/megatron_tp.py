@@ -535,7 +535,7 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                 rewrites.append((n, lambda new, n=n: setattr(n, "args", (n.args[0], new, *n.args[2:])),
                                  divided(size, n)))
             tuples[n.name] = dim
-        elif kind in ("matmul", "attention") or kind in ELEMENTWISE:
+        elif kind in ("matmul", "attention", "ContextParallelAttention") or kind in ELEMENTWISE:
             rank_ = len(shape(x))
             for other in n.all_input_nodes:
                 if other in ins or other.name in local or not isinstance(shapes.get(other.name), tuple):

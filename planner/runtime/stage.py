@@ -43,6 +43,7 @@ from passes.costs import node_kind
 from passes.units import attention_core, group_nodes
 
 from ..plan import Plan
+from .context_parallel import ContextParallel
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Plan precision -> the dtype the runtime's parameters and activations take."""
@@ -238,15 +239,19 @@ def _attr(module: nn.Module, target: str) -> Any:
     return getattr(module, leaf)
 
 
-def boundary_specs(model_file: ModelFile, plan: Plan,
-                   inner: dict[str, dict[str, Any]] | None = None) -> dict[str, TensorSpec | Any]:
+def boundary_specs(model_file: ModelFile, plan: Plan, inner: dict[str, dict[str, Any]] | None = None,
+                   cp: ContextParallel | None = None) -> dict[str, TensorSpec | Any]:
     """Shape pass on the meta device: every top-level value of one microbatch (b samples). With `inner`,
-    also every value inside each piece: piece name -> node name -> shape (tensors) or value (ints)."""
+    also every value inside each piece: piece name -> node name -> shape (tensors) or value (ints). With
+    `cp`, the split is rewritten for that context-parallel rank's tokens first (its shapes are local)."""
     dtype = DTYPES[plan.config.precision]
     meta = model_file.build("meta", torch.float32).to(dtype)  # boundary tensors take the precision's dtype
     meta.train()
     split, _ = _trace_split(meta, plan, model_file)
     inputs, _ = model_file.call("sample_batch", plan.config.microbatch, 0)
+    if cp is not None:
+        cp.apply(split)
+        inputs = tuple(cp.shard(x) for x in inputs)
     inputs = tuple(x.to("meta", dtype if x.is_floating_point() else x.dtype) if isinstance(x, torch.Tensor) else x
                    for x in inputs)
     interp = _InnerShapes(split, inner) if inner is not None else fx.Interpreter(split, garbage_collect_values=False)

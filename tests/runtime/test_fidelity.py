@@ -28,8 +28,12 @@ CASES = {  # name: pins; all on GPT tiny with 2 layers, 2 processes
     # sequence parallelism: norms, dropout and residual on 1/t of the sequence between the split linears
     "t2_sp": dict(t=2, p=1, d=1, b=2, v=1, schedule="1f1b", sp=True),
     "t2_sp_selective": dict(t=2, p=1, d=1, b=2, v=1, schedule="1f1b", sp=True, recompute="selective"),
+    # context parallelism: each rank holds half of every sequence (Megatron's two load-balanced chunks); the
+    # optimizer sharded over dp x cp. Written-out attention (Q K^T, mask, softmax, . V), then the fused one
+    "cp2_zero": dict(t=1, p=1, d=1, b=2, v=1, schedule="1f1b", cp=2, zero=1, overlap=True),
+    "cp2_flash_selective": dict(t=1, p=1, d=1, b=2, v=1, schedule="1f1b", cp=2, recompute="selective"),
 }
-MODEL_ARGS = {"t2_flash_selective": {**gpt_args(2), "flash": True}}
+MODEL_ARGS = {"t2_flash_selective": {**gpt_args(2), "flash": True}, "cp2_flash_selective": {**gpt_args(2), "flash": True}}
 
 
 @pytest.fixture(scope="module")
@@ -162,3 +166,21 @@ def test_sequence_parallelism_splits_the_norms_and_residual_over_the_sequence(ru
         for pname, value in _dump(run, "t2_sp", rank)["params"].items():
             tol = STEPS * LR if pname.endswith("qkv.bias") else 1e-5  # see the flash test
             assert torch.allclose(value, ref["params"][pname], rtol=0, atol=tol), pname
+
+
+def test_context_parallel_ranks_hold_half_of_each_sequence_and_train_as_one_process_does(run):
+    for name in ("cp2_zero", "cp2_flash_selective"):
+        entry, plan = run["runs"][name], run["plans"][name]
+        ref = reference(GPT, MODEL_ARGS.get(name, gpt_args(2)), global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
+        assert plan.config.cp == 2 and {r.cp for r in entry.ranks} == {0, 1}
+        assert entry.loss == pytest.approx(ref["loss"], abs=1e-5)
+        # what each rank saves is the plan's: its tokens' activations, and of attention what the fused ring kernel
+        # keeps (q, k, v, output, log-sum-exp), not the scores a written-out attention keeps without cp
+        assert not mismatches(plan, entry)
+        for rank in range(2):
+            for pname, value in _dump(run, name, rank)["params"].items():
+                tol = STEPS * LR if pname.endswith("qkv.bias") else 1e-5  # see the flash test
+                assert torch.allclose(value, ref["params"][pname], rtol=0, atol=tol), pname
+    assert {h.recompute for h in _holds(run, "cp2_flash_selective")} == {"selective"}
+    full = _holds(run, "d2")[0].optimizer_state_bytes  # gradients reduced, and Adam's state sharded, over dp x cp
+    assert [h.optimizer_state_bytes for h in _holds(run, "cp2_zero")] == pytest.approx([full / 2] * 2, abs=8)

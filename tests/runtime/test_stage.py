@@ -110,13 +110,14 @@ def test_check_plan_accepts_good_plan(small_plan: Path) -> None:
 @pytest.mark.parametrize("edit, world, message", [
     (lambda d: d["source"].update(model_sha256="0" * 64), 2, "has sha256"),
     (lambda d: d.update(schema="fxplanner.plan/v0"), 2, "has schema 'fxplanner.plan/v0'"),
-    (lambda d: None, 4, "needs tp*pp*dp = 1*2*1 = 2 processes, but this launch has WORLD_SIZE=4"),
+    (lambda d: None, 4, "needs tp*cp*pp*dp = 1*1*2*1 = 2 processes, but this launch has WORLD_SIZE=4"),
     (lambda d: d["source"].update(model_file="/nonexistent/model.py"), 2, "does not exist here"),
     (lambda d: d["source"].update(global_batch=5), 2, "is inconsistent: config.dp*microbatch*microbatches = 4 samples "
      "but source.global_batch = 5"),
     (lambda d: d["actions"][1].remove("1RECV_F0"), 2, "(1F0): needs 1RECV_F0 earlier on rank 1"),
-    (lambda d: (d["config"].update(cp=2), d["source"].update(gpus=4), d["launch"].update(nproc_per_node=4)), 4,
-     "context parallelism (cp=2), which this runtime does not run yet"),
+    (lambda d: (d["config"].update(tp=2, sp=True, tp_comm_overlap=True), d["source"].update(gpus=4),
+                d["launch"].update(nproc_per_node=4)), 4,
+     "tensor-parallel communication overlap (Transformer Engine's userbuffers), which this runtime does not run"),
     (lambda d: d["config"].update(vp=2), 2, "field config: schedule 1f1b with pp=2 v=2"),
 ])
 def test_check_plan_rejects(small_plan: Path, tmp_path: Path, edit, world: int, message: str) -> None:
