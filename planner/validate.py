@@ -105,7 +105,7 @@ def mismatches(plan: Plan, run: RunEntry) -> list[str]:
         h = r.holds
         if h is None:
             continue
-        who = f"rank {r.rank} (pipeline {r.pp}, data {r.dp}, tensor {r.tp})"
+        who = f"rank {r.rank} (pipeline {r.pp}, data {r.dp}, {f'context {r.cp}, ' if c.cp > 1 else ''}tensor {r.tp})"
         got = _measured(h)
         for what, planned in _held(plan, r.pp).items():
             e = error(got.get(what), planned)

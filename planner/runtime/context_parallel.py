@@ -49,7 +49,7 @@ POSITIONWISE = ELEMENTWISE | NORMS | {"pow", "rsqrt", "sqrt", "mean", "sum", "am
                                       "log_softmax", "logical", "where", "layer_norm", "rms_norm", "detach", "half",
                                       "bfloat16", "alias", "reciprocal", "square", "erf", "log"}
 REDUCTIONS = {"mean", "sum", "amax", "var", "softmax", "log_softmax", "cumsum"}
-NO_TENSOR = {"assert_tensor_metadata", "GuardsFn"}  # checks that return nothing
+NO_TENSOR = {"assert_tensor_metadata", "GuardsFn"}  # checks that return nothing (dtype and device; export's guards)
 
 
 def positions(seq: int, cp: int, rank: int) -> torch.Tensor:
@@ -214,6 +214,9 @@ class _Piece:
                     outs.append("len" if name in self.lengths else self.seq.get(name))
                 continue
             self.node(n)
+        for n in reversed(list(self.graph.nodes)):  # the replaced cores (an attention op counts as impure)
+            if n.name in self.dead and not n.users:
+                self.graph.erase_node(n)
         self.graph.eliminate_dead_code()
         self.gm.recompile()
         return outs
@@ -224,6 +227,8 @@ class _Piece:
         kind = node_kind(n, self.gm)
         local = [a for a in n.all_input_nodes if isinstance(self.seq.get(a.name), int)]
         if kind in NO_TENSOR:
+            if kind == "GuardsFn" and local and not n.users:  # torch.export's guards check the traced lengths
+                self.graph.erase_node(n)
             return
         if n.op == "call_function" and n.target is operator.getitem and n.args[0].name in self.sizes:
             if n.args[1] == self.sizes[n.args[0].name]:

@@ -21,7 +21,9 @@ TINY = {"layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention
         "vocab_size": 256, "seq": 32}
 B, STEPS, LR = 4, 2, 1e-3
 CASES = {"p2": dict(tp=1, pp=2, dp=1, b=1, schedule="1f1b"), "d2": dict(tp=1, pp=1, dp=2, b=2, schedule="1f1b"),
-         "t2": dict(tp=2, pp=1, dp=1, b=2, schedule="1f1b")}  # grouped-query attention: 4 heads, 2 kv heads
+         "t2": dict(tp=2, pp=1, dp=1, b=2, schedule="1f1b"),  # grouped-query attention: 4 heads, 2 kv heads
+         # context parallelism: RoPE's cos/sin and the causal mask are computed whole, attention all-gathers K, V
+         "cp2": dict(tp=1, pp=1, dp=1, cp=2, b=2, schedule="1f1b")}
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def run(tmp_path_factory) -> dict:
     plans = {}
     for name, pins in CASES.items():
         plan, _ = make_plan(str(LLAMA), gpus=2, global_batch=B, target="a100-80gb", gpus_per_node=2, model_args=TINY,
-                            pins=Pins(**pins, v=1, recompute="none", sp=False, cp=1, precision="fp32"))
+                            pins=Pins(**{"cp": 1, **pins}, v=1, recompute="none", sp=False, precision="fp32"))
         assert plan.source.frontend == "export"
         save_plan(plan, tmp / f"{name}.json")
         plans[name] = plan
