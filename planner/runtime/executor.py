@@ -20,9 +20,11 @@ next F/B/ALLREDUCE/OPT (a RECV waited on in between is part of it) or the end of
 runs without fill and measures every bubble; later steps hand the fill client that measured
 duration, not the plan's (which is for the target GPU).
 
-Precision: weights, activations and gradients are float32 on every device; the plan's
-``config.precision`` is the planning precision only. CUDA-only, untested here: nccl, the ``ready``
-event passed to ``bubble_begin``, per-step peak memory, a synchronize after each F/B for timing.
+Precision: parameters and activations in the plan's dtype, fp32 master weights (planner/runtime/optim.py),
+the loss in fp32, dynamic loss scaling under fp16 (``LossScaler``). Context parallelism: each rank's
+microbatches hold its tokens of every sequence (planner/runtime/context_parallel.py); the loss and the
+gradients are averaged over dp x cp. CUDA-only, untested here: nccl, the ``ready`` event passed to
+``bubble_begin``, per-step peak memory, a synchronize after each F/B for timing.
 """
 from __future__ import annotations
 
