@@ -38,13 +38,18 @@ def _plain_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
     kernel keeps (its output and log-sum-exp), not the scores a written-out attention would."""
     s = u.sharded
     core = s.selective_bytes(b) - s.fused_core_bytes(b) if cp > 1 else 0.0
-    return (s.saved_bytes(b) - core) / t + u.replicated.saved_bytes(b) / r + u.loss_bytes(b)
+    return (s.saved_bytes(b) - core) / t + u.replicated.saved_bytes(b) / r + u.loss_bytes(b) + _kv_copies(u, b, t)
+
+
+def _kv_copies(u: Unit, b: float, t: int) -> float:
+    """Grouped-query attention with fewer kv heads than t: each rank keeps a whole kv head, not 1/t of them."""
+    return u.kv.saved_bytes(b) * (1 / u.kv_heads - 1 / t) if 0 < u.kv_heads < t else 0.0
 
 
 def _selective_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
     s, w = u.sharded, u.replicated
     return ((s.saved_bytes(b) - s.selective_bytes(b)) / t + (w.saved_bytes(b) - w.selective_bytes(b)) / r
-            + u.loss_bytes(b))
+            + u.loss_bytes(b) + _kv_copies(u, b, t))
 
 
 def _full_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:

@@ -305,12 +305,20 @@ def _attention_kv_bytes(nodes: list[fx.Node]) -> sympy.Expr:
 
 
 def _kv_part(nodes: list[fx.Node], heads: Heads, gm: fx.GraphModule) -> Part:
-    """Time and weights of the key/value projections of grouped-query attention (no activations:
-    they are counted in the sharded part), for pricing them replicated when t exceeds kv_heads."""
+    """Time and weights of the key/value projections of grouped-query attention, for pricing them replicated
+    when t exceeds kv_heads; its saved_bytes are what the backward keeps of the keys and values on their way to
+    the attention core (counted in the sharded part as split over t; a rank holding a whole replicated kv head
+    keeps 1/kv_heads of them)."""
     if not heads.kv_width or heads.kv_heads >= heads.heads:
         return Part()
     kv = [n for n in nodes if n.meta[TP] == "col" and (linear_shape(n, gm) or (0, 0))[1] == heads.kv_width]
-    return replace(_part(kv, set()), saved_bytes=Poly(), selective_bytes=Poly())
+    core, reach = attention_core(nodes), {n.name for n in kv}
+    for n in nodes:  # keys and values (views, RoPE) up to the core
+        if n.name not in core and any(a.name in reach for a in n.all_input_nodes):
+            reach.add(n.name)
+    saved = {k: v for n in nodes for k, v in n.meta[COST].saved if k.split(".")[0] in reach}
+    return replace(_part(kv, set()), saved_bytes=Poly.of(sum(saved.values(), sympy.Integer(0)), B),
+                   selective_bytes=Poly())
 
 
 def _tp_layout(nodes: list[fx.Node], root: nn.Module) -> tuple[tuple[str, str], ...]:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -32,7 +33,7 @@ from torch import nn
 
 from passes.costs import node_kind
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SeqParallel", "TensorParallelOp", "plan_shards",
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "Rows", "SeqParallel", "TensorParallelOp", "plan_shards",
            "apply_shards", "gather_rows", "gather_cols", "shard_rows"]
 
 ELEMENTWISE = {"add", "sub", "mul", "truediv", "div", "masked_fill", "softmax", "gelu", "relu", "silu", "dropout",
@@ -115,10 +116,12 @@ class TensorParallelOp(nn.Module):
         return self.fn.apply(x, self.group)
 
 
-def gather_rows(local: torch.Tensor, t: int, groups: int, group: Any) -> torch.Tensor:
-    """The whole tensor from every rank's rows (taken in `groups` strided blocks), in the model's order."""
+def gather_rows(local: torch.Tensor, t: int, groups: int, group: Any, replicas: int = 1) -> torch.Tensor:
+    """The whole tensor from every rank's rows (taken in `groups` strided blocks), in the model's order; rows
+    held by `replicas` consecutive ranks each (kv heads fewer than t) are taken once."""
     parts = [torch.empty_like(local) for _ in range(t)]
     dist.all_gather(parts, local.contiguous(), group=group)
+    parts, t = parts[::replicas], t // replicas
     n = local.shape[0] * t
     out = torch.empty((n, *local.shape[1:]), dtype=local.dtype, device=local.device)
     for r, part in enumerate(parts):
@@ -184,15 +187,24 @@ class _GatheredLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
-class ColumnParallelLinear(nn.Module):
-    """This rank's rows of a linear (output features split over t, in `groups` strided blocks)."""
+@dataclass(slots=True)
+class Rows:
+    """How a column-parallel linear's output rows are dealt: in `groups` strided blocks (a fused q|k|v), each
+    shard held by `replicas` consecutive ranks (grouped-query attention with fewer kv heads than t)."""
 
-    def __init__(self, linear: nn.Linear, t: int, rank: int, groups: int, group: Any,
+    groups: int = 1
+    replicas: int = 1
+
+
+class ColumnParallelLinear(nn.Module):
+    """This rank's rows of a linear (output features split over t / replicas, in `rows.groups` strided blocks)."""
+
+    def __init__(self, linear: nn.Linear, t: int, rank: int, rows: Rows, group: Any,
                  seq_dim: int | None = None) -> None:
         super().__init__()
-        self.t, self.rank, self.groups, self.group = t, rank, groups, group
+        self.t, self.groups, self.replicas, self.group = t, rows.groups, rows.replicas, group
         self.seq_dim = seq_dim  # the input is split along this dim (sequence parallelism): gathered here
-        rows = shard_rows(linear.out_features, t, rank, groups)
+        rows = shard_rows(linear.out_features, t // rows.replicas, rank // rows.replicas, rows.groups)
         self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
         self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
 
@@ -203,7 +215,7 @@ class ColumnParallelLinear(nn.Module):
 
     def full(self, local: torch.Tensor) -> torch.Tensor:
         """The whole weight (or bias) from every rank's `local` shard, in the model's row order."""
-        return gather_rows(local, self.t, self.groups, self.group)
+        return gather_rows(local, self.t, self.groups, self.group, self.replicas)
 
 
 class RowParallelLinear(nn.Module):
@@ -249,7 +261,7 @@ class _Div:
 
 
 def plan_shards(piece: fx.GraphModule, shapes: dict[str, Any], styles: dict[str, str], paths: dict[int, str],
-                t: int, heads: set[int], colwise: dict[str, int], inputs: list, sp: bool = False,
+                t: int, heads: set[int], colwise: dict[str, Rows], inputs: list, sp: bool = False,
                 leaving: frozenset[int] = frozenset(), weights: dict[str, str] | None = None) -> tuple[list, list] | None:
     """How to shard `piece`: its argument rewrites, and per output which dim is sharded (and from which
     column-parallel linear), given the same for its inputs; row groups of column-parallel linears go into
@@ -260,13 +272,14 @@ def plan_shards(piece: fx.GraphModule, shapes: dict[str, Any], styles: dict[str,
         return None
 
 
-def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, int], styles: dict[str, str],
+def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, Rows], styles: dict[str, str],
                  paths: dict[int, str], t: int, rank: int, group: Any) -> tuple[dict[str, nn.Module], list, list]:
-    """Rewrite `piece` as planned; returns {module path: its parallel replacement}, the parameters whose
-    gradients are partial sums over the tensor-parallel group (applied to a part of the sequence), and the
-    (path, style, row groups) of weights the piece reads as inputs, for the caller to shard."""
+    """Rewrite `piece` as planned; returns {module path: its parallel replacement}, the (parameter, ranks)
+    whose gradients are partial sums over each `ranks` consecutive tensor-parallel ranks (a weight applied to
+    part of the sequence: all t; a replicated kv head: its replicas), and the (path, style, rows) of weights the
+    piece reads as inputs, for the caller to shard."""
     graph, gathered, row_seq, partial, bias_of = piece.graph, {}, {}, [], []
-    weights: list[tuple[str, str, int]] = []  # exported graphs: (path, style, row groups) of weights to shard
+    weights: list[tuple[str, str, Rows]] = []  # exported graphs: (path, style, rows) of weights to shard
     for entry in rewrites:
         if isinstance(entry[0], str):
             what = entry[0]
@@ -282,7 +295,7 @@ def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, int],
                     with graph.inserting_after(node):
                         reduced = graph.call_module(name, (node,))
                     node.replace_all_uses_with(reduced, delete_user_cb=lambda u: u is not reduced)
-                weights.append((path, styles[path], colwise.get(path, 1)))
+                weights.append((path, styles[path], colwise.get(path, Rows())))
                 continue
             if what == "wrap":
                 _, consumer, arg, kind, dim = entry
@@ -296,7 +309,7 @@ def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, int],
             elif what == "row_sp":
                 row_seq[entry[1]] = entry[2]
             elif what == "partial":
-                partial.append(entry[1])
+                partial.append((entry[1], t))
             elif what == "partial_bias":
                 bias_of.append(entry[1])
             elif what == "shape":
@@ -324,13 +337,16 @@ def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, int],
         path = paths.get(id(linear))
         if path not in styles:
             continue
-        module = (ColumnParallelLinear(linear, t, rank, colwise.get(path, 1), group, gathered.get(path))
+        rows = colwise.get(path, Rows())
+        module = (ColumnParallelLinear(linear, t, rank, rows, group, gathered.get(path))
                   if styles[path] == "colwise" else RowParallelLinear(linear, t, rank, group, row_seq.get(path)))
+        if styles[path] == "colwise" and rows.replicas > 1:  # each replica sees only its ranks' queries
+            partial.extend((p, rows.replicas) for p in module.parameters())
         parent, _, name = str(node.target).rpartition(".")
         setattr(piece.get_submodule(parent) if parent else piece, name, module)
         done[path] = module
         if path in bias_of and module.bias is not None:
-            partial.append(module.bias)
+            partial.append((module.bias, t))
     piece.recompile()
     return done, partial, weights
 
@@ -339,7 +355,7 @@ NORMS = {"layer_norm", "LayerNorm", "rms_norm", "RMSNorm", "LlamaRMSNorm", "drop
 
 
 def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles: dict[str, str],
-               paths: dict[int, str], t: int, heads: set[int], colwise: dict[str, int], inputs: list,
+               paths: dict[int, str], t: int, heads: set[int], colwise: dict[str, Rows], inputs: list,
                sp: bool = False, leaving: frozenset[int] = frozenset(), weights: dict[str, str] | None = None):
     """Walk the piece in order, tracking which values are split and how: ("tp", dim, linear) between a
     column- and a row-parallel linear, ("seq", dim) in a sequence-parallel region. Returns the rewrites and the
@@ -375,11 +391,11 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
             return arg if arg.name in local else _Div(arg)
         raise _Unsupported(node.name)
 
-    def group_of(node: fx.Node, g: int) -> None:
+    def group_of(node: fx.Node, g: int, replicas: int = 1) -> None:
         src = source[node.name]
-        if colwise.get(src, g) != g:
-            raise _Unsupported(f"{src}: rows needed in {colwise[src]} and {g} groups")
-        colwise[src] = g
+        rows = colwise.setdefault(src, Rows(g, replicas))
+        if (rows.groups, rows.replicas) != (g, replicas):
+            raise _Unsupported(f"{src}: rows needed in {rows.groups} and {g} groups")
 
     def seq_dim(n: fx.Node) -> int:
         dims = shape(n)
@@ -484,7 +500,7 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
         x = ins[0]
         dim = sharded[x.name]
         if kind in ("view", "reshape"):
-            i_shape, o_shape = shape(x), shape(n)
+            i_shape, o_shape, replicas = shape(x), shape(n), 1
             off = math.prod(i_shape[:dim])
             j = next((j for j in range(len(o_shape) + 1) if math.prod(o_shape[:j]) == off), None)
             if j is None or j == len(o_shape):
@@ -497,11 +513,12 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                         [d for d in range(j, k + 1) if o_shape[d] > 1 and o_shape[d] % t == 0]
                 if not cands:
                     raise _Unsupported(n.name)
-                group_of(x, math.prod(o_shape[j:cands[0]]))
-                j = cands[0]
+                j, g = cands[0], math.prod(o_shape[j:cands[0]])
+                replicas = t // o_shape[j] if o_shape[j] < t and t % o_shape[j] == 0 else 1
+                group_of(x, g, replicas)  # fewer kv heads than t: each rank keeps one whole head (replicated)
             args, setter = _size_args(n)
             new = list(args)
-            new[j] = divided(args[j], n)
+            new[j] = 1 if replicas > 1 and args[j] != -1 else divided(args[j], n)
             rewrites.append((n, setter, new))
             sharded[n.name] = j
         elif kind == "permute":

@@ -61,16 +61,17 @@ class GradSync:
 
     def __init__(self, params: dict[str, torch.nn.Parameter], *, shared: Iterable[str], dp_group: Any, dp_size: int,
                  dp_rank: int, zero: bool, overlap: bool, optimizer: str, lr: float, grad_fp32: bool = False,
-                 tp_partial: Iterable[torch.nn.Parameter] = (), tp_group: Any = None) -> None:
+                 tp_partial: Iterable[tuple[torch.nn.Parameter, int]] = (), tp_group: Any = None) -> None:
         self.group, self.d, self.rank = dp_group, dp_size, dp_rank
         unique: dict[int, tuple[str, torch.nn.Parameter]] = {}
         for name, p in params.items():
             unique.setdefault(id(p), (name, p))
         self.named = list(unique.values())
         shared = set(shared)
-        partial = {id(p) for p in tp_partial}
+        partial = {id(p): r for p, r in tp_partial}
         self.tp_group = tp_group
-        self.partial = [p for _, p in self.named if id(p) in partial]  # sequence-parallel: summed over t first
+        # partial sums over each r consecutive tensor-parallel ranks (SP: all t; a replicated kv head: its copies)
+        self.partial = [(p, partial[id(p)]) for _, p in self.named if id(p) in partial]
         self.shared = [p for n, p in self.named if n in shared or id(p) in partial]
         self.overlap = overlap and dp_size > 1
         self.zero = zero and dp_size > 1
@@ -168,8 +169,8 @@ class GradSync:
     def reduce(self, shared_groups: dict[str, Any], names: dict[int, str]) -> None:
         """The ALLREDUCE action: shared parameters over their embedding group, then every bucket not yet
         launched; wait for all and write the averages back."""
-        for p in self.partial:  # gradients of weights each tensor-parallel rank applied to its part of the sequence
-            dist.all_reduce(self.grad(p), group=self.tp_group)
+        for p, r in self.partial:  # gradients each tensor-parallel rank computed from its part of the work
+            _sum_over(self.grad(p), r, self.tp_group)
         for p in self.shared:
             if names[id(p)] in shared_groups:
                 dist.all_reduce(self.grad(p), group=shared_groups[names[id(p)]])
@@ -237,6 +238,19 @@ class GradSync:
                    for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
         masters = [self.master] if self.zero else self.masters
         return held + (sum(m.numel() * m.element_size() for m in masters) if self.lower else 0)
+
+
+def _sum_over(grad: torch.Tensor, r: int, group: Any) -> None:
+    """Sum `grad` in place over this rank's r consecutive ranks of `group` (all of it: an all-reduce; else an
+    all-gather, as ranks of different copies hold different tensors of the same shape)."""
+    t = dist.get_world_size(group)
+    if r == t:
+        dist.all_reduce(grad, group=group)
+        return
+    parts = [torch.empty_like(grad) for _ in range(t)]
+    dist.all_gather(parts, grad.contiguous(), group=group)
+    first = dist.get_rank(group) // r * r
+    grad.copy_(torch.stack(parts[first:first + r]).sum(0))
 
 
 class SavedBytes:

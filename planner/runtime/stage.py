@@ -365,7 +365,9 @@ class StageModule(nn.Module):
         self.probe: Callable[[tuple[Any, ...]], None] | None = None  # sees the inputs a checkpoint keeps
         self.tp_sharded: set[str] = set()  # modules split Megatron's way (megatron_tp), on local tensors
         self.tp_full: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # id(param) -> gather of the whole
-        self.tp_partial: list[nn.Parameter] = []  # applied to this rank's part of the sequence (SP): summed over t
+        self.tp_partial: list[tuple[nn.Parameter, int]] = []
+        """(parameter, r): its gradient is a partial sum over each r consecutive tensor-parallel ranks (applied to
+        this rank's part of the sequence under SP: r = t; a kv head replicated on r ranks)."""
         self.recompute = split.recompute if self._checkpointed else "none"
 
     def run(self, received: dict[str, Any], data: Sequence[Any]) -> tuple[list[Any], Any]:
@@ -451,12 +453,12 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
     every other parameter becomes a replicated DTensor, and an op whose sharding DTensor cannot propagate runs
     replicated (attention then runs whole on every rank).
     """
-    from .megatron_tp import apply_shards, plan_shards
+    from .megatron_tp import Rows, apply_shards, plan_shards
 
     paths = {id(m): path for path, m in root.named_modules()}
     heads = {v for k, v in (plan.source.model_shape or {}).items() if k in ("heads", "kv_heads") and v}
     t, rank, group = tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh.get_group()
-    colwise: dict[str, int] = {}
+    colwise: dict[str, Rows] = {}
     sp = plan.config.sp
     work = []
     for st in stages if shapes is not None else ():
@@ -500,8 +502,8 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
                 st.tp_sharded.add(path)
                 st.tp_full.update({id(p): module.full for p in module.parameters()})
             st.tp_partial.extend(partial)
-            for path, style, groups in weights:
-                _shard_attr(st, path, style, groups, t, rank, group)
+            for path, style, rows in weights:
+                _shard_attr(st, path, style, rows, t, rank, group)
         return
     if any(_key(f"{path}.weight") in st.attr_params for st in stages for path in plan.partition[st.index].tensor_parallel):
         raise UserError("this model runs from its torch.export graph, and it applies an op to a split tensor that "
@@ -514,15 +516,16 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
     _dtensor_parallel(stages, plan, root, tp_mesh)
 
 
-def _shard_attr(st: StageModule, path: str, style: str, groups: int, t: int, rank: int, group: Any) -> None:
+def _shard_attr(st: StageModule, path: str, style: str, rows: Any, t: int, rank: int, group: Any) -> None:
     """Replace the whole weight `path`.weight the stage reads as an attribute by this rank's shard."""
     from .megatron_tp import gather_cols, gather_rows, shard_rows
 
     key = _key(f"{path}.weight")
     whole = st.attr_params[key]
     if style == "colwise":
-        part = whole.detach()[shard_rows(whole.shape[0], t, rank, groups)]
-        full = lambda local: gather_rows(local, t, groups, group)  # noqa: E731
+        r = rows.replicas
+        part = whole.detach()[shard_rows(whole.shape[0], t // r, rank // r, rows.groups)]
+        full = lambda local: gather_rows(local, t, rows.groups, group, r)  # noqa: E731
     else:
         cols = whole.shape[1] // t
         part = whole.detach()[:, rank * cols:(rank + 1) * cols]
@@ -531,6 +534,8 @@ def _shard_attr(st: StageModule, path: str, style: str, groups: int, t: int, ran
     st.attr_params[key] = shard
     st.tp_full[id(shard)] = full
     st.tp_sharded.add(path)
+    if style == "colwise" and rows.replicas > 1:  # a kv head replicated on r ranks: their gradients summed
+        st.tp_partial.append((shard, rows.replicas))
 
 
 def _result_users(node: fx.Node) -> list[tuple[int, str]]:

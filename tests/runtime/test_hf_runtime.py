@@ -23,7 +23,10 @@ B, STEPS, LR = 4, 2, 1e-3
 CASES = {"p2": dict(tp=1, pp=2, dp=1, b=1, schedule="1f1b"), "d2": dict(tp=1, pp=1, dp=2, b=2, schedule="1f1b"),
          "t2": dict(tp=2, pp=1, dp=1, b=2, schedule="1f1b"),  # grouped-query attention: 4 heads, 2 kv heads
          # context parallelism: RoPE's cos/sin and the causal mask are computed whole, attention all-gathers K, V
-         "cp2": dict(tp=1, pp=1, dp=1, cp=2, b=2, schedule="1f1b")}
+         "cp2": dict(tp=1, pp=1, dp=1, cp=2, b=2, schedule="1f1b"),
+         # one kv head for two tensor-parallel ranks: each holds it whole, their gradients summed
+         "t2_mqa": dict(tp=2, pp=1, dp=1, b=2, schedule="1f1b")}
+MODEL_ARGS = {"t2_mqa": {**TINY, "num_key_value_heads": 1}}
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +35,8 @@ def run(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("hf")
     plans = {}
     for name, pins in CASES.items():
-        plan, _ = make_plan(str(LLAMA), gpus=2, global_batch=B, target="a100-80gb", gpus_per_node=2, model_args=TINY,
+        plan, _ = make_plan(str(LLAMA), gpus=2, global_batch=B, target="a100-80gb", gpus_per_node=2,
+                            model_args=MODEL_ARGS.get(name, TINY),
                             pins=Pins(**{"cp": 1, **pins}, v=1, recompute="none", sp=False, precision="fp32"))
         assert plan.source.frontend == "export"
         save_plan(plan, tmp / f"{name}.json")
@@ -45,13 +49,13 @@ def run(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_llama_trains_from_its_exported_graph_as_one_process_does(run, name):
-    ref = reference(Path(LLAMA), TINY, global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
+    ref = reference(Path(LLAMA), MODEL_ARGS.get(name, TINY), global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
     assert run["runs"][name].loss == pytest.approx(ref["loss"], abs=1e-5)
     found = mismatches(run["plans"][name], run["runs"][name])
     # the last stage's logits head saves more than the plan's formula counts for a model this small
     assert not [m for m in found if not (name == "p2" and "stage 1 saved activation" in m)], found
-    if name == "t2":  # q, k, v and the MLP split over the two ranks, attention by (kv) heads
+    if name.startswith("t2"):  # q, k, v and the MLP split over the two ranks, attention by (kv) heads
         held = {r.holds.parameters for r in run["runs"][name].ranks}
-        assert held == {run["plans"][name].predictions.memory[0].weights / 4}
+        assert held == {run["plans"][name].predictions.memory[0].weights / 4}  # (the one kv head on both)
         assert len(run["runs"][name].ranks[0].holds.tensor_parallel) == 14
 
