@@ -149,7 +149,7 @@ def test_bad_plans_stop_every_rank(small_plan: Path, tmp_path: Path) -> None:
     cases = {  # name: (plan, processes, what the message says)
         "hash": (tampered, 2, "has sha256"),
         "schema": (old, 2, "has schema 'fxplanner.plan/v0'"),
-        "world": (small_plan, 3, "needs tp*pp*dp = 1*2*1 = 2 processes, but this launch has WORLD_SIZE=3"),
+        "world": (small_plan, 3, "needs tp*cp*pp*dp = 1*1*2*1 = 2 processes, but this launch has WORLD_SIZE=3"),
     }
     procs = {name: subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n), "--tee", "3",
