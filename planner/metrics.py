@@ -189,12 +189,15 @@ class StepRecord(_Model):
 
     step: int = Field(description="step index, from 0 (step 0 runs without fill and measures the bubbles)")
     iteration_s: float = Field(description="wall time of the step, ending with a barrier over all ranks, seconds")
-    loss: Optional[float] = Field(description="sum over microbatches of loss/m, averaged over dp; last pipeline "
-                                  "rank only, else null")
+    loss: Optional[float] = Field(description="sum over microbatches of loss/m, averaged over dp and cp; last "
+                                  "pipeline rank only, else null")
     bubbles: list[BubbleRecord] = Field(description="this rank's bubbles in the step, in order")
     stages: dict[str, StageTimes] = Field(description="virtual stage index (as a string) -> compute times")
     peak_memory_bytes: Optional[int] = Field(description="peak allocated device memory, bytes; CUDA only, else null")
     fill: bool = Field(description="bubbles were handed to a fill client in this step")
+    loss_scale: Optional[float] = Field(None, description="fp16: the loss scale the step's gradients carry, else null")
+    skipped: bool = Field(False, description="fp16: the gradients overflowed, the optimizer step was skipped and the "
+                                             "scale halved")
 
 
 class Characterization(_Model):

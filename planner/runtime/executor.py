@@ -188,11 +188,13 @@ class Executor:
         self.saved_bytes: dict[int, int] = {}  # stage -> bytes one microbatch saves for the backward (step 0)
         self.dtype = DTYPES[self.cfg.precision]
         self.scaler = LossScaler() if self.dtype == torch.float16 else None
+        self._skipped = False  # this step's gradients overflowed (fp16)
 
     # -- one step ------------------------------------------------------------------------------
 
     def run_step(self, index: int) -> dict[str, Any]:
         self.sync.zero_grad()
+        self._skipped = False
         inputs, targets = self._microbatches(index)
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -210,7 +212,8 @@ class Executor:
         return {"step": index, "iteration_s": time.perf_counter() - st.t0, "loss": loss, "bubbles": st.bubbles,
                 "stages": {str(k): {"forward_s": v[0], "backward_s": v[1]} for k, v in sorted(st.times.items())},
                 "peak_memory_bytes": torch.cuda.max_memory_allocated() if self.cuda else None,
-                "fill": self.options.fill and not isinstance(self.fill, NullFill)}
+                "fill": self.options.fill and not isinstance(self.fill, NullFill),
+                "loss_scale": self.scaler.applied if self.scaler else None, "skipped": self._skipped}
 
     def _do(self, st: _Step, a: Action) -> None:
         op = a.op
@@ -241,6 +244,8 @@ class Executor:
                     self.sync.step()
                 elif self.scaler.update(self.sync.finite()):
                     self.sync.step(self.scaler.applied)
+                else:
+                    self._skipped = True
         elif op is Op.BUBBLE:
             self._begin_bubble(st, a.mb)
 

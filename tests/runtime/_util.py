@@ -59,10 +59,11 @@ def exit_codes(text: str) -> dict[int, int]:
 
 
 def reference(model: Path, model_args: dict[str, Any], *, global_batch: int, steps: int, optimizer: str,
-              lr: float, seed: int = 0, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
+              lr: float, seed: int = 0, dtype: torch.dtype = torch.float32, skip: tuple[int, ...] = ()) -> dict[str, Any]:
     """Single-process training on the full global batch: losses, final parameters and gradients. Under
     bf16/fp16 the model runs in that dtype (initialised in fp32, then rounded) and the optimizer steps fp32
-    master weights, the loss in fp32 (mixed precision as Megatron runs it)."""
+    master weights, the loss in fp32 (mixed precision as Megatron runs it). Steps in `skip` compute their loss
+    and take no optimizer step (an fp16 run's overflowed steps)."""
     mf = load_model_file(model, model_args)
     torch.manual_seed(seed)
     net = mf.build("cpu", torch.float32).to(dtype)
@@ -77,6 +78,9 @@ def reference(model: Path, model_args: dict[str, Any], *, global_batch: int, ste
         out = net(*inputs)
         loss = mf.module.loss_fn(out.float() if isinstance(out, torch.Tensor) else out, targets)
         loss.backward()
+        if step in skip:
+            losses.append(loss.item())
+            continue
         if dtype != torch.float32:
             for p, m in zip(net.parameters(), masters):
                 m.grad = p.grad.float()

@@ -23,6 +23,7 @@ CASES = {  # name: pins; all on GPT tiny with 2 layers, 2 processes
     "bf16_p2": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", precision="bf16"),
     "bf16_d2_zero": dict(t=1, p=1, d=2, b=2, v=1, schedule="1f1b", zero=1, overlap=True, precision="bf16"),
     "bf16_p2_fp32_grads": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", precision="bf16", grad_fp32=True),
+    "fp16_p2": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", precision="fp16"),  # dynamic loss scaling
     # attention through F.scaled_dot_product_attention, its core checkpointed, heads split over t
     "t2_flash_selective": dict(t=2, p=1, d=1, b=2, v=1, schedule="1f1b", recompute="selective"),
     # sequence parallelism: norms, dropout and residual on 1/t of the sequence between the split linears
@@ -151,6 +152,23 @@ def test_bf16_plans_train_in_bf16_with_fp32_master_weights_and_match_a_bf16_sing
                 assert value.dtype == torch.bfloat16
                 assert torch.allclose(value.float(), ref["params"][pname].float(), rtol=0, atol=2e-2), pname
     assert ref["loss"] != pytest.approx(fp32["loss"], rel=1e-3)  # the tolerance tells bf16 from fp32 training
+
+
+def test_fp16_trains_under_dynamic_loss_scaling_skipping_the_steps_that_overflow(run):
+    entry, plan = run["runs"]["fp16_p2"], run["plans"]["fp16_p2"]
+    assert entry.dtype == "float16" and {h.parameter_dtype for h in _holds(run, "fp16_p2")} == {"float16"}
+    decisions = {tuple((s.loss_scale, s.skipped) for s in r.steps) for r in entry.ranks}
+    assert len(decisions) == 1  # every rank sees the overflow and skips the same steps
+    (steps,) = decisions
+    assert steps[0][0] == 2.0 ** 16
+    for (scale, skipped), (after, _) in zip(steps, steps[1:]):
+        assert after == (scale / 2 if skipped else scale)  # halved after an overflow, else kept (window 1000)
+    skips = tuple(i for i, (_, skipped) in enumerate(steps) if skipped)
+    assert 0 < len(skips) < STEPS  # four microbatches of fp16 gradients at 2^16 overflow; half of that does not
+    ref = reference(GPT, gpt_args(2), global_batch=B, steps=STEPS, optimizer="adam", lr=LR, dtype=torch.float16,
+                    skip=skips)
+    assert entry.loss == pytest.approx(ref["loss"], rel=1e-3)  # fp16 rounding apart, as bf16
+    assert not mismatches(plan, entry)
 
 
 def test_sequence_parallelism_splits_the_norms_and_residual_over_the_sequence(run):

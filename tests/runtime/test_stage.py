@@ -152,3 +152,13 @@ def test_summarize(gpt_plan: Plan) -> None:
     got = [(r["step"], r["loss"], r["iteration_s"], r["bubbles"]) for r in rows]
     assert got == [(0, 2.0, 0.5, 2), (1, 1.0, 0.3, 2)]
     assert rows[0]["bubble_s"] == pytest.approx(0.01)
+
+
+def test_loss_scaler_halves_on_overflow_and_doubles_after_a_window_of_good_steps() -> None:
+    from planner.runtime.executor import LossScaler
+
+    s = LossScaler(scale=1024.0, window=3)
+    assert not s.update(False) and s.applied == 1024.0 and s.scale == 512.0  # skipped; these gradients carry 1024
+    assert s.update(True) and s.update(True) and s.scale == 512.0
+    assert s.update(True) and s.applied == 512.0 and s.scale == 1024.0  # the third good step in a row doubles it
+    assert not s.update(False) and s.scale == 512.0 and s.good == 0
