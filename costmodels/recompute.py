@@ -35,7 +35,7 @@ class RecomputeMode:
 
 def _plain_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
     """Everything the forward saves; under context parallelism the attention core keeps what the fused ring
-    kernel keeps (its output and log-sum-exp), not the scores a written-out attention would."""
+    kernel keeps (its inputs, output and log-sum-exp), not the scores a written-out attention would."""
     s = u.sharded
     core = s.selective_bytes(b) - s.fused_core_bytes(b) if cp > 1 else 0.0
     return (s.saved_bytes(b) - core) / t + u.replicated.saved_bytes(b) / r + u.loss_bytes(b) + _kv_copies(u, b, t)

@@ -42,8 +42,9 @@ class Part:
     selective_bytes: Poly = field(default_factory=Poly)  # of saved_bytes, what selective recompute drops
     selective_flops: Poly = field(default_factory=Poly)  # forward FLOPs selective recompute redoes
     fused_core_bytes: Poly = field(default_factory=Poly)  # what a fused (flash) attention kernel keeps of the core
-    # beyond its inputs: its output and an fp32 log-sum-exp per query; under context parallelism every engine runs
-    # the core so (Transformer Engine's ring attention), whatever the model file writes out
+    # beyond its inputs and its output (laid out (b, s, h, d): the output projection's input is a view of it): an
+    # fp32 log-sum-exp per query; under context parallelism every engine runs the core so (Transformer Engine's
+    # ring attention), whatever the model file writes out
     params: int = 0
     weights: tuple[tuple[str, int], ...] = ()  # (name, elements) of each weight in `params`: a weight tied between
     # two units (embedding and LM head) appears in both, and a rank holding both holds it once
@@ -173,7 +174,7 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
         if n.name in selective:
             sel_f += c.fwd_flops
     sel_b = _selective_bytes(nodes, selective, saved)
-    fused_b = sum((i.nbytes + i.numel / i.shape[-1] * 4 for n in nodes if n.name in selective
+    fused_b = sum((i.numel / i.shape[-1] * 4 for n in nodes if n.name in selective
                    and any(u.name not in selective for u in n.users)  # a core's result
                    for i in [n.meta.get(TENSOR)] if isinstance(i, TensorInfo) and i.shape), z)
     p = lambda e: Poly.of(e, B)  # noqa: E731

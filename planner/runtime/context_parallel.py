@@ -137,7 +137,8 @@ class _CPAttention(torch.autograd.Function):
         scores = (q @ keys.transpose(-2, -1)).float().mul_(scale).masked_fill_(~mask, float("-inf"))
         lse = scores.logsumexp(-1, keepdim=True)
         out = (scores.sub_(lse).exp_().to(q.dtype) @ values)
-        ctx.save_for_backward(q, k, v, out, lse)
+        out = out.transpose(-3, -2).contiguous().transpose(-3, -2)  # laid out (b, s, h, d), as flash kernels write it:
+        ctx.save_for_backward(q, k, v, out, lse)  # the output projection's input is then a view of what is kept
         ctx.mask, ctx.scale, ctx.group, ctx.rep = mask, scale, group, rep
         return out
 

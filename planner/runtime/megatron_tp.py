@@ -278,24 +278,18 @@ def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, Rows]
     whose gradients are partial sums over each `ranks` consecutive tensor-parallel ranks (a weight applied to
     part of the sequence: all t; a replicated kv head: its replicas), and the (path, style, rows) of weights the
     piece reads as inputs, for the caller to shard."""
-    graph, gathered, row_seq, partial, bias_of = piece.graph, {}, {}, [], []
+    graph, gathered, row_seq, partial, bias_of, attr_partial = piece.graph, {}, {}, [], [], []
     weights: list[tuple[str, str, Rows]] = []  # exported graphs: (path, style, rows) of weights to shard
     for entry in rewrites:
         if isinstance(entry[0], str):
             what = entry[0]
-            if what == "weight":  # a linear reading its weight as an input: f before it, or g after it
-                _, path, node = entry
-                name = f"_sp{len(list(piece.named_children()))}"
-                piece.add_submodule(name, TensorParallelOp("f" if styles[path] == "colwise" else "g", group))
-                if styles[path] == "colwise":
-                    with graph.inserting_before(node):
-                        copied = graph.call_module(name, (node.args[0],))
-                    node.replace_input_with(node.args[0], copied)
-                else:
-                    with graph.inserting_after(node):
-                        reduced = graph.call_module(name, (node,))
-                    node.replace_all_uses_with(reduced, delete_user_cb=lambda u: u is not reduced)
+            if what == "weight":  # a linear reading its weight (and bias) as inputs, on dim's sequence shard if any
+                _, path, node, dim = entry
+                _exported_linear(piece, node, styles[path], dim, group)
                 weights.append((path, styles[path], colwise.get(path, Rows())))
+                continue
+            if what == "partial_attr":  # a weight the stage reads as an attribute, applied to part of the sequence
+                attr_partial.append(entry[1])
                 continue
             if what == "wrap":
                 _, consumer, arg, kind, dim = entry
@@ -348,10 +342,53 @@ def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, Rows]
         if path in bias_of and module.bias is not None:
             partial.append((module.bias, t))
     piece.recompile()
-    return done, partial, weights
+    return done, partial, weights, attr_partial
+
+
+class _GatheredLinearOp(nn.Module):
+    """A column-parallel linear of an exported graph (weight and bias as inputs) on a sequence-parallel input."""
+
+    def __init__(self, dim: int, group: Any) -> None:
+        super().__init__()
+        self.dim, self.group = dim, group
+
+    def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return _GatheredLinear.apply(x, weight, bias, self.dim, self.group)
+
+
+def _exported_linear(piece: fx.GraphModule, node: fx.Node, style: str, dim: int | None, group: Any) -> None:
+    """Megatron's collectives around ``aten.linear(x, w[, b])`` whose w (and b) are this rank's shards: a column-
+    parallel one gets f before it (or gathers a sequence-parallel input itself); a row-parallel one is followed by
+    g (or a reduce-scatter along dim), its bias added after the reduction, once."""
+    graph = piece.graph
+    name = f"_sp{len(list(piece.named_children()))}"
+    if style == "colwise":
+        if dim is None:
+            piece.add_submodule(name, TensorParallelOp("f", group))
+            with graph.inserting_before(node):
+                copied = graph.call_module(name, (node.args[0],))
+            node.replace_input_with(node.args[0], copied)
+            return
+        piece.add_submodule(name, _GatheredLinearOp(dim, group))
+        with graph.inserting_before(node):
+            new = graph.call_module(name, tuple(node.args[:3]))
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        return
+    bias = node.args[2] if len(node.args) > 2 else None
+    node.args = tuple(node.args[:2])
+    piece.add_submodule(name, TensorParallelOp("g", group) if dim is None else SeqParallel("reduce_scatter", dim, group))
+    with graph.inserting_after(node):
+        reduced = graph.call_module(name, (node,))
+    out = reduced
+    if bias is not None:
+        with graph.inserting_after(reduced):
+            out = graph.call_function(operator.add, (reduced, bias))
+    node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not reduced)
 
 
 NORMS = {"layer_norm", "LayerNorm", "rms_norm", "RMSNorm", "LlamaRMSNorm", "dropout", "Dropout", "Identity"}
+SEQ_POINTWISE = {"pow", "rsqrt", "mean", "to"}  # a norm written out (exported graphs): per position (mean: of h)
 
 
 def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles: dict[str, str],
@@ -360,6 +397,8 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
     """Walk the piece in order, tracking which values are split and how: ("tp", dim, linear) between a
     column- and a row-parallel linear, ("seq", dim) in a sequence-parallel region. Returns the rewrites and the
     state of each output; raises _Unsupported on an op it cannot place."""
+    hidden = {shapes[ph][1] for ph, path in (weights or {}).items()  # what the column-parallel linears read
+              if styles.get(path) == "colwise" and isinstance(shapes.get(ph), tuple) and len(shapes[ph]) == 2}
     sharded: dict[str, int] = {}  # node -> its sharded dim (global shape from the meta pass)
     source: dict[str, str] = {}  # sharded node -> the column-parallel linear it comes from
     seq: dict[str, int] = {}  # node -> its sequence dim, split over t (sequence parallelism)
@@ -425,18 +464,17 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
         kind = node_kind(n, piece)
         module = piece.get_submodule(str(n.target)) if n.op == "call_module" else None
         path = paths.get(id(module)) if module is not None else None
-        if kind == "linear_fn" and weights and getattr(n.args[1], "name", None) in weights:  # exported graph
+        exported = kind == "linear_fn" and bool(weights) and getattr(n.args[1], "name", None) in weights
+        if exported:  # an exported graph's linear: its weight (and bias) are inputs, sharded by the caller
             path = weights[n.args[1].name]
-            if path in styles and (len(n.args) > 2 and n.args[2] is not None or sp):
-                raise _Unsupported(f"{path}: a biased linear / sequence parallelism on an exported graph")
-            if path in styles:
-                rewrites.append(("weight", path, n))
         ins = [a for a in n.all_input_nodes if a.name in sharded]
         in_seq = [a for a in n.all_input_nodes if a.name in seq]
         if path in styles:
             if styles[path] == "colwise":
                 if ins:
                     raise _Unsupported(f"{path} reads a sharded input")
+                if exported:
+                    rewrites.append(("weight", path, n, seq[in_seq[0].name] if in_seq else None))
                 for a in in_seq:  # the sequence, all-gathered into the tensor-parallel region by the linear
                     rewrites.append(("gathered", path, seq[a.name]))
                 sharded[n.name], source[n.name] = len(shape(n)) - 1, path
@@ -447,6 +485,10 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                     seq[n.name] = seq_dim(n)
                     rewrites.append(("row_sp", path, seq[n.name]))
                     rewrites.append(("partial_bias", path))
+                if exported:
+                    rewrites.append(("weight", path, n, seq.get(n.name)))
+                    if sp and len(n.args) > 2 and isinstance(n.args[2], fx.Node):
+                        rewrites.append(("partial_attr", f"{path}.bias"))
             continue
         if n.op == "call_function" and n.target is operator.getitem and n.args[0].name in tuples:
             sharded[n.name], source[n.name] = tuples[n.args[0].name], source[n.args[0].name]
@@ -464,9 +506,11 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
         if n.op == "call_function" and n.target is operator.getitem and n.args[0].name in local:
             local.add(n.name)
             continue
-        if sp and not in_seq and not ins and kind in NORMS and len(n.all_input_nodes) >= 1:
-            x0 = n.all_input_nodes[0]
-            if isinstance(shapes.get(x0.name), tuple) and len(shapes[x0.name]) == 3 and shapes[x0.name][1] % t == 0:
+        if sp and not in_seq and not ins and (kind in NORMS or kind in SEQ_POINTWISE) and n.all_input_nodes:
+            x0 = n.all_input_nodes[0]  # a norm, or the first op of one written out on the residual stream (export)
+            x_shape = shapes.get(x0.name)
+            if isinstance(x_shape, tuple) and len(x_shape) == 3 and x_shape[1] % t == 0 and \
+                    (kind in NORMS or x_shape[2] in hidden):
                 rewrites.append(("wrap", n, x0, "scatter", 1))  # the sequence-parallel region starts here
                 seq[n.name] = 1
                 if module is not None:
@@ -474,9 +518,11 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                 continue
         if in_seq and not ins:
             others = [a for a in n.all_input_nodes if a.name not in seq and isinstance(shapes.get(a.name), tuple)]
-            if kind in NORMS or kind in ELEMENTWISE:
+            if kind in NORMS or kind in ELEMENTWISE or kind in SEQ_POINTWISE:
                 dim = seq[in_seq[0].name]
-                if any(seq[a.name] != dim for a in in_seq):
+                if any(seq[a.name] != dim for a in in_seq) or kind == "mean" and len(n.args) > 1 and \
+                        any(d % len(shape(in_seq[0])) == dim for d in (n.args[1] if isinstance(n.args[1], (list, tuple))
+                                                                       else [n.args[1]])):
                     raise _Unsupported(n.name)
                 out = shape(n)
                 for a in others:  # a replicated operand spanning the sequence joins the split
@@ -486,6 +532,8 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                         rewrites.append(("wrap", n, a, "scatter", idx))
                     if a.op == "get_attr":  # a weight applied to part of the sequence: partial gradient
                         rewrites.append(("partial", operator.attrgetter(str(a.target))(piece)))
+                    elif weights and a.name in weights:  # one the stage reads as an attribute (exported graphs)
+                        rewrites.append(("partial_attr", f"{weights[a.name]}.weight"))
                 seq[n.name] = dim
                 if module is not None:
                     rewrites.extend(("partial", p) for p in module.parameters())

@@ -497,13 +497,14 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
             break
     if work:
         for st, piece, mine, rewrites in work:
-            done, partial, weights = apply_shards(piece, rewrites, colwise, mine, paths, t, rank, group)
+            done, partial, weights, attr_partial = apply_shards(piece, rewrites, colwise, mine, paths, t, rank, group)
             for path, module in done.items():
                 st.tp_sharded.add(path)
                 st.tp_full.update({id(p): module.full for p in module.parameters()})
             st.tp_partial.extend(partial)
             for path, style, rows in weights:
                 _shard_attr(st, path, style, rows, t, rank, group)
+            st.tp_partial.extend((st.attr_params[_key(k)], t) for k in attr_partial if _key(k) in st.attr_params)
         return
     if any(_key(f"{path}.weight") in st.attr_params for st in stages for path in plan.partition[st.index].tensor_parallel):
         raise UserError("this model runs from its torch.export graph, and it applies an op to a split tensor that "
@@ -517,25 +518,28 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
 
 
 def _shard_attr(st: StageModule, path: str, style: str, rows: Any, t: int, rank: int, group: Any) -> None:
-    """Replace the whole weight `path`.weight the stage reads as an attribute by this rank's shard."""
+    """Replace the whole weight `path`.weight the stage reads as an attribute by this rank's shard (and a
+    column-parallel linear's bias by its rows; a row-parallel bias stays whole)."""
     from .megatron_tp import gather_cols, gather_rows, shard_rows
 
-    key = _key(f"{path}.weight")
-    whole = st.attr_params[key]
-    if style == "colwise":
-        r = rows.replicas
-        part = whole.detach()[shard_rows(whole.shape[0], t // r, rank // r, rows.groups)]
-        full = lambda local: gather_rows(local, t, rows.groups, group, r)  # noqa: E731
-    else:
-        cols = whole.shape[1] // t
-        part = whole.detach()[:, rank * cols:(rank + 1) * cols]
-        full = lambda local: gather_cols(local, t, group)  # noqa: E731
-    shard = nn.Parameter(part.clone(), requires_grad=whole.requires_grad)
-    st.attr_params[key] = shard
-    st.tp_full[id(shard)] = full
+    for key in (_key(f"{path}.weight"), _key(f"{path}.bias")):
+        whole = st.attr_params[key] if key in st.attr_params else None
+        if whole is None or style != "colwise" and whole.dim() == 1:
+            continue
+        if style == "colwise":
+            r = rows.replicas
+            part = whole.detach()[shard_rows(whole.shape[0], t // r, rank // r, rows.groups)]
+            full = lambda local, r=r: gather_rows(local, t, rows.groups, group, r)  # noqa: E731
+        else:
+            cols = whole.shape[1] // t
+            part = whole.detach()[:, rank * cols:(rank + 1) * cols]
+            full = lambda local: gather_cols(local, t, group)  # noqa: E731
+        shard = nn.Parameter(part.clone(), requires_grad=whole.requires_grad)
+        st.attr_params[key] = shard
+        st.tp_full[id(shard)] = full
+        if style == "colwise" and rows.replicas > 1:  # a kv head replicated on r ranks: their gradients summed
+            st.tp_partial.append((shard, rows.replicas))
     st.tp_sharded.add(path)
-    if style == "colwise" and rows.replicas > 1:  # a kv head replicated on r ranks: their gradients summed
-        st.tp_partial.append((shard, rows.replicas))
 
 
 def _result_users(node: fx.Node) -> list[tuple[int, str]]:

@@ -25,7 +25,10 @@ CASES = {"p2": dict(tp=1, pp=2, dp=1, b=1, schedule="1f1b"), "d2": dict(tp=1, pp
          # context parallelism: RoPE's cos/sin and the causal mask are computed whole, attention all-gathers K, V
          "cp2": dict(tp=1, pp=1, dp=1, cp=2, b=2, schedule="1f1b"),
          # one kv head for two tensor-parallel ranks: each holds it whole, their gradients summed
-         "t2_mqa": dict(tp=2, pp=1, dp=1, b=2, schedule="1f1b")}
+         "t2_mqa": dict(tp=2, pp=1, dp=1, b=2, schedule="1f1b"),
+         # sequence parallelism on the exported graph: RMSNorm written out (pow, mean, rsqrt, mul) runs on 1/t of
+         # the sequence, the column-parallel linears gather it, the row-parallel ones reduce-scatter
+         "t2_sp": dict(tp=2, pp=1, dp=1, b=2, schedule="1f1b", sp=True)}
 MODEL_ARGS = {"t2_mqa": {**TINY, "num_key_value_heads": 1}}
 
 
@@ -37,7 +40,7 @@ def run(tmp_path_factory) -> dict:
     for name, pins in CASES.items():
         plan, _ = make_plan(str(LLAMA), gpus=2, global_batch=B, target="a100-80gb", gpus_per_node=2,
                             model_args=MODEL_ARGS.get(name, TINY),
-                            pins=Pins(**{"cp": 1, **pins}, v=1, recompute="none", sp=False, precision="fp32"))
+                            pins=Pins(**{"cp": 1, "sp": False, **pins}, v=1, recompute="none", precision="fp32"))
         assert plan.source.frontend == "export"
         save_plan(plan, tmp / f"{name}.json")
         plans[name] = plan
@@ -52,10 +55,17 @@ def test_llama_trains_from_its_exported_graph_as_one_process_does(run, name):
     ref = reference(Path(LLAMA), MODEL_ARGS.get(name, TINY), global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
     assert run["runs"][name].loss == pytest.approx(ref["loss"], abs=1e-5)
     found = mismatches(run["plans"][name], run["runs"][name])
-    # the last stage's logits head saves more than the plan's formula counts for a model this small
-    assert not [m for m in found if not (name == "p2" and "stage 1 saved activation" in m)], found
+    # the last stage's logits head saves more than the plan's formula counts for a model this small; and on CPU
+    # scaled_dot_product_attention writes its output (b, h, s, d), so o_proj's input is a copy of it (a GPU flash
+    # kernel writes (b, s, h, d): a view), 8 KiB a layer here, past 5% of what sequence parallelism leaves
+    tolerated = {"p2": ("stage 1 saved activation", 0.2), "t2_sp": ("stage 0 saved activation", 0.1)}
+    row, bound = tolerated.get(name, ("", 0.0))
+    assert not [m for m in found if not (row and row in m and float(m.rsplit("(", 1)[1][:-2]) < 100 * bound)], found
     if name.startswith("t2"):  # q, k, v and the MLP split over the two ranks, attention by (kv) heads
         held = {r.holds.parameters for r in run["runs"][name].ranks}
         assert held == {run["plans"][name].predictions.memory[0].weights / 4}  # (the one kv head on both)
         assert len(run["runs"][name].ranks[0].holds.tensor_parallel) == 14
+    if name == "t2_sp":  # the norms and the residual stream on half the sequence: fewer bytes kept than at t2
+        sp, plain = (run["runs"][n].ranks[0].holds.saved_activation_bytes["0"] for n in ("t2_sp", "t2"))
+        assert sp < 0.85 * plain
 
