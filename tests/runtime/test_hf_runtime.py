@@ -2,7 +2,6 @@
 torch.export graph the plan was made from, and training matches a single process."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 
