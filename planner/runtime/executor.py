@@ -29,6 +29,7 @@ gradients are averaged over dp x cp. CUDA-only, untested here: nccl, the ``ready
 from __future__ import annotations
 
 import importlib.util
+import math
 import sys
 import time
 from dataclasses import dataclass, field
@@ -312,23 +313,35 @@ class Executor:
         return self.c.peer(stage % self.c.pp_size)
 
     def _send(self, st: _Step, tensors: list[Any], to_stage: int, tag: int) -> None:
+        """Each tensor-parallel rank sends 1/t of a boundary tensor (Megatron's scatter-gather, thesis 4.4.1:
+        the receiver's ranks all-gather it over their tensor-parallel group), as the plan prices the transfer."""
         peer = self._peer(to_stage)
-        for j, t in enumerate(x for x in tensors if isinstance(x, torch.Tensor)):
-            t = t.detach().contiguous()
+        t, r = self.c.tp_size, self.c.tp
+        for j, x in enumerate(x for x in tensors if isinstance(x, torch.Tensor)):
+            x = x.detach().contiguous()
             if peer == self.c.rank:
-                self._mail[tag + j] = t
-            else:
-                st.pending.append(dist.isend(t, dst=peer, tag=tag + j))
+                self._mail[tag + j] = x
+                continue
+            if t > 1 and x.numel() % t == 0:
+                x = x.reshape(-1).chunk(t)[r]
+            st.pending.append(dist.isend(x, dst=peer, tag=tag + j))
 
     def _recv(self, specs: list[TensorSpec], from_stage: int, tag: int) -> list[torch.Tensor]:
         peer = self._peer(from_stage)
+        t = self.c.tp_size
         bufs = []
         for j, spec in enumerate(specs):
             if peer == self.c.rank:
                 bufs.append(self._mail.pop(tag + j))
                 continue
-            buf = torch.empty(spec.shape, dtype=spec.dtype, device=self.options.device)
+            numel = math.prod(spec.shape)
+            split = t > 1 and numel % t == 0
+            buf = torch.empty(numel // t if split else spec.shape, dtype=spec.dtype, device=self.options.device)
             dist.irecv(buf, src=peer, tag=tag + j).wait()
+            if split:
+                parts = [torch.empty_like(buf) for _ in range(t)]
+                dist.all_gather(parts, buf, group=self.groups.tp_group)
+                buf = torch.cat(parts).view(spec.shape)
             bufs.append(buf)
         return bufs
 

@@ -168,23 +168,24 @@ def shard_rows(n: int, t: int, rank: int, groups: int) -> torch.Tensor:
 class _GatheredLinear(torch.autograd.Function):
     """A column-parallel linear on a sequence-parallel input, as Megatron runs it: the input is all-gathered
     along the sequence for the product, only this rank's part is kept for the backward (gathered again
-    there), and the input gradient leaves reduce-scattered."""
+    there), and the input gradient leaves reduce-scattered. A `replicated` linear (whole weight on every rank,
+    the same output everywhere) takes its part of the input gradient instead of summing it."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, dim: int,
-                group: Any) -> torch.Tensor:
+                group: Any, replicated: bool = False) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.dim, ctx.group, ctx.bias = dim, group, bias is not None
+        ctx.dim, ctx.group, ctx.bias, ctx.replicated = dim, group, bias is not None, replicated
         return F.linear(_gather(x, dim, group), weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         x, weight = ctx.saved_tensors
         full = _gather(x, ctx.dim, ctx.group)
-        grad_x = _reduce_scatter(grad @ weight, ctx.dim, ctx.group)
+        grad_x = (_slice if ctx.replicated else _reduce_scatter)(grad @ weight, ctx.dim, ctx.group)
         grad_w = grad.reshape(-1, grad.shape[-1]).t() @ full.reshape(-1, full.shape[-1])
         grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 @dataclass(slots=True)
@@ -291,6 +292,21 @@ def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, Rows]
             if what == "partial_attr":  # a weight the stage reads as an attribute, applied to part of the sequence
                 attr_partial.append(entry[1])
                 continue
+            if what == "replicated_linear":  # gathers its sequence-parallel input, keeps only this rank's part
+                _, node, dim = entry
+                name = f"_sp{len(list(piece.named_children()))}"
+                if node.op == "call_module":
+                    piece.add_submodule(name, _GatheredReplicatedLinear(piece.get_submodule(str(node.target)), dim,
+                                                                        group))
+                    args = (node.args[0],)
+                else:
+                    piece.add_submodule(name, _GatheredLinearOp(dim, group, replicated=True))
+                    args = tuple(node.args[:3])
+                with graph.inserting_before(node):
+                    new = graph.call_module(name, args)
+                node.replace_all_uses_with(new)
+                graph.erase_node(node)
+                continue
             if what == "wrap":
                 _, consumer, arg, kind, dim = entry
                 name = f"_sp{len(list(piece.named_children()))}"
@@ -346,14 +362,26 @@ def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, Rows]
 
 
 class _GatheredLinearOp(nn.Module):
-    """A column-parallel linear of an exported graph (weight and bias as inputs) on a sequence-parallel input."""
+    """A linear whose weight (and bias) are inputs (an exported graph's, a tied LM head's) on a sequence-parallel
+    input: column-parallel, or `replicated` (whole on every rank)."""
 
-    def __init__(self, dim: int, group: Any) -> None:
+    def __init__(self, dim: int, group: Any, replicated: bool = False) -> None:
         super().__init__()
-        self.dim, self.group = dim, group
+        self.dim, self.group, self.replicated = dim, group, replicated
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return _GatheredLinear.apply(x, weight, bias, self.dim, self.group)
+        return _GatheredLinear.apply(x, weight, bias, self.dim, self.group, self.replicated)
+
+
+class _GatheredReplicatedLinear(nn.Module):
+    """An nn.Linear outside the tensor-parallel layout (whole on every rank) reading a sequence-parallel input."""
+
+    def __init__(self, linear: nn.Linear, dim: int, group: Any) -> None:
+        super().__init__()
+        self.linear, self.dim, self.group = linear, dim, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _GatheredLinear.apply(x, self.linear.weight, self.linear.bias, self.dim, self.group, True)
 
 
 def _exported_linear(piece: fx.GraphModule, node: fx.Node, style: str, dim: int | None, group: Any) -> None:
@@ -538,6 +566,12 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                 if module is not None:
                     rewrites.extend(("partial", p) for p in module.parameters())
                 continue
+            if kind == "slice" and n.args[1] % len(shape(in_seq[0])) != seq[in_seq[0].name]:
+                seq[n.name] = seq[in_seq[0].name]  # a slice along another dim keeps the split
+                continue
+            if kind in ("linear", "linear_fn") and in_seq == [n.args[0]]:  # a weight outside the layout (LM head)
+                rewrites.append(("replicated_linear", n, seq[n.args[0].name]))  # (its gradient: the whole
+                continue  # sequence's on every rank)
             for a in in_seq:  # anything else sees the whole sequence
                 rewrites.append(("wrap", n, a, "gather", seq[a.name]))
             continue
