@@ -510,10 +510,11 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
         raise UserError("this model runs from its torch.export graph, and it applies an op to a split tensor that "
                         "the runtime's Megatron layout does not know (planner/runtime/megatron_tp.py); re-plan with "
                         "--tp 1 to run it here, or export the plan to Megatron-LM or torchtitan (`planner export`)")
-    if plan.config.sp:
-        raise UserError("the plan runs sequence parallelism, but this model's graph applies an op to a split tensor "
+    if plan.config.sp or plan.config.cp > 1:
+        what, fix = ("sequence", "--no-sequence-parallel") if plan.config.sp else ("context", "--cp 1")
+        raise UserError(f"the plan runs {what} parallelism, but this model's graph applies an op to a split tensor "
                         "that the runtime's Megatron layout does not know (planner/runtime/megatron_tp.py); re-plan "
-                        "with --no-sequence-parallel to run it here")
+                        f"with {fix} to run it here")
     _dtensor_parallel(stages, plan, root, tp_mesh)
 
 
