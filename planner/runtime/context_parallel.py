@@ -21,11 +21,12 @@ An op on the local tokens that these rules do not place (a product over the sequ
 is refused with a clear message, never run wrongly. Attention is assumed causal (a decoder LM, as
 Megatron's and torchtitan's context parallelism assume); dropout inside attention is refused.
 
-The attention all-gathers keys and values (Llama 3's choice, Dubey et al. 2024 §3.3.2) rather than passing
-them around a ring (Megatron-Core / Transformer Engine, which the planner prices): the same bytes move, and
-only the local K and V are kept for the backward, which gathers them again, recomputes the local attention
-and reduce-scatters dK, dV. The bytes a rank keeps are the ring's; the time is one more attention forward.
-It runs on gloo (CPU) and NCCL alike.
+The attention runs block by block as ring attention does (a flash kernel per pair of query and key chunks,
+merged by log-sum-exp; Transformer Engine's schedule, which the planner prices), but all-gathers keys and
+values (Llama 3's choice, Dubey et al. 2024 §3.3.2) instead of passing them around the ring: the same bytes
+move, without the overlap. A rank keeps what the ring keeps (its q, k, v, the output, the log-sum-exp); the
+backward gathers K and V again. CPU: torch's CPU flash kernel (tested); CUDA: the flash kernel (bf16/fp16),
+written but not run here (no GPU was lent).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
@@ -87,7 +89,6 @@ class ContextParallel:
             raise UserError(f"cp={self.size} does not split the {self.seq}-token sequence into 2*cp equal chunks; "
                             "re-plan with a cp that divides it")
         self.local = positions(self.seq, self.size, self.rank)
-        self.every = torch.cat([positions(self.seq, self.size, r) for r in range(self.size)])
 
     def shard(self, x: Any) -> Any:
         """This rank's tokens of a batch-first model input or target (b, S, ...); anything else as is."""
@@ -120,45 +121,88 @@ class ContextParallel:
                 state[node.name] = state[node.args[0].name][node.args[1]]
 
 
-class _CPAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the whole sequence's keys and values, gathered over the
-    group in the forward and again in the backward. It keeps what a flash kernel keeps (q, k, v, the output
-    and the log-sum-exp of each query's scores), the local k and v only, and computes the backward from them
-    as FlashAttention does (no scores kept, none recomputed beyond this rank's block); dK, dV leave
-    reduce-scattered to their owners."""
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float) -> tuple:
+    """One block of attention by the flash kernel: (output, fp32 log-sum-exp per query, what its backward needs)."""
+    if q.is_cuda:  # CUDA-only, untested here (no GPU lent): flash needs bf16/fp16
+        out, lse, cq, ck, mq, mk, seed, offset, _ = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return out, lse, (cq, ck, mq, mk, seed, offset)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return out, lse, ()
+
+
+def _flash_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                    lse: torch.Tensor, causal: bool, scale: float, extra: tuple) -> tuple:
+    if q.is_cuda:  # CUDA-only, untested here
+        cq, ck, mq, mk, seed, offset = extra
+        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad, q, k, v, out, lse, cq, ck, mq, mk, 0.0, causal, seed, offset, scale=scale)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _ring_blocks(k: torch.Tensor, v: torch.Tensor, group: Any, rep: int) -> tuple[list, list]:
+    """Every rank's key and value chunks, in rank order (2 per rank), each kv head repeated for its `rep` query
+    heads (grouped-query attention: the flash kernel wants as many as the queries)."""
+    dim, n = k.dim() - 2, 2 * dist.get_world_size(group)
+    keys, values = (_gather(x, dim, group).repeat_interleave(rep, dim=-3) for x in (k, v))
+    return [x.contiguous() for x in keys.chunk(n, dim=-2)], [x.contiguous() for x in values.chunk(n, dim=-2)]
+
+
+class _RingAttention(torch.autograd.Function):
+    """Causal attention of this rank's two query chunks over every rank's key/value chunks, block by block as
+    ring attention runs it (Transformer Engine; Liu et al. 2023): a flash kernel per (query chunk, key chunk) pair
+    — whole below the diagonal, causal on it, skipped above — merged by log-sum-exp. K and V are all-gathered
+    (Llama 3's choice) rather than passed around the ring; only the local ones, the output and the log-sum-exp
+    are kept, and the backward runs the flash backward per pair from the merged output and log-sum-exp (what
+    FlashAttention's backward needs), gathering K, V again and reduce-scattering dK, dV to their owners.
+    `mine`: global chunk ids of this rank's two query chunks; `theirs`: of the gathered key chunks, in order."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float,
-                group: Any) -> torch.Tensor:
-        dim = k.dim() - 2
-        keys, values = _gather(k, dim, group), _gather(v, dim, group)
-        rep = q.shape[-3] // k.shape[-3]  # grouped-query attention: each kv head serves `rep` query heads
-        keys, values = keys.repeat_interleave(rep, dim=-3), values.repeat_interleave(rep, dim=-3)
-        scores = (q @ keys.transpose(-2, -1)).float().mul_(scale).masked_fill_(~mask, float("-inf"))
-        lse = scores.logsumexp(-1, keepdim=True)
-        out = (scores.sub_(lse).exp_().to(q.dtype) @ values)
-        out = out.transpose(-3, -2).contiguous().transpose(-3, -2)  # laid out (b, s, h, d), as flash kernels write it:
-        ctx.save_for_backward(q, k, v, out, lse)  # the output projection's input is then a view of what is kept
-        ctx.mask, ctx.scale, ctx.group, ctx.rep = mask, scale, group, rep
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mine: tuple[int, int],
+                theirs: tuple[int, ...], scale: float, group: Any) -> torch.Tensor:
+        keys, values = _ring_blocks(k, v, group, q.shape[-3] // k.shape[-3])
+        ctx.mine, ctx.theirs, ctx.scale, ctx.group, ctx.extra = mine, theirs, scale, group, {}
+        outs, lses = [], []
+        for a, q_a in enumerate(q.chunk(2, dim=-2)):
+            found = []
+            for m, (k_m, v_m) in enumerate(zip(keys, values)):
+                if theirs[m] <= mine[a]:  # causal: later chunks are not seen at all
+                    out, lse, ctx.extra[a, m] = _flash(q_a.contiguous(), k_m, v_m, theirs[m] == mine[a], scale)
+                    found.append((out.float(), lse))
+            lse = torch.logsumexp(torch.stack([x for _, x in found]), dim=0)
+            outs.append(sum(o * (x - lse).exp().unsqueeze(-1) for o, x in found).to(q.dtype))
+            lses.append(lse)
+        out = torch.cat(outs, dim=-2).transpose(-3, -2).contiguous().transpose(-3, -2)  # laid out (b, s, h, d), as
+        ctx.save_for_backward(q, k, v, out, torch.cat(lses, dim=-1))  # flash writes it: o_proj reads a view of it
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dim, rep = k.dim() - 2, ctx.rep
-        keys = _gather(k, dim, ctx.group).repeat_interleave(rep, dim=-3)
-        values = _gather(v, dim, ctx.group).repeat_interleave(rep, dim=-3)
-        scores = (q @ keys.transpose(-2, -1)).float().mul_(ctx.scale).masked_fill_(~ctx.mask, float("-inf"))
-        probs = scores.sub_(lse).exp_()
-        d_values = probs.to(q.dtype).transpose(-2, -1) @ grad
-        d_probs = (grad @ values.transpose(-2, -1)).float()
-        d_scores = probs.mul_(d_probs.sub_((grad.float() * out.float()).sum(-1, keepdim=True))).mul_(ctx.scale)
-        d_scores = d_scores.to(q.dtype)
-        dq, d_keys = d_scores @ keys, d_scores.transpose(-2, -1) @ q
+        rep = q.shape[-3] // k.shape[-3]
+        keys, values = _ring_blocks(k, v, ctx.group, rep)
+        d_keys = [torch.zeros_like(x, dtype=torch.float32) for x in keys]
+        d_values = [torch.zeros_like(x, dtype=torch.float32) for x in values]
+        dq = []
+        pieces = zip(q.chunk(2, -2), grad.chunk(2, -2), out.chunk(2, -2), lse.chunk(2, -1))
+        for a, (q_a, g_a, o_a, l_a) in enumerate(pieces):
+            q_a, g_a, o_a, l_a = (x.contiguous() for x in (q_a, g_a, o_a, l_a))
+            dq_a = torch.zeros_like(q_a, dtype=torch.float32)
+            for m, (k_m, v_m) in enumerate(zip(keys, values)):
+                if (a, m) in ctx.extra:
+                    dqp, dkp, dvp = _flash_backward(g_a, q_a, k_m, v_m, o_a, l_a, ctx.theirs[m] == ctx.mine[a],
+                                                    ctx.scale, ctx.extra[a, m])
+                    dq_a += dqp
+                    d_keys[m] += dkp
+                    d_values[m] += dvp
+            dq.append(dq_a.to(q.dtype))
+        dim = k.dim() - 2
+        dk, dv = (torch.cat(x, dim=-2).to(k.dtype) for x in (d_keys, d_values))
         if rep > 1:  # summed over the query heads each kv head served
-            d_keys = d_keys.unflatten(-3, (-1, rep)).sum(-3)
-            d_values = d_values.unflatten(-3, (-1, rep)).sum(-3)
-        return dq, _reduce_scatter(d_keys, dim, ctx.group), _reduce_scatter(d_values, dim, ctx.group), None, None, None
+            dk, dv = (x.unflatten(-3, (-1, rep)).sum(-3) for x in (dk, dv))
+        return (torch.cat(dq, dim=-2), _reduce_scatter(dk, dim, ctx.group), _reduce_scatter(dv, dim, ctx.group),
+                None, None, None, None)
 
 
 class ContextParallelAttention(nn.Module):
@@ -167,7 +211,8 @@ class ContextParallelAttention(nn.Module):
     def __init__(self, cp: ContextParallel, *, k_transposed: bool, scale: float | None) -> None:
         super().__init__()
         self.k_transposed, self.scale, self.group = k_transposed, scale, cp.group
-        self.mask = cp.local[:, None] >= cp.every[None, :]  # causal, by global position (True: attend)
+        self.mine = (cp.rank, 2 * cp.size - 1 - cp.rank)
+        self.theirs = tuple(c for r in range(cp.size) for c in (r, 2 * cp.size - 1 - r))
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.k_transposed:
@@ -175,7 +220,7 @@ class ContextParallelAttention(nn.Module):
         if q.is_meta:  # the shape pass: no communication
             return q.new_empty((*q.shape[:-1], v.shape[-1]))
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        return _CPAttention.apply(q, k, v, self.mask.to(q.device), scale, self.group)
+        return _RingAttention.apply(q, k, v, self.mine, self.theirs, scale, self.group)
 
 
 class _Piece:

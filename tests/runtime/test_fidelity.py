@@ -208,6 +208,7 @@ FOUR = {  # 4 processes: context parallelism with a pipeline, and inside a tenso
     # a pipeline of tensor-parallel stages (each rank sends 1/t of a boundary tensor, the next all-gathers it)
     "t2_p2_sp": (gpt_args(2), dict(t=2, p=2, d=1, b=1, v=1, schedule="1f1b", sp=True)),
     "p2_cp2": (gpt_args(2), dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", cp=2)),
+    "cp4": (gpt_args(2), dict(t=1, p=1, d=1, b=2, v=1, schedule="1f1b", cp=4)),  # 8 chunks of 4 tokens
     "t2_cp2": (gpt_args(2), dict(t=2, p=1, d=1, b=2, v=1, schedule="1f1b", cp=2)),
     "t2_cp2_sp_flash": ({**gpt_args(2), "flash": True}, dict(t=2, p=1, d=1, b=2, v=1, schedule="1f1b", cp=2, sp=True)),
 }
