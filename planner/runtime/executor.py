@@ -539,6 +539,9 @@ def prepare(plan: Plan, model_file: ModelFile, options: RunOptions) -> Executor:
     split = build_split(model, plan, model_file)
     make_shared_groups(groups, split.holders)
     cp = None
+    if c.cp > 1 and options.device.startswith("cuda") and c.precision == "fp32":
+        raise UserError("context parallelism on CUDA runs the flash attention kernel, which takes bf16 or fp16; "
+                        "re-plan with --dtype bf16")
     if c.cp > 1:  # rewritten from the whole sequence's shapes for this rank's tokens
         whole: dict[str, dict[str, Any]] = {}
         specs = boundary_specs(model_file, plan, whole)
