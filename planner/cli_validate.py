@@ -23,6 +23,19 @@ def _fmt(what: str, x: float | None) -> str:
     return f"{x:,.0f}" if what == "parameters" else f"{x:.1f}" if what.startswith("fill") else _ms(x)
 
 
+def _run_of(doc, plan_file: str, metrics: str):
+    """The document with only the run of `plan_file` (a launch of several plans records one run each)."""
+    if len(doc.runs) <= 1:
+        return doc
+    want = Path(plan_file).resolve()
+    runs = [r for r in doc.runs if Path(r.plan).resolve() == want] or [r for r in doc.runs
+                                                                      if Path(r.plan).name == want.name]
+    if len(runs) != 1:
+        raise UserError(f"{metrics} holds runs of {', '.join(Path(r.plan).name for r in doc.runs)}; "
+                        f"{'none' if not runs else 'several'} of them is {plan_file}: pass the plan that was launched")
+    return doc.model_copy(update={"runs": runs})
+
+
 @app.command()
 def validate(
     plan_file: str = typer.Argument("plan.json", help="plan written by `planner plan`"),
@@ -41,7 +54,7 @@ def validate(
     with user_errors():
         plan = load_plan(plan_file)
         if metrics:
-            doc = load_metrics(metrics)
+            doc = _run_of(load_metrics(metrics), plan_file, metrics)
         else:
             if steps < 2:
                 raise UserError(f"--steps must be at least 2 (step 0 is warm-up), got {steps}")

@@ -47,3 +47,16 @@ def test_validate_prints_the_error_table_writes_json_and_refit_uses_it(small_pla
         assert b.duration_s == pytest.approx(measured[(b.rank, f"bubble {b.id} duration")])
     res = runner.invoke(app, ["refit", str(small_plan), "--measured", str(small_plan)])
     assert res.exit_code != 0 and "not a metrics file" in res.stdout + (res.stderr or "")
+    # a launch of several plans records one run each: validate takes the one of the plan it is given
+    data = json.loads(metrics.read_text())
+    other = tmp_path / "other.json"
+    other.write_text(small_plan.read_text())
+    data["runs"] = [{**data["runs"][0], "plan": str(other)}, data["runs"][0]]
+    both = tmp_path / "both.json"
+    both.write_text(json.dumps(data))
+    res = runner.invoke(app, ["validate", str(small_plan), "--metrics", str(both), "-o", str(out)])
+    assert res.exit_code == 0, res.stdout
+    third = tmp_path / "third.json"
+    third.write_text(small_plan.read_text())
+    res = runner.invoke(app, ["validate", str(third), "--metrics", str(both)])
+    assert res.exit_code != 0 and "none of them is" in res.stdout + (res.stderr or "")
