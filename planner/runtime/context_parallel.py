@@ -21,12 +21,11 @@ An op on the local tokens that these rules do not place (a product over the sequ
 is refused with a clear message, never run wrongly. Attention is assumed causal (a decoder LM, as
 Megatron's and torchtitan's context parallelism assume); dropout inside attention is refused.
 
-The attention runs block by block as ring attention does (a flash kernel per pair of query and key chunks,
-merged by log-sum-exp; Transformer Engine's schedule, which the planner prices), but all-gathers keys and
-values (Llama 3's choice, Dubey et al. 2024 §3.3.2) instead of passing them around the ring: the same bytes
-move, without the overlap. A rank keeps what the ring keeps (its q, k, v, the output, the log-sum-exp); the
-backward gathers K and V again. CPU: torch's CPU flash kernel (tested); CUDA: the flash kernel (bf16/fp16),
-written but not run here (no GPU was lent).
+The attention is ring attention as Transformer Engine runs it (and the planner prices): keys and values
+travel around the group, sent on while a flash kernel runs each pair of query and key chunks, merged by
+log-sum-exp; the backward passes them around again with their gradients. A rank keeps what the kernel
+keeps (its q, k, v, the output, the log-sum-exp). CPU: torch's CPU flash kernel (tested); CUDA: the flash
+kernel (bf16/fp16), written but not run here (no GPU was lent).
 """
 from __future__ import annotations
 
@@ -43,7 +42,7 @@ from torch import nn
 from passes.costs import node_kind
 from passes.errors import UserError
 
-from .megatron_tp import ELEMENTWISE, NORMS, _gather, _reduce_scatter, _size_args
+from .megatron_tp import ELEMENTWISE, NORMS, _size_args
 
 __all__ = ["ContextParallel", "ContextParallelAttention", "positions"]
 
@@ -141,37 +140,61 @@ def _flash_backward(grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
         grad, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
-def _ring_blocks(k: torch.Tensor, v: torch.Tensor, group: Any, rep: int) -> tuple[list, list]:
-    """Every rank's key and value chunks, in rank order (2 per rank), each kv head repeated for its `rep` query
-    heads (grouped-query attention: the flash kernel wants as many as the queries)."""
-    dim, n = k.dim() - 2, 2 * dist.get_world_size(group)
-    keys, values = (_gather(x, dim, group).repeat_interleave(rep, dim=-3) for x in (k, v))
-    return [x.contiguous() for x in keys.chunk(n, dim=-2)], [x.contiguous() for x in values.chunk(n, dim=-2)]
+class _Ring:
+    """Passes a tensor to the next rank of the context-parallel group and takes the previous rank's."""
+
+    def __init__(self, group: Any) -> None:
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        self.group, self.n, self.rank = group, n, r
+        self.next, self.prev = dist.get_global_rank(group, (r + 1) % n), dist.get_global_rank(group, (r - 1) % n)
+
+    def start(self, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Send x on, receive into a new buffer; wait on the returned works before reading it."""
+        buf = torch.empty_like(x)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, x, self.next, self.group),
+                                        dist.P2POp(dist.irecv, buf, self.prev, self.group)])
+        return buf, works
+
+
+def _kv_chunks(kv: torch.Tensor, rep: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A rank's two (key, value) chunks from its stacked (k, v), kv heads repeated for the query heads they serve."""
+    k, v = (x.repeat_interleave(rep, dim=-3) for x in kv)
+    return [(a.contiguous(), b.contiguous()) for a, b in zip(k.chunk(2, dim=-2), v.chunk(2, dim=-2))]
 
 
 class _RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's two query chunks over every rank's key/value chunks, block by block as
-    ring attention runs it (Transformer Engine; Liu et al. 2023): a flash kernel per (query chunk, key chunk) pair
-    — whole below the diagonal, causal on it, skipped above — merged by log-sum-exp. K and V are all-gathered
-    (Llama 3's choice) rather than passed around the ring; only the local ones, the output and the log-sum-exp
-    are kept, and the backward runs the flash backward per pair from the merged output and log-sum-exp (what
-    FlashAttention's backward needs), gathering K, V again and reduce-scattering dK, dV to their owners.
-    `mine`: global chunk ids of this rank's two query chunks; `theirs`: of the gathered key chunks, in order."""
+    """Causal ring attention over the context-parallel group (Transformer Engine's schedule; Liu et al. 2023): each
+    rank's stacked keys and values travel around the ring, sent on while this rank runs a flash kernel for each pair
+    of its two query chunks with the block it holds — whole below the diagonal, causal on it, skipped above; the
+    partial results are merged by log-sum-exp. A rank keeps what the kernel keeps: its q, k, v, the output and the
+    log-sum-exp. The backward passes keys and values around again, with the gradients of the block each rank holds
+    travelling along and arriving home after the last step; each pair's flash backward runs from the merged output
+    and log-sum-exp. `chunks`: this rank's two query chunk ids (r, 2cp-1-r) in Megatron's load-balanced split."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mine: tuple[int, int],
-                theirs: tuple[int, ...], scale: float, group: Any) -> torch.Tensor:
-        keys, values = _ring_blocks(k, v, group, q.shape[-3] // k.shape[-3])
-        ctx.mine, ctx.theirs, ctx.scale, ctx.group, ctx.extra = mine, theirs, scale, group, {}
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: tuple[int, int], scale: float,
+                group: Any) -> torch.Tensor:
+        ring, rep = _Ring(group), q.shape[-3] // k.shape[-3]
+        ctx.chunks, ctx.scale, ctx.group, ctx.extra = chunks, scale, group, {}
+        queries = [x.contiguous() for x in q.chunk(2, dim=-2)]
+        found: list[list] = [[], []]
+        held = torch.stack((k, v)).contiguous()
+        for step in range(ring.n):
+            src = (ring.rank - step) % ring.n  # whose keys and values this rank holds now
+            passing = ring.start(held) if step < ring.n - 1 else None
+            for c, (k_c, v_c) in zip((src, 2 * ring.n - 1 - src), _kv_chunks(held, rep)):
+                for a, q_a in enumerate(queries):
+                    if c <= chunks[a]:  # causal: later chunks are not seen at all
+                        out, lse, ctx.extra[a, c] = _flash(q_a, k_c, v_c, c == chunks[a], scale)
+                        found[a].append((out.float(), lse))
+            if passing is not None:
+                held, works = passing
+                for w in works:
+                    w.wait()
         outs, lses = [], []
-        for a, q_a in enumerate(q.chunk(2, dim=-2)):
-            found = []
-            for m, (k_m, v_m) in enumerate(zip(keys, values)):
-                if theirs[m] <= mine[a]:  # causal: later chunks are not seen at all
-                    out, lse, ctx.extra[a, m] = _flash(q_a.contiguous(), k_m, v_m, theirs[m] == mine[a], scale)
-                    found.append((out.float(), lse))
-            lse = torch.logsumexp(torch.stack([x for _, x in found]), dim=0)
-            outs.append(sum(o * (x - lse).exp().unsqueeze(-1) for o, x in found).to(q.dtype))
+        for parts in found:
+            lse = torch.logsumexp(torch.stack([x for _, x in parts]), dim=0)
+            outs.append(sum(o * (x - lse).exp().unsqueeze(-1) for o, x in parts).to(q.dtype))
             lses.append(lse)
         out = torch.cat(outs, dim=-2).transpose(-3, -2).contiguous().transpose(-3, -2)  # laid out (b, s, h, d), as
         ctx.save_for_backward(q, k, v, out, torch.cat(lses, dim=-1))  # flash writes it: o_proj reads a view of it
@@ -180,29 +203,29 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        rep = q.shape[-3] // k.shape[-3]
-        keys, values = _ring_blocks(k, v, ctx.group, rep)
-        d_keys = [torch.zeros_like(x, dtype=torch.float32) for x in keys]
-        d_values = [torch.zeros_like(x, dtype=torch.float32) for x in values]
-        dq = []
-        pieces = zip(q.chunk(2, -2), grad.chunk(2, -2), out.chunk(2, -2), lse.chunk(2, -1))
-        for a, (q_a, g_a, o_a, l_a) in enumerate(pieces):
-            q_a, g_a, o_a, l_a = (x.contiguous() for x in (q_a, g_a, o_a, l_a))
-            dq_a = torch.zeros_like(q_a, dtype=torch.float32)
-            for m, (k_m, v_m) in enumerate(zip(keys, values)):
-                if (a, m) in ctx.extra:
-                    dqp, dkp, dvp = _flash_backward(g_a, q_a, k_m, v_m, o_a, l_a, ctx.theirs[m] == ctx.mine[a],
-                                                    ctx.scale, ctx.extra[a, m])
-                    dq_a += dqp
-                    d_keys[m] += dkp
-                    d_values[m] += dvp
-            dq.append(dq_a.to(q.dtype))
-        dim = k.dim() - 2
-        dk, dv = (torch.cat(x, dim=-2).to(k.dtype) for x in (d_keys, d_values))
-        if rep > 1:  # summed over the query heads each kv head served
-            dk, dv = (x.unflatten(-3, (-1, rep)).sum(-3) for x in (dk, dv))
-        return (torch.cat(dq, dim=-2), _reduce_scatter(dk, dim, ctx.group), _reduce_scatter(dv, dim, ctx.group),
-                None, None, None, None)
+        ring, rep, chunks = _Ring(ctx.group), q.shape[-3] // k.shape[-3], ctx.chunks
+        pieces = [tuple(x.contiguous() for x in xs) for xs in zip(q.chunk(2, -2), grad.chunk(2, -2), out.chunk(2, -2),
+                                                                   lse.chunk(2, -1))]
+        dq = [torch.zeros_like(p[0], dtype=torch.float32) for p in pieces]
+        held = torch.stack((k, v)).contiguous()
+        d_held = torch.zeros_like(held, dtype=torch.float32)  # gradients of the block held, travelling with it
+        for step in range(ring.n):
+            src = (ring.rank - step) % ring.n
+            passing = ring.start(held) if step < ring.n - 1 else None
+            for i, (c, (k_c, v_c)) in enumerate(zip((src, 2 * ring.n - 1 - src), _kv_chunks(held, rep))):
+                for a, (q_a, g_a, o_a, l_a) in enumerate(pieces):
+                    if (a, c) in ctx.extra:
+                        dqp, dkp, dvp = _flash_backward(g_a, q_a, k_c, v_c, o_a, l_a, c == chunks[a], ctx.scale,
+                                                        ctx.extra[a, c])
+                        dq[a] += dqp
+                        for j, d in enumerate((dkp, dvp)):  # summed over the query heads each kv head served
+                            d_held[j].chunk(2, dim=-2)[i].add_(d.unflatten(-3, (-1, rep)).sum(-3))
+            d_held, works = ring.start(d_held)  # on to the next rank; after the last step, home
+            for w in works + (passing[1] if passing else []):
+                w.wait()
+            if passing is not None:
+                held = passing[0]
+        return (torch.cat(dq, dim=-2).to(q.dtype), d_held[0].to(k.dtype), d_held[1].to(v.dtype), None, None, None)
 
 
 class ContextParallelAttention(nn.Module):
@@ -211,8 +234,7 @@ class ContextParallelAttention(nn.Module):
     def __init__(self, cp: ContextParallel, *, k_transposed: bool, scale: float | None) -> None:
         super().__init__()
         self.k_transposed, self.scale, self.group = k_transposed, scale, cp.group
-        self.mine = (cp.rank, 2 * cp.size - 1 - cp.rank)
-        self.theirs = tuple(c for r in range(cp.size) for c in (r, 2 * cp.size - 1 - r))
+        self.chunks = (cp.rank, 2 * cp.size - 1 - cp.rank)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.k_transposed:
@@ -220,7 +242,7 @@ class ContextParallelAttention(nn.Module):
         if q.is_meta:  # the shape pass: no communication
             return q.new_empty((*q.shape[:-1], v.shape[-1]))
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        return _RingAttention.apply(q, k, v, self.mine, self.theirs, scale, self.group)
+        return _RingAttention.apply(q, k, v, self.chunks, scale, self.group)
 
 
 class _Piece:
