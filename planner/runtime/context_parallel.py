@@ -48,7 +48,7 @@ __all__ = ["ContextParallel", "ContextParallelAttention", "positions"]
 
 POSITIONWISE = ELEMENTWISE | NORMS | {"pow", "rsqrt", "sqrt", "mean", "sum", "amax", "var", "cos", "sin", "abs",
                                       "log_softmax", "logical", "where", "layer_norm", "rms_norm", "detach", "half",
-                                      "bfloat16", "alias", "reciprocal", "square", "erf", "log"}
+                                      "bfloat16", "alias", "reciprocal", "square", "erf", "log", "cumsum"}
 REDUCTIONS = {"mean", "sum", "amax", "var", "softmax", "log_softmax", "cumsum"}
 NO_TENSOR = {"assert_tensor_metadata", "GuardsFn"}  # checks that return nothing (dtype and device; export's guards)
 
@@ -443,7 +443,7 @@ class _Piece:
                 raise _Unsupported(f"{n.name}: flattens the sequence dim")
             self.seq[n.name] = dx if dx < start else dx - (end - start)
         else:
-            raise _Unsupported(f"{n.name}: {kind}")
+            raise _Unsupported(f"{n.name}: {kind} on the local tokens, an op the rules do not know")
 
     # -- attention --------------------------------------------------------------------------
 

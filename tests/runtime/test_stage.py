@@ -162,3 +162,54 @@ def test_loss_scaler_halves_on_overflow_and_doubles_after_a_window_of_good_steps
     assert s.update(True) and s.update(True) and s.scale == 512.0
     assert s.update(True) and s.applied == 512.0 and s.scale == 1024.0  # the third good step in a row doubles it
     assert not s.update(False) and s.scale == 512.0 and s.good == 0
+
+
+CUMULATIVE = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(64, 16)
+        self.out = nn.Linear(16, 64)
+
+    def forward(self, tokens):
+        return self.out(self.emb(tokens).cumsum(1))  # each position sees every earlier one: not split by position
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(batch_size=1):
+    return (torch.zeros(batch_size, 16, dtype=torch.long),)
+
+
+def sample_batch(batch_size, step):
+    data = torch.randint(0, 64, (batch_size, 17), generator=torch.Generator().manual_seed(step))
+    return (data[:, :-1],), data[:, 1:]
+
+
+def loss_fn(output, targets):
+    return torch.nn.functional.cross_entropy(output.reshape(-1, 64), targets.reshape(-1))
+'''
+
+
+def test_context_parallelism_refuses_an_op_along_the_sequence_it_cannot_split(tmp_path) -> None:
+    from planner.runtime.context_parallel import ContextParallel
+    from planner.runtime.stage import boundary_specs, build_split
+
+    model = tmp_path / "cumulative.py"
+    model.write_text(CUMULATIVE)
+    plan = plan_file(tmp_path / "plan.json", model, {}, gpus=2, global_batch=4, t=1, p=1, d=1, b=2, v=1,
+                     schedule="1f1b", cp=2)
+    mf = load_model_file(model, {})
+    split = build_split(mf.build("cpu", torch.float32), plan, mf)
+    whole: dict = {}
+    specs = boundary_specs(mf, plan, whole)
+    with pytest.raises(UserError, match=r"cannot place \(cumsum.*along the sequence\); re-plan with --cp 1"):
+        ContextParallel(size=2, rank=0, seq=16, specs=specs, inner=whole).apply(split.split)
+    with pytest.raises(UserError, match="does not split the 16-token sequence into 2\\*cp equal chunks"):
+        ContextParallel(size=3, rank=0, seq=16)
