@@ -283,7 +283,7 @@ def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
                           tp_fwd_allreduce_bytes=Poly.of(fwd_ar, B), tp_bwd_allreduce_bytes=Poly.of(bwd_ar, B),
                           tp_allreduces=count, tp_layout=layout,
                           heads=heads[index].heads, kv_heads=heads[index].kv_heads,
-                          kv=_kv_part(nodes, heads[index], gm), attn_kv_bytes=Poly.of(_attention_kv_bytes(nodes), B),
+                          kv=_kv_part(nodes, heads[index], gm, selective), attn_kv_bytes=Poly.of(_attention_kv_bytes(nodes), B),
                           matmuls=sum(1 for n in nodes if n.meta[COST].mm_flops != 0)))
     return units
 
@@ -305,7 +305,7 @@ def _attention_kv_bytes(nodes: list[fx.Node]) -> sympy.Expr:
     return total
 
 
-def _kv_part(nodes: list[fx.Node], heads: Heads, gm: fx.GraphModule) -> Part:
+def _kv_part(nodes: list[fx.Node], heads: Heads, gm: fx.GraphModule, core: set[str]) -> Part:
     """Time and weights of the key/value projections of grouped-query attention, for pricing them replicated
     when t exceeds kv_heads; its saved_bytes are what the backward keeps of the keys and values on their way to
     the attention core (counted in the sharded part as split over t; a rank holding a whole replicated kv head
@@ -313,7 +313,7 @@ def _kv_part(nodes: list[fx.Node], heads: Heads, gm: fx.GraphModule) -> Part:
     if not heads.kv_width or heads.kv_heads >= heads.heads:
         return Part()
     kv = [n for n in nodes if n.meta[TP] == "col" and (linear_shape(n, gm) or (0, 0))[1] == heads.kv_width]
-    core, reach = attention_core(nodes), {n.name for n in kv}
+    reach = {n.name for n in kv}
     for n in nodes:  # keys and values (views, RoPE) up to the core
         if n.name not in core and any(a.name in reach for a in n.all_input_nodes):
             reach.add(n.name)

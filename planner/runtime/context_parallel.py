@@ -42,7 +42,7 @@ from torch import nn
 from passes.costs import node_kind
 from passes.errors import UserError
 
-from .megatron_tp import ELEMENTWISE, NORMS, _size_args
+from .megatron_tp import ELEMENTWISE, NORMS, _size_args, call
 
 __all__ = ["ContextParallel", "ContextParallelAttention", "positions"]
 
@@ -250,7 +250,7 @@ class _Piece:
 
     def __init__(self, gm: fx.GraphModule, shapes: dict[str, Any], cp: ContextParallel, given: list) -> None:
         self.gm, self.graph, self.shapes, self.cp, self.S = gm, gm.graph, dict(shapes), cp, cp.seq
-        self.seq: dict[str, Any] = {}  # node -> sequence dim (an int), or a tuple of them (unbind/split)
+        self.seq: dict[str, Any] = {}  # node -> sequence dim (an int), or _Items (unbind/split)
         self.lengths: set[str] = set()  # ints equal to the local sequence length
         self.sizes: dict[str, int] = {}  # shape tuples read off a local tensor -> its sequence dim
         self.whole: dict[str, fx.Node] = {}  # local length -> node computing the whole sequence's
@@ -260,9 +260,6 @@ class _Piece:
                 self.lengths.add(ph.name)
             elif g is not None:
                 self.seq[ph.name] = g
-
-    def _node(self, name: str) -> fx.Node:
-        return next(n for n in self.graph.nodes if n.name == name)
 
     def shape(self, n: fx.Node) -> tuple[int, ...]:
         s = self.shapes.get(n.name)
@@ -406,11 +403,7 @@ class _Piece:
                 continue
             idx = len(o) - (len(out) - od)
             if idx >= 0 and o[idx] == self.S:
-                name = f"_cp{len(list(self.gm.named_children()))}"
-                self.gm.add_submodule(name, _Positions(self.cp, idx))
-                with self.graph.inserting_before(n):
-                    picked = self.graph.call_module(name, (a,))
-                n.replace_input_with(a, picked)
+                n.replace_input_with(a, call(self.gm, _Positions(self.cp, idx), (a,), before=n, prefix="_cp"))
         self.seq[n.name] = od
 
     def structural(self, n: fx.Node, x: fx.Node, kind: str) -> None:
@@ -464,25 +457,23 @@ class _Piece:
         q, kt = first.args[0], first.args[1]
         if self.seq[q.name] != len(self.shape(q)) - 2 or self.seq[kt.name] != len(self.shape(kt)) - 1:
             raise _Unsupported(f"{first.name}: a product over the sequence that is not Q Kᵀ")
-        region, frontier, second = {first.name}, [first], None
+        region, frontier, second = {first}, [first], None
         while frontier:
             node = frontier.pop()
             for user in node.users:
-                if user.name in region:
+                if user in region:
                     continue
                 if node_kind(user, self.gm) == "matmul":
                     if second is not None and user is not second:
                         raise _Unsupported(f"{first.name}: scores feed two products")
                     second = user
                     continue
-                region.add(user.name)
+                region.add(user)
                 frontier.append(user)
-        if second is None or second.args[0].name not in region:
+        if second is None or second.args[0] not in region:
             raise _Unsupported(f"{first.name}: no product of the scores with V")
         kinds, scale = set(), 1.0
-        for node in self.graph.nodes:
-            if node.name not in region:
-                continue
+        for node in region:
             kind = node_kind(node, self.gm)
             kinds.add(kind)
             if kind in ("dropout", "Dropout"):
@@ -492,24 +483,22 @@ class _Piece:
                     raise _Unsupported(f"{node.name}: dropout inside attention")
             numbers = [x for x in (self.shapes.get(a.name) if isinstance(a, fx.Node) else a for a in node.args[1:])
                        if isinstance(x, (int, float)) and not isinstance(x, bool)]  # constants, or traced ints
-            if kind in ("div", "truediv") and numbers and node.args[0].name in region | {first.name}:
+            if kind in ("div", "truediv") and numbers and node.args[0] in region:
                 scale /= numbers[0]
             elif kind == "mul" and numbers:
                 scale *= numbers[0]
         if "softmax" not in kinds or not kinds & {"masked_fill", "where", "add"}:
             raise _Unsupported(f"{first.name}: attention without a softmax and a mask (not causal)")
-        if any(u.name not in region and u is not second for name in region for u in self._node(name).users):
+        if any(u not in region and u is not second for node in region for u in node.users):
             raise _Unsupported(f"{first.name}: the attention scores are used outside attention")
         if self.seq.get(second.args[1].name) != len(self.shape(second.args[1])) - 2:
             raise _Unsupported(f"{second.name}: V does not hold the local tokens")
-        self.dead |= region
+        self.dead |= {node.name for node in region}
         self.replace(second, (q, kt, second.args[1]), k_transposed=True, scale=scale)
 
     def replace(self, end: fx.Node, qkv: tuple, *, k_transposed: bool, scale: Any) -> None:
-        name = f"_cp{len(list(self.gm.named_children()))}"
-        self.gm.add_submodule(name, ContextParallelAttention(self.cp, k_transposed=k_transposed, scale=scale))
-        with self.graph.inserting_before(end):
-            new = self.graph.call_module(name, qkv)
+        new = call(self.gm, ContextParallelAttention(self.cp, k_transposed=k_transposed, scale=scale), qkv,
+                   before=end, prefix="_cp")
         end.replace_all_uses_with(new)
         self.dead.add(end.name)
         self.shapes[new.name] = self.shapes.get(end.name)

@@ -279,7 +279,7 @@ def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, Rows]
     whose gradients are partial sums over each `ranks` consecutive tensor-parallel ranks (a weight applied to
     part of the sequence: all t; a replicated kv head: its replicas), and the (path, style, rows) of weights the
     piece reads as inputs, for the caller to shard."""
-    graph, gathered, row_seq, partial, bias_of, attr_partial = piece.graph, {}, {}, [], [], []
+    gathered, row_seq, partial, bias_of, attr_partial = {}, {}, [], [], []
     weights: list[tuple[str, str, Rows]] = []  # exported graphs: (path, style, rows) of weights to shard
     for entry in rewrites:
         if isinstance(entry[0], str):
@@ -294,26 +294,15 @@ def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, Rows]
                 continue
             if what == "replicated_linear":  # gathers its sequence-parallel input, keeps only this rank's part
                 _, node, dim = entry
-                name = f"_sp{len(list(piece.named_children()))}"
                 if node.op == "call_module":
-                    piece.add_submodule(name, _GatheredReplicatedLinear(piece.get_submodule(str(node.target)), dim,
-                                                                        group))
-                    args = (node.args[0],)
+                    swap(piece, node, _GatheredReplicatedLinear(piece.get_submodule(str(node.target)), dim, group),
+                         (node.args[0],))
                 else:
-                    piece.add_submodule(name, _GatheredLinearOp(dim, group, replicated=True))
-                    args = tuple(node.args[:3])
-                with graph.inserting_before(node):
-                    new = graph.call_module(name, args)
-                node.replace_all_uses_with(new)
-                graph.erase_node(node)
+                    swap(piece, node, _GatheredLinearOp(dim, group, replicated=True), tuple(node.args[:3]))
                 continue
             if what == "wrap":
                 _, consumer, arg, kind, dim = entry
-                name = f"_sp{len(list(piece.named_children()))}"
-                piece.add_submodule(name, SeqParallel(kind, dim, group))
-                with graph.inserting_before(consumer):
-                    wrapped = graph.call_module(name, (arg,))
-                consumer.replace_input_with(arg, wrapped)
+                consumer.replace_input_with(arg, call(piece, SeqParallel(kind, dim, group), (arg,), before=consumer))
             elif what == "gathered":
                 gathered[entry[1]] = entry[2]
             elif what == "row_sp":
@@ -324,12 +313,7 @@ def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, Rows]
                 bias_of.append(entry[1])
             elif what == "shape":
                 _, node, dim = entry
-                name = f"_sp{len(list(piece.named_children()))}"
-                piece.add_submodule(name, GlobalShape(dim, t))
-                with graph.inserting_before(node):
-                    whole = graph.call_module(name, (node.args[0],))
-                node.replace_all_uses_with(whole)
-                graph.erase_node(node)
+                swap(piece, node, GlobalShape(dim, t), (node.args[0],))
             continue
         node, setter, new = entry
         out = []
@@ -388,31 +372,35 @@ def _exported_linear(piece: fx.GraphModule, node: fx.Node, style: str, dim: int 
     """Megatron's collectives around ``aten.linear(x, w[, b])`` whose w (and b) are this rank's shards: a column-
     parallel one gets f before it (or gathers a sequence-parallel input itself); a row-parallel one is followed by
     g (or a reduce-scatter along dim), its bias added after the reduction, once."""
-    graph = piece.graph
-    name = f"_sp{len(list(piece.named_children()))}"
     if style == "colwise":
         if dim is None:
-            piece.add_submodule(name, TensorParallelOp("f", group))
-            with graph.inserting_before(node):
-                copied = graph.call_module(name, (node.args[0],))
-            node.replace_input_with(node.args[0], copied)
-            return
-        piece.add_submodule(name, _GatheredLinearOp(dim, group))
-        with graph.inserting_before(node):
-            new = graph.call_module(name, tuple(node.args[:3]))
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
+            node.replace_input_with(node.args[0], call(piece, TensorParallelOp("f", group), (node.args[0],), before=node))
+        else:
+            swap(piece, node, _GatheredLinearOp(dim, group), tuple(node.args[:3]))
         return
     bias = node.args[2] if len(node.args) > 2 else None
     node.args = tuple(node.args[:2])
-    piece.add_submodule(name, TensorParallelOp("g", group) if dim is None else SeqParallel("reduce_scatter", dim, group))
-    with graph.inserting_after(node):
-        reduced = graph.call_module(name, (node,))
-    out = reduced
+    reduce = TensorParallelOp("g", group) if dim is None else SeqParallel("reduce_scatter", dim, group)
+    reduced = out = call(piece, reduce, (node,), after=node)
     if bias is not None:
-        with graph.inserting_after(reduced):
-            out = graph.call_function(operator.add, (reduced, bias))
+        with piece.graph.inserting_after(reduced):
+            out = piece.graph.call_function(operator.add, (reduced, bias))
     node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not reduced)
+
+
+def call(piece: fx.GraphModule, module: nn.Module, args: tuple, *, before: fx.Node | None = None,
+         after: fx.Node | None = None, prefix: str = "_sp") -> fx.Node:
+    """`module` added to `piece` under a fresh name, and a call of it on `args` next to a node."""
+    name = f"{prefix}{len(list(piece.named_children()))}"
+    piece.add_submodule(name, module)
+    with piece.graph.inserting_before(before) if before is not None else piece.graph.inserting_after(after):
+        return piece.graph.call_module(name, args)
+
+
+def swap(piece: fx.GraphModule, node: fx.Node, module: nn.Module, args: tuple, prefix: str = "_sp") -> None:
+    """Replace `node` by a call of `module` on `args`."""
+    node.replace_all_uses_with(call(piece, module, args, before=node, prefix=prefix))
+    piece.graph.erase_node(node)
 
 
 NORMS = {"layer_norm", "LayerNorm", "rms_norm", "RMSNorm", "LlamaRMSNorm", "dropout", "Dropout", "Identity"}

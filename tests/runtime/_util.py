@@ -92,3 +92,8 @@ def reference(model: Path, model_args: dict[str, Any], *, global_batch: int, ste
         losses.append(loss.item())
     return {"loss": losses, "params": {n: p.detach().clone() for n, p in net.named_parameters()},
             "grads": {n: p.grad.clone() for n, p in net.named_parameters()}}
+
+
+def percent(mismatch: str) -> float:
+    """The error of a `planner.validate.mismatches` sentence, in percent ('... (+7.3%)' -> 7.3)."""
+    return float(mismatch.rsplit("(", 1)[1][:-2])

@@ -11,7 +11,7 @@ from planner.plan import save_plan
 from planner.search import Pins
 from planner.validate import mismatches
 
-from ._util import ROOT, reference, torchrun
+from ._util import ROOT, percent, reference, torchrun
 
 pytestmark = pytest.mark.multiprocess
 
@@ -63,7 +63,7 @@ def test_llama_trains_from_its_exported_graph_as_one_process_does(run, name):
     tolerated = {"p2": ("stage 1 saved activation", 0.2), "t2_sp": ("stage 0 saved activation", 0.1),
                  "qwen2_t2_sp": ("stage 0 saved activation", 0.1)}
     row, bound = tolerated.get(name, ("", 0.0))
-    assert not [m for m in found if not (row and row in m and float(m.rsplit("(", 1)[1][:-2]) < 100 * bound)], found
+    assert not [m for m in found if not (row and row in m and percent(m) < 100 * bound)], found
     if "t2" in name:  # q, k, v and the MLP split over the two ranks, attention by (kv) heads
         held = {r.holds.parameters for r in run["runs"][name].ranks}
         assert held == {run["plans"][name].predictions.memory[0].weights / 4}  # (the one kv head on both)
