@@ -5,7 +5,9 @@ that grows with the size of the product (small GEMMs cannot fill the GPU), or ar
 traffic; everything else is memory-bound elementwise work. Each kernel costs a launch overhead. A
 per-target calibration factor, set from a measured profile, scales the result. Tensor
 parallelism divides the sharded part by t and adds the all-reduces of Megatron's split; the
-recomputation mode (costmodels.recompute) adds what the backward redoes.
+recomputation mode (costmodels.recompute) adds what the backward redoes. The backward splits into
+the weight gradients (W: each weight product's dW) and the input gradient (I: everything else),
+which zero-bubble pipeline schedules run apart (Qi et al. 2024).
 """
 from __future__ import annotations
 
@@ -29,22 +31,35 @@ class UnitTime:
     bwd_s: float  # backward (+ recomputation) + backward TP all-reduces + exposed ring
     tp_comm_s: float  # of which TP communication, forward + backward
     cp_comm_s: float = 0.0  # of which the context-parallel ring's exposed part, forward + backward
+    bwd_weight_s: float = 0.0  # of bwd_s, the weight gradients (W): each weight product's dW and its launch
+
+    @property
+    def bwd_input_s(self) -> float:
+        """Of bwd_s, the input gradient (I): the dX products, the elementwise backward, recomputation, the
+        backward's TP all-reduces and context-parallel ring (all on the path of the gradient sent upstream)."""
+        return self.bwd_s - self.bwd_weight_s
 
 
-def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str) -> tuple[float, float]:
-    """(forward, backward) seconds of one part, already divided over t GPUs. Each matrix product is its own
-    kernel on the roofline: compute-bound at the GEMM efficiency its size reaches, or bound by the bytes it
-    moves (attention's score products Q K^T and P V with a small head dimension are, on A100 and more so on
-    H100); its backward FLOPs (two products per product, five for a fused attention's two) run at its rate."""
+def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str) -> tuple[float, float, float]:
+    """(forward, backward, of the backward the weight gradients) seconds of one part, already divided over t
+    GPUs. Each matrix product is its own kernel on the roofline: compute-bound at the GEMM efficiency its size
+    reaches, or bound by the bytes it moves (attention's score products Q K^T and P V with a small head dimension
+    are, on A100 and more so on H100); its backward FLOPs (two products per product, five for a fused attention's
+    two) run at its rate, the dW product's share of them being the weight gradient (with one launch of its own)."""
     gpu, eff = hw.gpu, hw.eff
     peak, bw, vec = gpu.peak(precision), gpu.hbm_bw * eff.hbm, gpu.peak("fp32")
-    mm = mm_bwd = mm_bytes = fwd = bwd = 0.0
-    for flops_of, bytes_of, bwd_flops_of, fused in part.products:
-        f, by, fb = flops_of(b) / t, bytes_of(b) / t, bwd_flops_of(b) / t
+    mm = mm_bwd = mm_bytes = fwd = bwd = wgrad = 0.0
+    wgrad_kernels = 0
+    for flops_of, bytes_of, bwd_flops_of, fused, wgrad_flops_of in part.products:
+        f, by, fb, wf = flops_of(b) / t, bytes_of(b) / t, bwd_flops_of(b) / t, wgrad_flops_of(b) / t
         mm, mm_bwd, mm_bytes = mm + f, mm_bwd + fb, mm_bytes + by
         rate = hw.matmul_rate(f, precision, attention=fused) if f > 0 else peak
         fwd += max(f / rate, by / bw)
-        bwd += max(fb / rate, 2 * by / bw)
+        product_bwd = max(fb / rate, 2 * by / bw)
+        bwd += product_bwd
+        if wf > 0:  # dW and dX each move the forward's bytes: compute- or memory-bound, W is its FLOPs' share
+            wgrad += product_bwd * wf / fb
+            wgrad_kernels += 1
     ew_flops = max(part.fwd_flops(b) / t - mm, 0.0)
     ew_bytes = max(part.fwd_bytes(b) / t - mm_bytes, 0.0) * (1 - eff.fusion)
     fwd += max(ew_flops / vec, ew_bytes / bw)
@@ -52,14 +67,15 @@ def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str) -> tu
     bwd_ew_bytes = max(part.bwd_bytes(b) / t - 2 * mm_bytes, 0.0) * (1 - eff.fusion)
     bwd += max(bwd_ew_flops / vec, bwd_ew_bytes / bw)
     launches = part.kernels * eff.launch_s
-    return (fwd + launches) * eff.calibration, (bwd + 2 * launches) * eff.calibration
+    return ((fwd + launches) * eff.calibration, (bwd + 2 * launches) * eff.calibration,
+            (wgrad + wgrad_kernels * eff.launch_s) * eff.calibration)
 
 
 def _gemm_s(part: Part, b: float, t: int, hw: Hardware, precision: str) -> float:
     """Forward seconds of the part's products that are not a fused attention kernel, divided over t."""
     bw = hw.gpu.hbm_bw * hw.eff.hbm
     return sum(max(f(b) / t / hw.matmul_rate(f(b) / t, precision), by(b) / t / bw)
-               for f, by, _, fused in part.products if not fused and f(b) > 0) * hw.eff.calibration
+               for f, by, _, fused, _ in part.products if not fused and f(b) > 0) * hw.eff.calibration
 
 
 def tp_allreduce_s(nbytes: float, t: int, hw: Hardware) -> float:
@@ -94,14 +110,14 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     """Forward and backward seconds of `unit` for one microbatch of cfg.b samples at cfg.tp and cfg.cp,
     with cfg.recompute's recomputation inside the backward."""
     b, t = cfg.local_b, cfg.tp
-    sf, sb = _part_time(unit.sharded, b, t, hw, cfg.precision)
+    sf, sb, sw = _part_time(unit.sharded, b, t, hw, cfg.precision)
     if 0 < unit.kv_heads < t:  # grouped-query attention: each kv head is replicated on t / kv_heads ranks
-        rf_, rb_ = _part_time(unit.kv, b, unit.kv_heads, hw, cfg.precision)
-        df, db = _part_time(unit.kv, b, t, hw, cfg.precision)
-        sf, sb = sf + rf_ - df, sb + rb_ - db
+        rf_, rb_, rw_ = _part_time(unit.kv, b, unit.kv_heads, hw, cfg.precision)
+        df, db, dw = _part_time(unit.kv, b, t, hw, cfg.precision)
+        sf, sb, sw = sf + rf_ - df, sb + rb_ - db, sw + rw_ - dw
     # sequence parallelism: the norms, dropouts and residual adds run on 1/t of the sequence; the
     # all-reduces become a reduce-scatter and an all-gather of the same volume (the same ring time)
-    rf, rb = _part_time(unit.replicated, b, cfg.sp_degree, hw, cfg.precision)
+    rf, rb, rw = _part_time(unit.replicated, b, cfg.sp_degree, hw, cfg.precision)
     n = max(unit.tp_allreduces, 1)
     ar_f = n * tp_allreduce_s(unit.tp_fwd_allreduce_bytes(b) / n, t, hw) if unit.tp_allreduces else 0.0
     ar_b = tp_allreduce_s(unit.tp_bwd_allreduce_bytes(b) / n, t, hw) * n if t > 1 else 0.0
@@ -116,4 +132,4 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     fwd = (sf + rf) * kf + ar_f + cp_f
     bwd = (sb + rb) * kb + ar_b + cp_b
     bwd += cfg.recompute_mode.extra_backward_s(unit, b, t, hw, cfg.precision, fwd)
-    return UnitTime(fwd_s=fwd, bwd_s=bwd, tp_comm_s=ar_f + ar_b, cp_comm_s=cp_f + cp_b)
+    return UnitTime(fwd_s=fwd, bwd_s=bwd, tp_comm_s=ar_f + ar_b, cp_comm_s=cp_f + cp_b, bwd_weight_s=(sw + rw) * kb)

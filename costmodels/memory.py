@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from passes.units import Unit
 
 from .hardware import Hardware
-from .recompute import RECOMPUTE
+from .recompute import RECOMPUTE, weight_grad_bytes
 
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
@@ -77,6 +77,8 @@ def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int
     params = rank_param_count(units, cfg)
     mode = cfg.recompute_mode
     acts = sum(mode.kept_bytes(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units) * cfg.inflight(rank)
+    if pending := cfg.w_pending(rank):  # split backward: what the weight gradients still owed keep
+        acts += sum(weight_grad_bytes(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units) * pending
     if mode.working_set:  # the unit being recomputed holds its full activations during its backward
         plain = RECOMPUTE["none"].kept_bytes
         acts += max((plain(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units), default=0.0)

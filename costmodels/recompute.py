@@ -14,7 +14,7 @@ from .hardware import Hardware
 if TYPE_CHECKING:
     from passes.units import Unit
 
-__all__ = ["RecomputeMode", "RECOMPUTE", "register_recompute", "recompute_mode"]
+__all__ = ["RecomputeMode", "RECOMPUTE", "register_recompute", "recompute_mode", "weight_grad_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,9 +41,21 @@ def _plain_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
     return (s.saved_bytes(b) - core) / t + u.replicated.saved_bytes(b) / r + u.loss_bytes(b) + _kv_copies(u, b, t)
 
 
-def _kv_copies(u: Unit, b: float, t: int) -> float:
+def _kv_copies(u: Unit, b: float, t: int, kept: str = "saved_bytes") -> float:
     """Grouped-query attention with fewer kv heads than t: each rank keeps a whole kv head, not 1/t of them."""
-    return u.kv.saved_bytes(b) * (1 / u.kv_heads - 1 / t) if 0 < u.kv_heads < t else 0.0
+    return getattr(u.kv, kept)(b) * (1 / u.kv_heads - 1 / t) if 0 < u.kv_heads < t else 0.0
+
+
+def weight_grad_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
+    """Bytes one microbatch holds from the end of the unit's input-gradient step (I) until its weight-gradient
+    step (W) under a zero-bubble schedule: each weight product's input X and output gradient dY
+    (Part.wgrad_bytes), split over t and r as kept_bytes splits them. I frees the rest of what kept_bytes
+    counts, so this replaces kept_bytes for that stretch. The X are among what mode "none" keeps, so it is at
+    most RECOMPUTE["none"].kept_bytes plus the dY, whatever the mode: a recomputing backward rebuilds X for I
+    and W reads the same X (hence one function here beside the modes, not one per mode). cp: b is per context-
+    parallel rank already, as kept_bytes takes it; no weight product spans the ring."""
+    return (u.sharded.wgrad_bytes(b) / t + u.replicated.wgrad_bytes(b) / r
+            + _kv_copies(u, b, t, "wgrad_bytes"))
 
 
 def _selective_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:

@@ -2,6 +2,8 @@
 
 Each quantity is a sympy expression in the microbatch size b (from the symbolic shapes). FLOPs
 count a multiply-add as 2. Matrix products: backward = 2x forward (input and weight gradients).
+The backward splits into the input gradient (I) and the parameters' gradients (W), which zero-bubble
+pipeline schedules run apart (Qi et al. 2024): `wgrad_flops` is the W part.
 Every other op is counted for what it does, forward and backward separately (table below); the
 per-element constants are the arithmetic of PyTorch's reference kernels, rounded.
 Bytes saved for backward are named per tensor so a unit counts a tensor saved by two ops once.
@@ -32,6 +34,10 @@ class NodeCost:
     fwd_flops: sympy.Expr = ZERO
     bwd_flops: sympy.Expr = ZERO
     mm_flops: sympy.Expr = ZERO  # forward FLOPs done in matrix products (runs at tensor-core rate)
+    wgrad_flops: sympy.Expr = ZERO  # of bwd_flops, the parameters' gradients (W): each weight operand's dW
+    # product, a bias's sum over rows, an embedding table's scatter-add. A norm's weight and bias gradients are
+    # left in the input gradient (a simplification: a few FLOPs per element inside the norm's backward kernel)
+    wgrad_mm_flops: sympy.Expr = ZERO  # of wgrad_flops, the dW matrix products' (at the product's rate)
     fwd_bytes: sympy.Expr = ZERO  # read + written, forward
     bwd_bytes: sympy.Expr = ZERO
     out_bytes: sympy.Expr = ZERO
@@ -166,8 +172,21 @@ def _cost_of(node: fx.Node, gm: fx.GraphModule) -> NodeCost:
     io = read + out.nbytes
     acts = [(n, i) for n, i in ins if not _is_param(n, gm) and i.requires_grad]
     saved_inputs = tuple((storage_of(n).name, i.nbytes) for n, i in acts)
-    cost = _table_cost(node, gm, kind, out, ins, io, acts, saved_inputs)
-    return _with_measured(cost, measured, kind, ins) if measured is not None else cost
+    weights = _weight_operands(node, gm, kind, ins)
+    cost = _table_cost(node, gm, kind, out, ins, io, acts, saved_inputs, weights)
+    return _with_measured(cost, measured, kind, ins, weights) if measured is not None else cost
+
+
+def _weight_operands(node: fx.Node, gm: fx.GraphModule, kind: str, ins: list[tuple[fx.Node, TensorInfo]]) -> int:
+    """Operands of a product (or an embedding's table) that are parameters needing a gradient: a Linear or
+    Conv module's weight, or a parameter read through get_attr (torch.export's graphs), transposed or viewed on
+    the way, or experts' weights gathered for a grouped GEMM. Each adds a dW product the size of the forward."""
+    if node.op == "call_module":
+        weight = getattr(gm.get_submodule(str(node.target)), "weight", None)
+        return int(kind in ("linear", "conv", "embedding") and isinstance(weight, nn.Parameter)
+                   and weight.requires_grad)
+    return sum(1 for n, i in ins[:2] if i.requires_grad and (_is_param(src := storage_of(n), gm) or (
+        (m := src.meta.get(MEASURED)) is not None and m.weight_gather)))
 
 
 CASTS = {"to", "float", "half", "bfloat16", "type_as"}
@@ -186,12 +205,12 @@ def _read_bytes(node: fx.Node, info: TensorInfo) -> sympy.Expr:
 
 def _table_cost(node: fx.Node, gm: fx.GraphModule, kind: str, out: TensorInfo, ins: list[tuple[fx.Node, TensorInfo]],
                 io: sympy.Expr, acts: list[tuple[fx.Node, TensorInfo]],
-                saved_inputs: tuple[tuple[str, sympy.Expr], ...]) -> NodeCost:
+                saved_inputs: tuple[tuple[str, sympy.Expr], ...], weights: int) -> NodeCost:
     if node.op == "call_module" and kind in ("linear", "conv", "embedding"):
-        return _module_cost(node, gm, kind, out, io, saved_inputs)
-    if kind == "embedding":  # a gather forward, a scatter-add of the output gradient backward
-        return NodeCost(kind="embedding", bwd_flops=out.numel, fwd_bytes=2 * out.nbytes,
-                        bwd_bytes=3 * out.nbytes, out_bytes=out.nbytes)
+        return _module_cost(node, gm, kind, out, io, saved_inputs, weights)
+    if kind == "embedding":  # a gather forward, a scatter-add of the output gradient (the table's W) backward
+        return NodeCost(kind="embedding", bwd_flops=out.numel, wgrad_flops=out.numel if weights else ZERO,
+                        fwd_bytes=2 * out.nbytes, bwd_bytes=3 * out.nbytes, out_bytes=out.nbytes)
     if kind in CASTS and ins and ins[0][1].dtype != out.dtype:  # a dtype cast copies
         return NodeCost(kind="elementwise", fwd_bytes=io, bwd_bytes=io, out_bytes=out.nbytes)
     if kind in ("matmul", "linear_fn", "conv", "attention"):
@@ -199,7 +218,8 @@ def _table_cost(node: fx.Node, gm: fx.GraphModule, kind: str, out: TensorInfo, i
         fl = _matmul_flops(a, b, out)
         grads = sum(1 for n, i in ins[:2] if i.requires_grad)
         return NodeCost(kind="matmul", fwd_flops=fl, mm_flops=fl, bwd_flops=fl * max(grads, 1),
-                        fwd_bytes=io, bwd_bytes=2 * io, out_bytes=out.nbytes, saved=saved_inputs)
+                        wgrad_flops=fl * weights, wgrad_mm_flops=fl * weights, fwd_bytes=io, bwd_bytes=2 * io,
+                        out_bytes=out.nbytes, saved=saved_inputs)
     if kind in VIEWS:
         moved = out.nbytes * 2 if kind in ("contiguous", "cat", "stack", "clone", "index", "gather", "index_select",
                                            "roll", "flip", "copy", "repeat_interleave") else ZERO
@@ -207,9 +227,10 @@ def _table_cost(node: fx.Node, gm: fx.GraphModule, kind: str, out: TensorInfo, i
     return _elementwise_cost(node, kind, out, ins, io, acts)
 
 
-def _with_measured(cost: NodeCost, m: Measured, kind: str, ins: list[tuple[fx.Node, TensorInfo]]) -> NodeCost:
+def _with_measured(cost: NodeCost, m: Measured, kind: str, ins: list[tuple[fx.Node, TensorInfo]],
+                   weights: int) -> NodeCost:
     """The table's cost with the measured FLOPs of matrix products / convolutions / attention and the
-    measured tensors saved for backward."""
+    measured tensors saved for backward (a Linear module's bias gradient kept from the table)."""
     if m.flops == 0:
         return replace(cost, saved=m.saved)
     grads = sum(1 for _, i in ins[:3 if kind == "attention" else 2] if i.requires_grad)
@@ -218,13 +239,15 @@ def _with_measured(cost: NodeCost, m: Measured, kind: str, ins: list[tuple[fx.No
     bwd_mm = m.flops * (sympy.Rational(5, 2) if kind == "attention" else max(grads, 1))
     other_fwd = cost.fwd_flops - cost.mm_flops if cost.kind in ("linear", "opaque") else ZERO
     other_bwd = sympy.Max(cost.bwd_flops - 2 * cost.mm_flops, 0) if cost.kind in ("linear", "opaque") else ZERO
+    wgrad_mm = m.flops * weights
     return replace(cost, kind="attention" if kind == "attention" else cost.kind if cost.kind in ("linear", "conv")
                    else "matmul", fwd_flops=m.flops + other_fwd, mm_flops=m.flops, full_mm_flops=m.full_flops,
-                   bwd_flops=bwd_mm + other_bwd, saved=m.saved)
+                   bwd_flops=bwd_mm + other_bwd, wgrad_flops=cost.wgrad_flops - cost.wgrad_mm_flops + wgrad_mm,
+                   wgrad_mm_flops=wgrad_mm, saved=m.saved)
 
 
 def _module_cost(node: fx.Node, gm: fx.GraphModule, kind: str, out: TensorInfo, io: sympy.Expr,
-                 saved: tuple[tuple[str, sympy.Expr], ...]) -> NodeCost:
+                 saved: tuple[tuple[str, sympy.Expr], ...], weights: int) -> NodeCost:
     mod = gm.get_submodule(str(node.target))
     params, names = _module_params(mod, str(node.target))
     wbytes = sum((p.numel() * p.element_size() for p in mod.parameters()), 0)
@@ -233,17 +256,20 @@ def _module_cost(node: fx.Node, gm: fx.GraphModule, kind: str, out: TensorInfo, 
         mm = 2 * rows * mod.in_features * mod.out_features
         bias = out.numel if mod.bias is not None else ZERO
         return NodeCost(kind="linear", fwd_flops=mm + bias, mm_flops=mm, bwd_flops=2 * mm + bias,
-                        fwd_bytes=io + wbytes, bwd_bytes=2 * (io + wbytes), out_bytes=out.nbytes,
-                        params=params, param_names=names, saved=saved)
+                        wgrad_flops=mm * weights + bias, wgrad_mm_flops=mm * weights, fwd_bytes=io + wbytes,
+                        bwd_bytes=2 * (io + wbytes), out_bytes=out.nbytes, params=params, param_names=names,
+                        saved=saved)
     if kind == "conv":
         per_out = (mod.in_channels // mod.groups) * math.prod(mod.kernel_size)
         mm = 2 * out.numel * per_out
-        return NodeCost(kind="conv", fwd_flops=mm, mm_flops=mm, bwd_flops=2 * mm, fwd_bytes=io + wbytes,
+        return NodeCost(kind="conv", fwd_flops=mm, mm_flops=mm, bwd_flops=2 * mm, wgrad_flops=mm * weights,
+                        wgrad_mm_flops=mm * weights, fwd_bytes=io + wbytes,
                         bwd_bytes=2 * (io + wbytes), out_bytes=out.nbytes, params=params,
                         param_names=names, saved=saved)
-    # embedding: a gather forward, a scatter-add of the output gradient backward
-    return NodeCost(kind="embedding", bwd_flops=out.numel, fwd_bytes=2 * out.nbytes,
-                    bwd_bytes=2 * out.nbytes + wbytes, out_bytes=out.nbytes, params=params, param_names=names)
+    # embedding: a gather forward, a scatter-add of the output gradient (the table's W) backward
+    return NodeCost(kind="embedding", bwd_flops=out.numel, wgrad_flops=out.numel if weights else ZERO,
+                    fwd_bytes=2 * out.nbytes, bwd_bytes=2 * out.nbytes + wbytes, out_bytes=out.nbytes,
+                    params=params, param_names=names)
 
 
 def _elementwise_cost(node: fx.Node, kind: str, out: TensorInfo, ins: list[tuple[fx.Node, TensorInfo]],
@@ -273,7 +299,8 @@ def _elementwise_cost(node: fx.Node, kind: str, out: TensorInfo, ins: list[tuple
 
 def _opaque_cost(node: fx.Node, kind: str, out: TensorInfo, ins: list[tuple[fx.Node, TensorInfo]],
                  io: sympy.Expr, acts: list[tuple[fx.Node, TensorInfo]]) -> NodeCost:
-    """A leaf module or unknown op: priced as memory-bound, 2 FLOPs per parameter per output row."""
+    """A leaf module or unknown op: priced as memory-bound, 2 FLOPs per parameter per output row. A leaf
+    module's backward is left whole in the input gradient (which of its products read a weight is not seen)."""
     gm = node.graph.owning_module
     params, names = 0, ()
     if node.op == "call_module" and gm is not None:

@@ -30,15 +30,23 @@ class Part:
 
     fwd_flops: Poly = field(default_factory=Poly)
     bwd_flops: Poly = field(default_factory=Poly)
+    wgrad_flops: Poly = field(default_factory=Poly)  # of bwd_flops, the parameters' gradients (W); the rest is the
+    # input gradient (I), which zero-bubble schedules run first (passes.costs.NodeCost.wgrad_flops)
     mm_flops: Poly = field(default_factory=Poly)  # forward FLOPs in matrix products
     mm_bytes: Poly = field(default_factory=Poly)  # forward bytes moved by matrix products
-    products: tuple[tuple[Poly, Poly, Poly, bool], ...] = ()  # (forward FLOPs, forward bytes, backward FLOPs,
-    # fused attention kernel?) of each matrix product: each is its own kernel, compute- or memory-bound on its own (attention's score products
-    # are memory-bound where a layer's linears are not); a fused attention's backward is 5 products for 2
+    products: tuple[tuple[Poly, Poly, Poly, bool, Poly], ...] = ()  # (forward FLOPs, forward bytes, backward FLOPs,
+    # fused attention kernel?, of the backward FLOPs the dW product's) of each matrix product: each is its own kernel,
+    # compute- or memory-bound on its own (attention's score products are memory-bound where a layer's linears are
+    # not); a fused attention's backward is 5 products for 2; a product of two activations has no dW
     model_flops: Poly = field(default_factory=Poly)  # mm_flops with causal attention counted in full (PaLM)
     fwd_bytes: Poly = field(default_factory=Poly)
     bwd_bytes: Poly = field(default_factory=Poly)
     saved_bytes: Poly = field(default_factory=Poly)  # activations kept for backward (no recompute)
+    wgrad_bytes: Poly = field(default_factory=Poly)
+    """What the W step needs that the I step cannot free: for each weight product (one with a dW), its saved input
+    X (among saved_bytes) and the gradient of its output dY (made by I, kept until W: the product's output bytes),
+    each tensor once (one X read by the q, k and v projections counts once). Bias and embedding-table gradients
+    read a dY the W step keeps anyway, or run with I (an embedding's scatter-add): nothing more is counted."""
     selective_bytes: Poly = field(default_factory=Poly)  # of saved_bytes, what selective recompute drops
     selective_flops: Poly = field(default_factory=Poly)  # forward FLOPs selective recompute redoes
     fused_core_bytes: Poly = field(default_factory=Poly)  # what a fused (flash) attention kernel keeps of the core
@@ -53,7 +61,7 @@ class Part:
     @property
     def fused_attention(self) -> bool:
         """The part's attention runs as one fused (flash) kernel."""
-        return any(fused for *_, fused in self.products)
+        return any(fused for _, _, _, fused, _ in self.products)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,6 +98,10 @@ class Unit:
 
     def bwd_flops(self, b: float) -> float:
         return self.sharded.bwd_flops(b) + self.replicated.bwd_flops(b)
+
+    def wgrad_flops(self, b: float) -> float:
+        """Of bwd_flops, the parameters' gradients (W); the rest is the input gradient (I)."""
+        return self.sharded.wgrad_flops(b) + self.replicated.wgrad_flops(b)
 
     def model_flops(self, b: float) -> float:
         """Model FLOPs of forward + backward as PaLM (appendix B) and Megatron count them for MFU: three
@@ -156,13 +168,14 @@ def _merge_edges(groups: list[tuple[str, bool, list[fx.Node]]]) -> list[tuple[st
 
 def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
     z = sympy.Integer(0)
-    fw = bw = mm = mmb = fb = bb = sel_f = full = z
+    fw = bw = wg = mm = mmb = fb = bb = sel_f = full = z
     saved: dict[str, sympy.Expr] = {}
-    products: list[tuple[sympy.Expr, sympy.Expr, sympy.Expr, bool]] = []
+    products: list[tuple[sympy.Expr, sympy.Expr, sympy.Expr, bool, sympy.Expr]] = []
     params: dict[str, int] = {}  # every weight a node of the part uses, once (a tied weight in each unit using it)
     for n in nodes:
         c: NodeCost = n.meta[COST]
         fw, bw, mm, fb, bb = fw + c.fwd_flops, bw + c.bwd_flops, mm + c.mm_flops, fb + c.fwd_bytes, bb + c.bwd_bytes
+        wg += c.wgrad_flops
         full += c.mm_flops if c.full_mm_flops is None else c.full_mm_flops
         if n.op == "call_module":  # keyed by the parameter's own name where it is one, as a get_attr of it is
             params[c.param_names[0] if len(c.param_names) == 1 else str(n.target)] = c.params
@@ -170,7 +183,8 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
         saved.update(c.saved)
         if c.mm_flops != 0:
             mmb += c.fwd_bytes
-            products.append((c.mm_flops, c.fwd_bytes, c.bwd_flops - (c.fwd_flops - c.mm_flops), c.kind == "attention"))
+            products.append((c.mm_flops, c.fwd_bytes, c.bwd_flops - (c.fwd_flops - c.mm_flops), c.kind == "attention",
+                             c.wgrad_mm_flops))
         if n.name in selective:
             sel_f += c.fwd_flops
     sel_b = _selective_bytes(nodes, selective, saved)
@@ -179,10 +193,25 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
                    for i in [n.meta.get(TENSOR)] if isinstance(i, TensorInfo) and i.shape), z)
     p = lambda e: Poly.of(e, B)  # noqa: E731
     kernels = sum(1 for n in nodes if n.meta[COST].kind not in ("view", "none"))
-    return Part(fwd_flops=p(fw), bwd_flops=p(bw), mm_flops=p(mm), mm_bytes=p(mmb), model_flops=p(full),
-                products=tuple((p(f), p(by), p(bf), fused) for f, by, bf, fused in products),
-                fwd_bytes=p(fb), bwd_bytes=p(bb), saved_bytes=p(sum(saved.values(), z)), selective_bytes=p(sel_b), selective_flops=p(sel_f),
-                fused_core_bytes=p(fused_b), params=sum(params.values()), weights=tuple(sorted(params.items())), kernels=kernels)
+    return Part(fwd_flops=p(fw), bwd_flops=p(bw), wgrad_flops=p(wg), mm_flops=p(mm), mm_bytes=p(mmb),
+                model_flops=p(full), products=tuple((p(f), p(by), p(bf), fused, p(wf))
+                                                    for f, by, bf, fused, wf in products),
+                fwd_bytes=p(fb), bwd_bytes=p(bb), saved_bytes=p(sum(saved.values(), z)),
+                wgrad_bytes=p(sum(_wgrad_tensors(nodes).values(), z)), selective_bytes=p(sel_b),
+                selective_flops=p(sel_f), fused_core_bytes=p(fused_b), params=sum(params.values()),
+                weights=tuple(sorted(params.items())), kernels=kernels)
+
+
+def _wgrad_tensors(nodes: list[fx.Node]) -> dict[str, sympy.Expr]:
+    """(name, bytes) of what the weight products' dW read (Part.wgrad_bytes): X by its storage's name, as saved
+    bytes name it, and dY as '<product>.grad' (so it splits over tensor parallelism as the product's output)."""
+    tensors: dict[str, sympy.Expr] = {}
+    for n in nodes:
+        c: NodeCost = n.meta[COST]
+        if c.wgrad_mm_flops != 0:
+            tensors.update(c.saved)
+            tensors[f"{n.name}.grad"] = c.out_bytes
+    return tensors
 
 
 def _selective_bytes(nodes: list[fx.Node], core: set[str], saved: dict[str, sympy.Expr]) -> sympy.Expr:
@@ -210,17 +239,21 @@ def _saved_by_layout(nodes: list[fx.Node], core: set[str], role_of: dict[str, st
     """Saved bytes of the sharded and the replicated part, split by where each tensor lives: a tensor
     is divided over the tensor-parallel ranks when the op that produced it works on a shard, whatever
     op saves it. The input of a column-parallel linear (a norm's output) is whole on every rank
-    (Korthikanti et al. 2022: sbh(10 + 24/t + 5as/ht) per GPT layer, not all of it over t)."""
-    saved: dict[str, sympy.Expr] = {}
-    for n in nodes:
-        saved.update(n.meta[COST].saved)
-    split = {k: v for k, v in saved.items() if role_of.get(k.split(".")[0], "replicated") in SPLIT_OUTPUTS}
-    whole = {k: v for k, v in saved.items() if k not in split}
-    z = sympy.Integer(0)
+    (Korthikanti et al. 2022: sbh(10 + 24/t + 5as/ht) per GPT layer, not all of it over t). What the W step
+    keeps (wgrad_bytes) splits the same way."""
+    saved, wgrad = {k: v for n in nodes for k, v in n.meta[COST].saved}, _wgrad_tensors(nodes)
     freed = _selective_bytes(nodes, core, saved)  # the attention core works on shards
-    p = lambda e: Poly.of(e, B)  # noqa: E731
-    return ({"saved_bytes": p(sum(split.values(), z)), "selective_bytes": p(freed)},
-            {"saved_bytes": p(sum(whole.values(), z)), "selective_bytes": Poly()})
+    split = lambda name: role_of.get(name, "replicated") in SPLIT_OUTPUTS  # noqa: E731
+    whole = lambda name: not split(name)  # noqa: E731
+    return ({"saved_bytes": _tensor_bytes(saved, split), "wgrad_bytes": _tensor_bytes(wgrad, split),
+             "selective_bytes": Poly.of(freed, B)},
+            {"saved_bytes": _tensor_bytes(saved, whole), "wgrad_bytes": _tensor_bytes(wgrad, whole),
+             "selective_bytes": Poly()})
+
+
+def _tensor_bytes(tensors: dict[str, sympy.Expr], keep: Callable[[str], bool]) -> Poly:
+    """Bytes of the named tensors whose producing node (the name before any '.') `keep` accepts."""
+    return Poly.of(sum((v for k, v in tensors.items() if keep(k.split(".")[0])), sympy.Integer(0)), B)
 
 
 def _boundary_bytes(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr]:
@@ -309,7 +342,7 @@ def _kv_part(nodes: list[fx.Node], heads: Heads, gm: fx.GraphModule, core: set[s
     """Time and weights of the key/value projections of grouped-query attention, for pricing them replicated
     when t exceeds kv_heads; its saved_bytes are what the backward keeps of the keys and values on their way to
     the attention core (counted in the sharded part as split over t; a rank holding a whole replicated kv head
-    keeps 1/kv_heads of them)."""
+    keeps 1/kv_heads of them), its wgrad_bytes the gradients of the projections' outputs, kept so until their W."""
     if not heads.kv_width or heads.kv_heads >= heads.heads:
         return Part()
     kv = [n for n in nodes if n.meta[TP] == "col" and (linear_shape(n, gm) or (0, 0))[1] == heads.kv_width]
@@ -317,9 +350,9 @@ def _kv_part(nodes: list[fx.Node], heads: Heads, gm: fx.GraphModule, core: set[s
     for n in nodes:  # keys and values (views, RoPE) up to the core
         if n.name not in core and any(a.name in reach for a in n.all_input_nodes):
             reach.add(n.name)
-    saved = {k: v for n in nodes for k, v in n.meta[COST].saved if k.split(".")[0] in reach}
-    return replace(_part(kv, set()), saved_bytes=Poly.of(sum(saved.values(), sympy.Integer(0)), B),
-                   selective_bytes=Poly())
+    saved = {k: v for n in nodes for k, v in n.meta[COST].saved}
+    return replace(_part(kv, set()), saved_bytes=_tensor_bytes(saved, reach.__contains__),
+                   wgrad_bytes=_tensor_bytes(_wgrad_tensors(kv), reach.__contains__), selective_bytes=Poly())
 
 
 def _tp_layout(nodes: list[fx.Node], root: nn.Module) -> tuple[tuple[str, str], ...]:

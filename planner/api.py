@@ -130,11 +130,14 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
              leaves: tuple[str, ...]) -> Plan:
     c = best.config
     stages = []
+    rank_of = c.placement.rank_of
     for j, (a, b) in enumerate(zip(best.bounds, best.bounds[1:])):
         units = profile.units[a:b]
-        stages.append(Stage(stage=j, rank=j % c.pp, units=[u.name for u in units],
+        stages.append(Stage(stage=j, rank=rank_of[j], units=[u.name for u in units],
                             nodes=[n for u in units for n in u.nodes], forward_s=best.forward_s[j],
-                            backward_s=best.backward_s[j], activation_bytes=best.activation_bytes[j],
+                            backward_s=best.backward_s[j], weight_s=best.weight_s[j] if best.weight_s else 0.0,
+                            activation_bytes=best.activation_bytes[j],
+                            weight_bytes=best.weight_bytes[j] if best.weight_bytes else 0.0,
                             tensor_parallel=dict(pair for u in units for pair in u.tp_layout) if c.tp > 1 else {}))
     sched = with_bubbles(c.schedule_kind.generate(c.pp, c.m, c.v), sim)
     mem = [RankMemory(rank=i, weights=m.weights, grads=m.grads, optimizer=m.optimizer, activations=m.activations,

@@ -10,7 +10,7 @@ from .simulate import SimCosts, SimResult, simulate
 
 __all__ = ["plan_simulation", "draw_plan", "figure"]
 
-COLORS = {"F": "#4c78a8", "B": "#f58518", "comm": "#54a24b", "OPT": "#b279a2", "bubble": "#e45756",
+COLORS = {"F": "#4c78a8", "B": "#f58518", "W": "#eeca3b", "comm": "#54a24b", "OPT": "#b279a2", "bubble": "#e45756",
           "fill": "#72b7b2"}
 
 
@@ -22,7 +22,9 @@ def plan_simulation(plan: Plan) -> SimResult:
                      allreduce_s=tuple(pr.allreduce_s), optimizer_s=tuple(pr.optimizer_s),
                      static_bytes=tuple(int(m.total - m.activations) for m in pr.memory),
                      activation_bytes=tuple(int(s.activation_bytes) for s in plan.partition),
-                     capacity_bytes=int(pr.memory[0].capacity))
+                     capacity_bytes=int(pr.memory[0].capacity),
+                     weight_s=tuple(s.weight_s for s in plan.partition),
+                     weight_bytes=tuple(int(s.weight_bytes) for s in plan.partition))
     return simulate(plan_schedule(plan), costs)
 
 
@@ -33,7 +35,8 @@ def _color(action: str, kind: str) -> str:
         return COLORS["comm"]
     if action == "OPT":
         return COLORS["OPT"]
-    return COLORS["B"] if "B" in action.lstrip("0123456789")[:1] else COLORS["F"]
+    op = action.lstrip("0123456789")[:1]
+    return COLORS["W"] if op == "W" else COLORS["B"] if op in "BI" else COLORS["F"]
 
 
 def _draw_fill(ax, plan: Plan, sim: SimResult, scale: float) -> None:

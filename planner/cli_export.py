@@ -24,7 +24,8 @@ def export(
     toml: bool = typer.Option(False, "--toml", help="torchtitan 0.1-0.2: a TOML job file (--job.config_file); "
                               "--titan-config is then the model flavor"),
     check: bool = typer.Option(False, "--check", help="load the result with the engine's own config code "
-                               "(needs `pip install -e .[engines]`) and compare its parallel degrees with the plan"),
+                               "(needs `pip install -e .[engines]`) and compare its parallel degrees with the plan; "
+                               "for torchtitan also load the schedule CSV in torch's pipeline runtime"),
 ) -> None:
     """Write PLAN as a torchtitan job (its command line) or Megatron-LM pretrain_gpt.py arguments."""
     from .export import ENGINES, check_megatron, check_torchtitan, to_megatron, to_torchtitan
@@ -39,18 +40,25 @@ def export(
         if toml and (to != "torchtitan" or check):
             raise UserError("--toml writes torchtitan 0.1-0.2 job files: use it with --to torchtitan and without --check "
                             "(the installed engines extra is torchtitan >= 0.3)")
-        ex = (to_torchtitan(plan, module=titan_module, config=titan_config, toml=toml) if to == "torchtitan"
-              else to_megatron(plan))
         path = Path(output) if output else Path(plan_file).with_name(f"{to}.toml" if toml else f"{to}.sh")
+        # beside the job: job.sh -> job.schedule.csv; beside the plan without -o: plan.json -> plan.schedule.csv
+        schedule_csv = (path if output else Path(plan_file)).with_suffix(".schedule.csv")
+        ex = (to_torchtitan(plan, module=titan_module, config=titan_config, toml=toml, schedule_csv=str(schedule_csv))
+              if to == "torchtitan" else to_megatron(plan))
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(ex.text)
         if not toml:
             path.chmod(0o755)
         out.print(f"{to} configuration written to {path}", highlight=False)
+        for name, text in ex.files.items():
+            Path(name).write_text(text)
+            out.print(f"the plan's pipeline order (torch's compute-only schedule CSV, one row per pipeline rank) "
+                      f"written to {name}", highlight=False)
         for u in ex.unexpressed:
             err.print(f"[yellow]not expressed[/] {u}", highlight=False)
         if check:
             try:
-                seen = check_torchtitan(ex, plan.source.gpus) if to == "torchtitan" else check_megatron(ex)
+                seen = check_torchtitan(ex, plan.source.gpus, plan) if to == "torchtitan" else check_megatron(ex)
             except ImportError as e:
                 raise UserError(f"--check needs the engines extra ({e.name} is not installed): "
                                 "pip install -e '.[engines]'") from None

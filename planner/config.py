@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from costmodels.precision import PRECISIONS, Precision
 from costmodels.recompute import RECOMPUTE, RecomputeMode
 from passes.errors import UserError
+from planner.schedule import Placement
 
 if TYPE_CHECKING:
     from planner.schedules import ScheduleKind
@@ -136,9 +137,19 @@ class ParallelConfig:
         num = PRECISIONS[self.precision]
         return replace(num, grad_bytes=4.0) if self.grad_fp32 else num
 
+    @property
+    def placement(self) -> Placement:
+        """Which pipeline rank holds each virtual stage (the schedule kind's placement)."""
+        return Placement(self.schedule_kind.placement, self.pp, self.v)
+
     def inflight(self, rank: int) -> float:
         """Microbatches (of a whole stage) whose activations pipeline rank `rank` holds at its peak."""
         return self.schedule_kind.inflight(self.pp, self.v, self.m, rank)
+
+    def w_pending(self, rank: int) -> float:
+        """Microbatches (of a whole stage) whose weight gradient pipeline rank `rank` still owes at its peak
+        (split-backward schedules; 0 otherwise)."""
+        return self.schedule_kind.w_pending(self.pp, self.v, self.m, rank)
 
     @property
     def local_b(self) -> float:

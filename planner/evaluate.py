@@ -14,7 +14,7 @@ from costmodels.comm import allreduce_time, exposed_reduction_s, megatron_bucket
 from costmodels.compute import unit_time
 from costmodels.hardware import Hardware
 from costmodels.memory import StageMemory, param_count, stage_memory, static_bytes_per_param
-from costmodels.recompute import recompute_mode
+from costmodels.recompute import recompute_mode, weight_grad_bytes
 from passes.units import Unit
 
 from .config import ParallelConfig
@@ -51,19 +51,25 @@ class Evaluation:
     hardware_tflops_per_gpu: float  # FLOPs actually executed (recomputation only where planned)
     bubble_fraction: float
     simulated: bool = False
+    weight_s: tuple[float, ...] = ()  # per virtual stage: of backward_s, a split backward's W step
+    weight_bytes: tuple[float, ...] = ()  # per virtual stage: of activation_bytes, what waits from I to W
 
     def lower_bound_s(self) -> float:
         """No simulation of this schedule ends sooner: a rank runs its own work one action at a time; before
         rank r's first forward, microbatch 0 has gone through the forwards of stages 0..r-1, and after r's
-        last backward (chunk 0) that microbatch's backward still runs through stages r-1..0, after which
-        rank 0 reduces its gradients and steps (p2p time left out: it only adds)."""
+        last backward (chunk 0; its last I under a split backward, whose W steps may all come later) that
+        microbatch's input gradient still runs through stages r-1..0, and rank 0's W, after which rank 0
+        reduces its gradients and steps (p2p time left out: it only adds)."""
         c, p = self.config, self.config.pp
-        work = [sum(self.forward_s[j] + self.backward_s[j] for j in range(r, c.stages, p)) * c.m for r in range(p)]
+        place = c.placement
+        w_s = self.weight_s or (0.0,) * c.stages
+        work = [sum(self.forward_s[j] + self.backward_s[j] for j in place.stages(r)) * c.m for r in range(p)]
         best = max(w + a + o for w, a, o in zip(work, self.allreduce_s, self.optimizer_s))
-        ahead, tail = 0.0, self.allreduce_s[0] + self.optimizer_s[0]
+        ahead, tail = 0.0, w_s[0] + self.allreduce_s[0] + self.optimizer_s[0]
         for r in range(1, p):
-            ahead += self.forward_s[r - 1] + self.backward_s[r - 1]
-            best = max(best, ahead + work[r] + tail)
+            ahead += self.forward_s[r - 1] + self.backward_s[r - 1] - w_s[r - 1]
+            before_last = work[r] - c.m * sum(w_s[j] for j in place.stages(r))
+            best = max(best, ahead + before_last + tail)
         return best
 
     def sim_costs(self, capacity: float) -> SimCosts:
@@ -71,7 +77,8 @@ class Evaluation:
                         allreduce_s=self.allreduce_s, optimizer_s=self.optimizer_s,
                         static_bytes=tuple(int(m.static) for m in self.rank_memory),
                         activation_bytes=tuple(int(a) for a in self.activation_bytes),
-                        capacity_bytes=int(capacity))
+                        capacity_bytes=int(capacity), weight_s=self.weight_s,
+                        weight_bytes=tuple(int(w) for w in self.weight_bytes))
 
 
 @dataclass(kw_only=True)
@@ -94,7 +101,8 @@ class Evaluator:
         return tuple(first.setdefault(replace(u, index=0, name="", nodes=(), tp_layout=()), i) for i, u in enumerate(self.units))
 
     def unit_costs(self, c: ParallelConfig) -> tuple[tuple[float, ...], ...]:
-        """(fwd_s, bwd_s, tp_comm_s, activation bytes) per unit, cached by what they depend on."""
+        """(fwd_s, bwd_s, tp_comm_s, activation bytes, weight-gradient s, bytes held from I to W) per unit,
+        cached by what they depend on."""
         key = c.unit_key()
         if key not in self._cache:
             kept = c.recompute_mode.kept_bytes
@@ -102,7 +110,8 @@ class Evaluator:
             for i in set(self._twins):
                 u = self.units[i]
                 ut = unit_time(u, self.hw, c)
-                rows[i] = (ut.fwd_s, ut.bwd_s, ut.tp_comm_s, kept(u, c.local_b, c.tp, c.sp_degree, c.cp))
+                rows[i] = (ut.fwd_s, ut.bwd_s, ut.tp_comm_s, kept(u, c.local_b, c.tp, c.sp_degree, c.cp),
+                           ut.bwd_weight_s, weight_grad_bytes(u, c.local_b, c.tp, c.sp_degree, c.cp))
             self._cache[key] = tuple(zip(*(rows[i] for i in self._twins)))
         return self._cache[key]
 
@@ -127,52 +136,59 @@ class Evaluator:
         """No rank can need less than the average rank (the last rank holds the fewest activations)."""
         key = ("bound", c.unit_key(), c.optimizer_shards, c.grad_fp32)
         if key not in self._cache:
-            _, _, _, act = self.unit_costs(c)
+            act = self.unit_costs(c)[3]
             self._cache[key] = (sum(param_count(u, c) for u in self.units) * static_bytes_per_param(c), sum(act))
         static, act = self._cache[key]
         return (static + c.inflight(c.pp - 1) * act) / c.pp + self.hw.reserve_bytes
 
     def evaluate(self, c: ParallelConfig) -> Evaluation:
-        fwd, bwd, tpc, act = self.unit_costs(c)
+        fwd, bwd, tpc, act, wgt, wkeep = self.unit_costs(c)
         k = c.stages
         if k > len(self.units):
             raise Rejected("units", f"{k} stages but only {len(self.units)} units")
-        part = self._partition(c, fwd, bwd, act)
+        part = self._partition(c, fwd, bwd, act, wkeep)
         stages = [range(a, b) for a, b in zip(part.bounds, part.bounds[1:])]
         extra = self.hw.eff.action_overhead_s
+        split = c.schedule_kind.split_backward  # I and W are two actions, each with its overhead
         f_s = tuple(sum(fwd[i] for i in st) + extra for st in stages)
-        b_s = tuple(sum(bwd[i] for i in st) + extra for st in stages)
+        b_s = tuple(sum(bwd[i] for i in st) + extra * (1 + split) for st in stages)
+        w_s = tuple(sum(wgt[i] for i in st) + extra for st in stages) if split else ()
         a_s = tuple(sum(act[i] for i in st) for st in stages)
+        wb_s = tuple(sum(wkeep[i] for i in st) for st in stages) if split else ()
         mems = self._rank_memory(c, stages)
         worst = max(m.total for m in mems)
         if worst > self.capacity:
             raise Rejected("memory", f"needs {worst / 2**30:.1f} GiB", worst)
         p2p = self._p2p_s(c, part.bounds)
         ar, opt = self._allreduce_opt(c, part.bounds, f_s, b_s)
-        it = c.schedule_kind.analytic_s(f_s, b_s, c.pp, c.v, c.m, p2p) + max(a + o for a, o in zip(ar, opt))
-        return self._finish(c, part.bounds, f_s, b_s, a_s, mems, p2p, ar, opt, sum(tpc), it, None)
+        it = c.schedule_kind.analytic_s(f_s, b_s, c.pp, c.v, c.m, p2p, w_s) + max(a + o for a, o in zip(ar, opt))
+        return self._finish(c, part.bounds, f_s, b_s, a_s, mems, p2p, ar, opt, sum(tpc), it, None, w_s, wb_s)
 
-    def _finish(self, c, bounds, f_s, b_s, a_s, mems, p2p, ar, opt, tpc, it, bubble) -> Evaluation:
+    def _finish(self, c, bounds, f_s, b_s, a_s, mems, p2p, ar, opt, tpc, it, bubble, w_s=(), wb_s=()) -> Evaluation:
         flops, peak = self.model_flops(), self.hw.gpu.peak(c.precision)
         per_gpu = self.thesis_flops() / (self.n_gpus * it)
         executed = self.executed_flops(c.recompute) / (self.n_gpus * it)
-        busy = [sum(f_s[j] + b_s[j] for j in range(r, c.stages, c.pp)) * c.m + ar[r] + opt[r] for r in range(c.pp)]
+        place = c.placement
+        busy = [sum(f_s[j] + b_s[j] for j in place.stages(r)) * c.m + ar[r] + opt[r] for r in range(c.pp)]
         frac = bubble if bubble is not None else max(0.0, 1 - sum(busy) / (c.pp * it))
         return Evaluation(config=c, bounds=tuple(bounds), forward_s=f_s, backward_s=b_s, activation_bytes=a_s,
                           rank_memory=tuple(mems), p2p_s=p2p, allreduce_s=ar, optimizer_s=opt, tp_comm_s=tpc,
                           iteration_s=it, samples_per_s=self.global_batch / it, model_flops=flops,
                           tflops_per_gpu=per_gpu / 1e12, mfu=flops / (self.n_gpus * it) / peak, hfu=executed / peak,
                           hardware_tflops_per_gpu=executed / 1e12,
-                          bubble_fraction=frac, simulated=bubble is not None)
+                          bubble_fraction=frac, simulated=bubble is not None, weight_s=w_s, weight_bytes=wb_s)
 
-    def _partition(self, c: ParallelConfig, fwd, bwd, act):
+    def _partition(self, c: ParallelConfig, fwd, bwd, act, wkeep):
         k = c.stages
         static = [param_count(u, c) * static_bytes_per_param(c) for u in self.units]
         work = max(act, default=0.0) if c.recompute_mode.working_set else 0.0
-        fl = [c.inflight(j % c.pp) for j in range(k)]
+        rank_of = c.placement.rank_of
+        fl = [c.inflight(rank_of[j]) for j in range(k)]
+        pending = [c.w_pending(rank_of[j]) for j in range(k)]
         room = (self.capacity - self.hw.reserve_bytes - work) / c.v
         inp = PartitionInput(time_s=tuple(f + b for f, b in zip(fwd, bwd)), static_bytes=tuple(static),
-                             activation_bytes=tuple(act), inflight=tuple(fl), cap_bytes=(room,) * k)
+                             activation_bytes=tuple(act), inflight=tuple(fl), cap_bytes=(room,) * k,
+                             weight_bytes=tuple(wkeep) if any(pending) else (), w_pending=tuple(pending))
         try:
             return partition(inp)
         except NoFeasiblePartition:
@@ -180,7 +196,8 @@ class Evaluator:
             raise Rejected("memory", "no partition fits", max(need, self.capacity * 1.0001)) from None
 
     def _rank_memory(self, c: ParallelConfig, stages: list[range]) -> list[StageMemory]:
-        return [stage_memory([self.units[i] for j in range(r, c.stages, c.pp) for i in stages[j]], self.hw, c, r)
+        place = c.placement
+        return [stage_memory([self.units[i] for j in place.stages(r) for i in stages[j]], self.hw, c, r)
                 for r in range(c.pp)]
 
     def _p2p_s(self, c: ParallelConfig, bounds: tuple[int, ...]) -> float:
@@ -220,8 +237,9 @@ class Evaluator:
         def reduce_s(n: float, nbytes: float) -> float:
             return allreduce_time(n * nbytes, per_node, group // per_node, self.hw.links) if group > 1 and n else 0.0
 
+        place = c.placement
         for r in range(c.pp):
-            chunks = range(r, c.stages, c.pp)
+            chunks = place.stages(r)
             total = sum(params[j] for j in chunks)
             if c.zero:  # a reduce-scatter of the gradients and an all-gather of the weights, each half an all-reduce
                 grads = [reduce_s(params[j], num.grad_bytes / 2) for j in chunks]
@@ -246,5 +264,5 @@ class Evaluator:
         result = simulate(c.schedule_kind.generate(c.pp, c.m, c.v), ev.sim_costs(self.capacity))
         out = self._finish(c, ev.bounds, ev.forward_s, ev.backward_s, ev.activation_bytes, list(ev.rank_memory),
                            ev.p2p_s, ev.allreduce_s, ev.optimizer_s, ev.tp_comm_s, result.iteration_s,
-                           result.bubble_fraction)
+                           result.bubble_fraction, ev.weight_s, ev.weight_bytes)
         return out, result

@@ -7,22 +7,30 @@ nothing is dropped silently.
 
 torchtitan (0.3 and later) takes no TOML job file: a job is a `config_registry` function of a model
 module plus command-line overrides (`--module llama3 --config llama3_8b --parallelism.… …`), parsed by
-its `ConfigManager`. The export is that command line, in a shell script that runs `torchtitan.train`.
-Megatron-LM's export is the `pretrain_gpt.py` argument list, with the model's shape where the plan
+its `ConfigManager`. The export is that command line, in a shell script that runs `torchtitan.train`. With
+pipelining it also writes the plan's own per-rank order as torch's compute-only pipeline CSV
+(`--parallelism.pipeline_parallel_schedule_csv`): torchtitan then runs torch's `_PipelineScheduleRuntime`, whose
+lowering adds the sends, receives and gradient reductions, so the job runs the planned order, not one of torch's
+schedule classes. Megatron-LM's export is the `pretrain_gpt.py` argument list, with the model's shape where the plan
 records one (`source.model_shape`).
 """
 from __future__ import annotations
 
+import csv
 import re
 import shlex
 from dataclasses import dataclass, field
+from pathlib import Path, PurePath
 
 from passes.errors import UserError
 
 from .plan import Plan
+from .schedule import PLACEMENTS, Placement
+from .schedules import get_schedule
 from .schedules.interleaved import group_size
 
-__all__ = ["Export", "ENGINES", "layout", "to_megatron", "to_torchtitan", "check_megatron", "check_torchtitan"]
+__all__ = ["Export", "ENGINES", "layout", "placement", "schedule_rows", "to_megatron", "to_torchtitan",
+           "check_megatron", "check_torchtitan", "check_schedule_csv"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -31,6 +39,7 @@ class Export:
     argv: list[str]  # the engine's own arguments, in order
     unexpressed: list[str] = field(default_factory=list)  # what the plan says and the engine cannot
     text: str = ""
+    files: dict[str, str] = field(default_factory=dict)  # path as argv names it -> text: what the job reads beside it
 
 
 _BLOCK = re.compile(r"\.(\d+)$")
@@ -57,6 +66,23 @@ def layout(plan: Plan) -> list[list[tuple[str, int]]] | None:
                        else ("block", blocks.index(i)))
         out.append(row)
     return out
+
+
+_COMPUTE = re.compile(r"\d+[FIWB]\d+")  # torch's compute actions; the rest its lowering adds
+_SPLIT_BACKWARD = re.compile(r"\d+[IW]\d+")
+
+
+def placement(plan: Plan) -> str | None:
+    """How the plan places virtual stages on pipeline ranks, read from its partition: a style of
+    planner.schedule.Placement ("loop" or "v"), or None for any other placement."""
+    ranks = tuple(s.rank for s in sorted(plan.partition, key=lambda s: s.stage))
+    return next((style for style in PLACEMENTS if Placement(style, plan.config.pp, plan.config.vp).rank_of == ranks),
+                None)
+
+
+def schedule_rows(plan: Plan) -> list[list[str]]:
+    """torch's compute-only pipeline CSV of the plan: per pipeline rank, its F/I/W/B actions in the plan's order."""
+    return [[a for a in acts if _COMPUTE.fullmatch(a)] for acts in plan.actions]
 
 
 def _common_unexpressed(plan: Plan, engine: str) -> list[str]:
@@ -86,20 +112,31 @@ def titan_config(plan: Plan) -> tuple[str, str] | None:
     return None
 
 
-def _titan_fqns(rows: list[list[tuple[str, int]]]) -> list[list[str]]:
-    """torchtitan's module names per model part (its Llama-family naming)."""
-    names = {"embedding": ["tok_embeddings"], "head": ["norm", "output"]}
+def _titan_fqns(rows: list[list[tuple[str, int]]], head: str) -> list[list[str]]:
+    """torchtitan's module names per model part (its Llama-family naming; the output layer is `head`)."""
+    names = {"embedding": ["tok_embeddings"], "head": ["norm", head]}
     return [[n for kind, i in row for n in (names[kind] if kind in names else [f"layers.{i}"])] for row in rows]
 
 
 TITAN_FLAVORS = {"llama3_8b": "8B", "llama3_70b": "70B", "llama3_405b": "405B", "llama3_debugmodel": "debugmodel"}
 
 
-def _titan_job(plan: Plan, module: str | None, config: str | None) -> tuple[str, str, dict, list[str]]:
+def titan_schedule(plan: Plan) -> str:
+    """The schedule name torchtitan reads beside the CSV: it places the stages (ZBVZeroBubble in a V, any other name
+    in a loop) and, without module names, sets the stages per rank (one, or two for a multi-stage name)."""
+    c = plan.config
+    if placement(plan) == "v":
+        return "ZBVZeroBubble"  # also the name torchtitan's metrics read the loss from rank 0 for
+    return TITAN_SCHEDULES.get(c.schedule) or ("1F1B" if c.vp == 1 else "Interleaved1F1B")
+
+
+def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv: str,
+               head: str) -> tuple[str, str, dict, list[str], dict[str, str]]:
     """(module, config function, the parallelism and training sections every torchtitan version reads, what
-    they leave out)."""
+    they leave out, the schedule CSV by its path)."""
     c, src = plan.config, plan.source
     unexpressed = _common_unexpressed(plan, "torchtitan")
+    files: dict[str, str] = {}
     if module is None or config is None:
         known = titan_config(plan)
         if known is None:
@@ -119,19 +156,23 @@ def _titan_job(plan: Plan, module: str | None, config: str | None) -> tuple[str,
         unexpressed.append("tensor-parallel communication overlap: torchtitan's nearest is async TP "
                            "(parallelism.enable_async_tensor_parallel, under torch.compile); not set")
     if c.pp > 1:
-        parallel.update(pipeline_parallel_schedule=TITAN_SCHEDULES[c.schedule],
-                        pipeline_parallel_microbatch_size=c.microbatch)
+        name = titan_schedule(plan)
+        parallel.update(pipeline_parallel_schedule=name, pipeline_parallel_microbatch_size=c.microbatch)
         rows = layout(plan)
         if rows is None:
             unexpressed.append("the plan's partition: its units are not one stack of repeated blocks, so torchtitan's "
                                "module_fqns_per_model_part cannot name them; torchtitan splits the layers itself")
         else:
-            parallel["module_fqns_per_model_part"] = _titan_fqns(rows)
-        rounds = max(1, c.microbatches // c.pp)  # torch's ScheduleInterleaved1F1B: groups of m / rounds, exactly
-        if c.vp > 1 and (c.microbatches % rounds or c.microbatches // rounds != group_size(c.pp, c.microbatches)):
-            unexpressed.append(f"interleaving {c.microbatches} microbatches in groups of "
-                               f"{group_size(c.pp, c.microbatches)}: torch's interleaved 1F1B needs m divisible by "
-                               f"max(1, m // p) = {rounds} and groups of m / {rounds}")
+            parallel["module_fqns_per_model_part"] = _titan_fqns(rows, head)
+        if placement(plan) is None:
+            unexpressed.append("the plan's stage placement: torchtitan places stages in a loop or a V only; it runs "
+                               f"torch's {name} schedule instead of the plan's order")
+        elif rows is None and c.vp > 2:
+            unexpressed.append(f"the plan's order over {c.vp} stages per rank: without module names torchtitan builds "
+                               f"two per rank; it runs torch's {name} schedule instead")
+        else:
+            parallel["pipeline_parallel_schedule_csv"] = schedule_csv
+            files[schedule_csv] = "".join(",".join(row) + "\n" for row in schedule_rows(plan))
     # per data-parallel rank and step: b*m samples (split into m microbatches by the pipeline schedule,
     # or accumulated m times without pipelining)
     local = c.microbatch * c.microbatches if c.pp > 1 else c.microbatch
@@ -146,16 +187,19 @@ def _titan_job(plan: Plan, module: str | None, config: str | None) -> tuple[str,
     if c.recompute == "selective":
         unexpressed.append("selective recomputation: torchtitan's selective AC recomputes per op (every second "
                            "matmul and cheap ops), not the attention core the plan prices")
-    return module, config, {"parallelism": parallel, "training": training}, unexpressed
+    return module, config, {"parallelism": parallel, "training": training}, unexpressed, files
 
 
-def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None = None, toml: bool = False) -> Export:
+def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None = None, toml: bool = False,
+                  schedule_csv: str = "schedule.csv") -> Export:
     """torchtitan >= 0.3's command line, or with `toml` the job file of torchtitan 0.1-0.2
-    (`--job.config_file job.toml`; `config` is then the model flavor, or a 0.3 config name mapped to it)."""
+    (`--job.config_file job.toml`; `config` is then the model flavor, or a 0.3 config name mapped to it).
+    With pipelining the job reads the plan's schedule from `schedule_csv` (in `files`; the shell script finds it
+    beside itself, the TOML job at that path from where torchtitan runs)."""
     if toml:
-        return _titan_toml(plan, module, config)
+        return _titan_toml(plan, module, config, schedule_csv)
     c = plan.config
-    module, config, sections, unexpressed = _titan_job(plan, module, config)
+    module, config, sections, unexpressed, files = _titan_job(plan, module, config, schedule_csv, "lm_head")
     sections["parallelism"]["enable_sequence_parallel"] = c.sp  # 0.3 only: 0.2 always runs SP with TP
     if c.pp > 1:
         sections["training"]["disable_cuda_graphs"] = True  # torchtitan refuses CUDA graphs with pipelining
@@ -171,13 +215,14 @@ def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None =
     argv.append(TITAN_AC[c.recompute])
     launch = (f"torchrun --nnodes {plan.launch.nnodes} --nproc-per-node {plan.launch.nproc_per_node} "
               "--rdzv-backend c10d --rdzv-endpoint ${RDZV_ENDPOINT:-localhost:29500} -m torchtitan.train")
-    return Export(engine="torchtitan", argv=argv, unexpressed=unexpressed,
-                  text=_script(plan, "torchtitan", launch, argv, unexpressed))
+    beside = {p: '"$(dirname "$0")"/' + shlex.quote(PurePath(p).name) for p in files}
+    return Export(engine="torchtitan", argv=argv, unexpressed=unexpressed, files=files,
+                  text=_script(plan, "torchtitan", launch, argv, unexpressed, raw=beside))
 
 
-def _titan_toml(plan: Plan, module: str | None, flavor: str | None) -> Export:
+def _titan_toml(plan: Plan, module: str | None, flavor: str | None, schedule_csv: str) -> Export:
     c, src = plan.config, plan.source
-    name, fn, sections, unexpressed = _titan_job(plan, module, flavor)
+    name, fn, sections, unexpressed, files = _titan_job(plan, module, flavor, schedule_csv, "output")
     if c.tp > 1 and not c.sp:
         unexpressed.append("tensor parallelism without sequence parallelism: torchtitan 0.2 always runs it with "
                            "sequence parallelism")
@@ -188,11 +233,12 @@ def _titan_toml(plan: Plan, module: str | None, flavor: str | None) -> Export:
             f"predicted {plan.predictions.iteration_s:.3f} s/iteration)",
             f"# run: torchrun --nnodes {plan.launch.nnodes} --nproc-per-node {plan.launch.nproc_per_node} "
             "-m torchtitan.train --job.config_file THIS_FILE",
+            *(f"# the plan's pipeline order: {p} (read from the directory torchtitan runs in)" for p in files),
             "# not expressed:" if unexpressed else "# everything in the plan is expressed",
             *(f"#   - {u}" for u in unexpressed)]
     body = [f"\n[{sec}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in kv.items())
             for sec, kv in sections.items()]
-    return Export(engine="torchtitan", argv=[], unexpressed=unexpressed, text="\n".join(head) + "\n" +
+    return Export(engine="torchtitan", argv=[], unexpressed=unexpressed, files=files, text="\n".join(head) + "\n" +
                   "\n".join(body) + "\n")
 
 
@@ -234,6 +280,14 @@ def to_megatron(plan: Plan) -> Export:
     if c.pp > 1 and rows is None:
         unexpressed.append("the plan's partition: its units are not one stack of repeated blocks; Megatron splits "
                            "the layers evenly")
+    split = get_schedule(c.schedule).split_backward or any(_SPLIT_BACKWARD.fullmatch(a) for acts in plan.actions
+                                                            for a in acts)
+    what = [f"backwards split into input- and weight-gradient halves ({c.schedule})"] if split else []
+    what += ["stages placed in a V (rank r holds stages r and 2p-1-r)"] if placement(plan) == "v" else []
+    if what:  # megatron-core 0.16's delay_wgrad_compute defers wgrads only for MoE expert-parallel overlap
+        unexpressed.append(f"{' and '.join(what)}: Megatron-Core runs whole backwards in 1F1B or interleaved 1F1B "
+                           "with virtual stage k on rank k % p (its delay_wgrad_compute splits backwards only inside "
+                           f"MoE expert-parallel overlap); exported as {'interleaved 1F1B' if c.vp > 1 else '1F1B'}")
     if rows is not None and not _even_split(rows, c.pp):
         argv += ["--pipeline-model-parallel-layout", _megatron_layout(rows)]
     elif c.vp > 1:
@@ -279,7 +333,10 @@ def to_megatron(plan: Plan) -> Export:
                                tail="  # data, tokenizer, optimizer and checkpoint arguments: your own"))
 
 
-def _script(plan: Plan, engine: str, launch: str, argv: list[str], unexpressed: list[str], tail: str = "") -> str:
+def _script(plan: Plan, engine: str, launch: str, argv: list[str], unexpressed: list[str], tail: str = "",
+            raw: dict[str, str] | None = None) -> str:
+    """The launch script; `raw` writes some arguments as shell words of their own (unquoted)."""
+    raw = raw or {}
     c = plan.config
     head = ["#!/usr/bin/env bash", f"# {engine} configuration of an fxplanner plan ({plan.source.model_file}, "
             f"{plan.source.gpus} GPUs: t={c.tp} p={c.pp} d={c.dp} cp={c.cp} b={c.microbatch} m={c.microbatches} "
@@ -291,7 +348,7 @@ def _script(plan: Plan, engine: str, launch: str, argv: list[str], unexpressed: 
         j = i + 1
         while j < len(argv) and not argv[j].startswith("-") and ":" not in argv[j]:
             j += 1
-        pairs.append(" ".join(shlex.quote(a) for a in argv[i:j]))
+        pairs.append(" ".join(raw.get(a) or shlex.quote(a) for a in argv[i:j]))
         i = j
     last = [pairs.pop()] if pairs and pairs[-1].startswith("activation-checkpoint:") else []  # tyro: subcommand last
     body = " \\\n  ".join([launch, *pairs, '"$@"', *last]) + (f"\n{tail}" if tail else "")
@@ -303,8 +360,9 @@ ENGINES = {"torchtitan": to_torchtitan, "megatron": to_megatron}
 
 # -- the engines' own config code ---------------------------------------------------------------------
 
-def check_torchtitan(ex: Export, world: int) -> dict[str, object]:
-    """Parse the export with torchtitan's ConfigManager and build its ParallelDims; the degrees it reports."""
+def check_torchtitan(ex: Export, world: int, plan: Plan | None = None) -> dict[str, object]:
+    """Parse the export with torchtitan's ConfigManager and build its ParallelDims; the degrees it reports. Given
+    the plan, the schedule CSV the job names is loaded as torchtitan loads it (`check_schedule_csv`)."""
     import logging
     import warnings
 
@@ -320,13 +378,81 @@ def check_torchtitan(ex: Export, world: int) -> dict[str, object]:
         finally:
             titan_log.setLevel(level)
     dims = ParallelDims.from_config(cfg.parallelism, world)
-    return {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp,
-            "microbatch": cfg.parallelism.pipeline_parallel_microbatch_size,
+    par = cfg.parallelism
+    seen = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp,
+            "microbatch": par.pipeline_parallel_microbatch_size,
             "local_batch": cfg.training.local_batch_size, "global_batch": cfg.training.global_batch_size,
-            "seq": cfg.training.seq_len, "parts": len(cfg.parallelism.module_fqns_per_model_part or []),
-            "sequence_parallel": cfg.parallelism.enable_sequence_parallel,
+            "seq": cfg.training.seq_len, "parts": len(par.module_fqns_per_model_part or []),
+            "sequence_parallel": par.enable_sequence_parallel,
             "recompute": type(cfg.activation_checkpoint).__qualname__.split(".")[0] if cfg.activation_checkpoint
             else "none"}
+    if dims.pp > 1:
+        seen.update(schedule=par.pipeline_parallel_schedule, schedule_csv=par.pipeline_parallel_schedule_csv or None)
+        if plan is not None and par.pipeline_parallel_schedule_csv:
+            check_schedule_csv(plan, par.pipeline_parallel_schedule_csv, par.pipeline_parallel_schedule)
+    return seen
+
+
+def _torch_reads(cell: str) -> str:
+    """A CSV cell as torch's `_Action.from_str` reads it, printed back as `_Action.__repr__` prints it."""
+    from torch.distributed.pipelining.schedules import _Action
+
+    try:
+        action = _Action.from_str(cell)
+    except RuntimeError:
+        return f"{cell!r}, no action"
+    return "nothing" if action is None else repr(action)
+
+
+def check_schedule_csv(plan: Plan, path: str | Path, schedule: str) -> dict[int, int]:
+    """Read the schedule CSV as torchtitan does (torch's `_PipelineScheduleRuntime._load_csv`: parse each cell with
+    `_Action.from_str`, validate, infer the stage -> rank mapping, lower to sends and receives) and compare it with
+    the plan: its compute actions cell by cell, its stage -> rank mapping, and the stages torchtitan builds on each
+    rank under `schedule`. Returns the mapping torch inferred; a difference is a UserError naming rank and cell."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    from torchtitan.distributed.pipeline_parallel import _get_pp_rank_to_stage_indices_mapping
+
+    c = plan.config
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    if len(rows) != c.pp:
+        raise UserError(f"schedule CSV {path} holds {len(rows)} rows for the plan's {c.pp} pipeline ranks")
+    for r, (row, planned) in enumerate(zip(rows, schedule_rows(plan))):
+        for i in range(max(len(row), len(planned))):
+            got = _torch_reads(row[i]) if i < len(row) else "nothing"
+            want = planned[i] if i < len(planned) else "nothing"
+            if got != want:
+                raise UserError(f"schedule CSV {path}, rank {r}, cell {i}: torch reads {got} where the plan has {want}")
+    stages = c.pp * c.vp
+    # _PipelineScheduleRuntime reads only these of its stages before step(): no process group needed
+    stub = SimpleNamespace(num_stages=stages, group_size=c.pp, group_rank=0)
+    runtime = _PipelineScheduleRuntime([stub], n_microbatches=c.microbatches)
+    try:
+        runtime._load_csv(str(path))
+    except AssertionError as e:
+        stuck = getattr(runtime, "pipeline_order_with_comms", None)
+        if "can't schedule sends/recvs" not in str(e) or not stuck:
+            raise UserError(f"torch's pipeline runtime refuses the schedule CSV {path}: "
+                            f"{str(e).strip().splitlines()[0]}") from None
+        r = min(stuck)  # the lowering pops what it placed: each rank's head is the action it cannot place
+        left = [a for a in stuck[r] if a is not None and a.is_compute_op]
+        raise UserError(f"torch cannot lower the schedule CSV {path} to sends and receives: rank {r}, cell "
+                        f"{len(rows[r]) - len(left)} ({left[0]!r}) waits for an input no rank sends first") from None
+    inferred = dict(runtime.stage_index_to_group_rank)
+    planned_ranks = {s.stage: s.rank for s in plan.partition}
+    for k in sorted(planned_ranks):
+        if inferred.get(k) != planned_ranks[k]:
+            raise UserError(f"schedule CSV {path}: torch places stage {k} on rank {inferred.get(k)}, the plan on rank "
+                            f"{planned_ranks[k]}")
+    for r in range(c.pp):
+        built = sorted(_get_pp_rank_to_stage_indices_mapping(r, c.pp, schedule, stages))
+        mine = sorted(k for k, rank in planned_ranks.items() if rank == r)
+        if built != mine:
+            raise UserError(f"torchtitan builds stages {built} on rank {r} under pipeline_parallel_schedule "
+                            f"{schedule}, but the schedule CSV {path} runs stages {mine} there")
+    return inferred
 
 
 def megatron_args(argv: list[str]) -> dict[str, object]:

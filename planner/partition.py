@@ -28,6 +28,8 @@ class PartitionInput:
     activation_bytes: tuple[float, ...]  # per unit, per microbatch in flight
     inflight: tuple[float, ...]  # per stage: microbatches whose activations the stage holds
     cap_bytes: tuple[float, ...]  # per stage: memory available for static + activations
+    weight_bytes: tuple[float, ...] = ()  # per unit: what a microbatch holds from its I step to its W (split backward)
+    w_pending: tuple[float, ...] = ()  # per stage: microbatches whose W is pending at the peak
 
     def __post_init__(self) -> None:
         n = len(self.time_s)
@@ -37,6 +39,8 @@ class PartitionInput:
             raise ValueError("inflight and cap_bytes need one entry per stage")
         if len(self.inflight) > n:
             raise ValueError(f"{len(self.inflight)} stages cannot be made from {n} units")
+        if self.weight_bytes and (len(self.weight_bytes) != n or len(self.w_pending) != len(self.inflight)):
+            raise ValueError("weight_bytes needs one entry per unit and w_pending one per stage")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -57,12 +61,23 @@ def _prefix(xs: Sequence[float]) -> list[float]:
     return [0.0, *accumulate(xs)]
 
 
+def _stage_bytes(inp: PartitionInput):
+    """(j, lo, hi) -> bytes stage j holds with units lo..hi-1: static, activations in flight, and under a split
+    backward what the pending weight gradients still hold."""
+    S, A, Wb = _prefix(inp.static_bytes), _prefix(inp.activation_bytes), _prefix(inp.weight_bytes)
+    if inp.weight_bytes:
+        return lambda j, lo, hi: (S[hi] - S[lo] + inp.inflight[j] * (A[hi] - A[lo])
+                                  + inp.w_pending[j] * (Wb[hi] - Wb[lo]))
+    return lambda j, lo, hi: S[hi] - S[lo] + inp.inflight[j] * (A[hi] - A[lo])
+
+
 def partition(inp: PartitionInput) -> Partition:
     n, k = len(inp.time_s), len(inp.inflight)
-    T, S, A = _prefix(inp.time_s), _prefix(inp.static_bytes), _prefix(inp.activation_bytes)
+    T = _prefix(inp.time_s)
+    held = _stage_bytes(inp)
 
     def fits(j: int, lo: int, hi: int) -> bool:
-        return S[hi] - S[lo] + inp.inflight[j] * (A[hi] - A[lo]) <= inp.cap_bytes[j]
+        return held(j, lo, hi) <= inp.cap_bytes[j]
 
     best = [[INF] * (n + 1) for _ in range(k + 1)]
     choice = [[-1] * (n + 1) for _ in range(k + 1)]
@@ -82,7 +97,7 @@ def partition(inp: PartitionInput) -> Partition:
     for j in range(k, 0, -1):
         bounds.append(choice[j][bounds[-1]])
     bounds.reverse()
-    return _result(inp, tuple(bounds), T, S, A)
+    return _result(tuple(bounds), T, held)
 
 
 def _first_fitting(fits, j: int, i: int, min_split: int) -> int | None:
@@ -112,10 +127,9 @@ def _crossing(prev: list[float], T: list[float], lo: int, i: int) -> int:
     return min(cands, key=lambda s: (max(prev[s], T[i] - T[s]), s))
 
 
-def _result(inp: PartitionInput, bounds: tuple[int, ...], T: list[float], S: list[float],
-            A: list[float]) -> Partition:
+def _result(bounds: tuple[int, ...], T: list[float], held) -> Partition:
     times = tuple(T[b] - T[a] for a, b in zip(bounds, bounds[1:]))
-    mem = tuple(S[b] - S[a] + inp.inflight[j] * (A[b] - A[a]) for j, (a, b) in enumerate(zip(bounds, bounds[1:])))
+    mem = tuple(held(j, a, b) for j, (a, b) in enumerate(zip(bounds, bounds[1:])))
     return Partition(bounds=bounds, stage_time_s=times, stage_bytes=mem)
 
 
@@ -124,11 +138,11 @@ def brute_force_partition(inp: PartitionInput) -> float:
     from itertools import combinations
 
     n, k = len(inp.time_s), len(inp.inflight)
-    T, S, A = _prefix(inp.time_s), _prefix(inp.static_bytes), _prefix(inp.activation_bytes)
+    T, held = _prefix(inp.time_s), _stage_bytes(inp)
     best = INF
     for cuts in combinations(range(1, n), k - 1):
         bounds = (0, *cuts, n)
         segs = list(zip(bounds, bounds[1:]))
-        if all(S[b] - S[a] + inp.inflight[j] * (A[b] - A[a]) <= inp.cap_bytes[j] for j, (a, b) in enumerate(segs)):
+        if all(held(j, a, b) <= inp.cap_bytes[j] for j, (a, b) in enumerate(segs)):
             best = min(best, max(T[b] - T[a] for a, b in segs))
     return best

@@ -70,7 +70,7 @@ class ConfigModel(_Model):
     microbatches: int = Field(description="microbatches per iteration m = B / (d b)")
     vp: int = Field(description="model chunks per pipeline rank v (interleaving)")
     recompute: str = Field(description="activation recomputation mode (costmodels.recompute: none, selective, full)")
-    schedule: str = Field(description="pipeline schedule kind (planner.schedules: gpipe, 1f1b, interleaved)")
+    schedule: str = Field(description="pipeline schedule kind (planner.schedules: gpipe, 1f1b, interleaved, zbh1, zbv)")
     precision: str = Field(description="training precision (costmodels.precision: bf16, fp16, fp32)")
 
     @model_validator(mode="after")
@@ -93,14 +93,18 @@ class ConfigModel(_Model):
 
 
 class Stage(_Model):
-    stage: int = Field(description="virtual stage index (chunk c of rank r is stage c*p + r)")
+    stage: int = Field(description="virtual stage index (its rank follows the schedule's placement: loop or v)")
     rank: int = Field(description="pipeline rank that runs it")
     units: list[str]
     nodes: list[str] = Field(description="node names of the planning graph (source.frontend), in order; the "
                                          "runtime places nodes by their unit")
     forward_s: float
     backward_s: float
+    weight_s: float = Field(0.0, description="of backward_s, what the W step (weight gradient) takes when the "
+                                             "schedule splits the backward")
     activation_bytes: float = Field(description="per microbatch in flight")
+    weight_bytes: float = Field(0.0, description="of activation_bytes, what a microbatch still holds between its "
+                                                 "I and its W step (split backward)")
     tensor_parallel: dict[str, Literal["colwise", "rowwise"]] = Field(
         default_factory=dict, description="linear module path -> torch.distributed.tensor.parallel style")
 
@@ -224,6 +228,8 @@ def inconsistency(plan: Plan) -> str | None:
     such a plan, so every command that reads one checks it."""
     c, src, pred = plan.config, plan.source, plan.predictions
     world = c.tp * c.pp * c.dp * c.cp
+    placement = c.to_config().placement
+    rank_of = placement.rank_of if len(placement.rank_of) == len(plan.partition) else ()
     checks = [
         (world == src.gpus, f"config.tp*pp*dp*cp = {world} GPUs but source.gpus = {src.gpus}"),
         (c.dp * c.microbatch * c.microbatches == src.global_batch,
@@ -232,8 +238,9 @@ def inconsistency(plan: Plan) -> str | None:
         (len(plan.partition) == c.pp * c.vp, f"partition has {len(plan.partition)} stages but config.pp*vp = "
                                              f"{c.pp * c.vp}"),
         (sorted(s.stage for s in plan.partition) == list(range(len(plan.partition))) and all(
-            s.rank == s.stage % c.pp for s in plan.partition),
-         "partition stages must be numbered 0..pp*vp-1, stage s on rank s % pp"),
+            0 <= s.stage < len(rank_of) and s.rank == rank_of[s.stage] for s in plan.partition),
+         f"partition stages must be numbered 0..pp*vp-1, each on the rank of the {c.schedule} schedule's "
+         f"'{placement.style}' placement"),
         (len(pred.memory) == c.pp == len(pred.allreduce_s) == len(pred.optimizer_s),
          f"predictions hold {len(pred.memory)} ranks' memory but config.pp = {c.pp}"),
         (plan.launch.nnodes * plan.launch.nproc_per_node == src.gpus,

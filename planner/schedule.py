@@ -1,14 +1,21 @@
-"""Per-rank pipeline schedules: IR, validator and a text grid (the generators are in planner.schedules).
+"""Per-rank pipeline programs: IR, placement, lowering, validator and a text grid.
 
-A schedule is one list of small actions per pipeline rank. Actions print and parse like
-torch.distributed.pipelining's ``_Action`` (``1F0``, ``0B3``, ``2SEND_F1``, ``3RECV_B0``), plus
-``ALLREDUCE``, ``OPT`` and ``BUBBLE<id>``. Everything here is a pure function of plain data.
+A schedule kind (planner.schedules) emits a *compute-only* program: per pipeline rank, its forwards (F),
+backwards (B) or backwards split into input-gradient (I) and weight-gradient (W) steps, in order. Lowering
+passes turn it into what runs: ``add_send_recv`` puts each cross-rank transfer next to its compute,
+``add_reduce_grad`` ends every rank with the gradient reduction and the optimizer step, and the simulator's
+``with_bubbles`` marks idle time as ``BUBBLE<id>`` (later passes may add unshard/reshard). Actions print and
+parse like torch.distributed.pipelining's ``_Action`` (``1F0``, ``0I3``, ``0W3``, ``2SEND_F1``,
+``3RECV_B0``), plus ``ALLREDUCE``, ``OPT`` and ``BUBBLE<id>``. Everything here is a pure function of plain
+data.
 
-Stage placement follows Megatron interleaving: with p ranks and v chunks per rank there are p*v
-virtual stages and virtual stage k lives on rank k % p, so rank r holds stages r, r+p, r+2p, ...
+`Placement` is the only place a stage's rank is derived: "loop" (Megatron interleaving, torch's
+``generate_stage_to_rank_mapping(style="loop")``: stage k on rank k % p) or "v" (ZB-V, DualPipe-V: the
+chunks go down the ranks and back up, so rank r holds stages r and 2p-1-r).
 
 Communication naming follows torch: ``kSEND_Fm`` is sent by stage k (to k+1) and received there as
-``(k+1)RECV_Fm``; ``kSEND_Bm`` is sent by stage k (to k-1) and received as ``(k-1)RECV_Bm``.
+``(k+1)RECV_Fm``; ``kSEND_Bm`` is sent by stage k (to k-1) and received as ``(k-1)RECV_Bm``. Neighbour
+stages on the same rank pass values without a transfer (no SEND/RECV between them).
 """
 
 from __future__ import annotations
@@ -22,17 +29,21 @@ from typing import Iterable, Iterator
 
 __all__ = [
     "Action",
+    "COMPUTE_OPS",
     "Op",
+    "PLACEMENTS",
+    "Placement",
     "Schedule",
     "ScheduleError",
+    "add_reduce_grad",
+    "add_send_recv",
     "check_shape",
     "gc_paused",
     "generate",
     "grid",
+    "lower",
     "one_f_one_b_order",
-    "stage_rank",
     "validate",
-    "with_comm",
 ]
 
 
@@ -45,6 +56,8 @@ class Op(str, Enum):
 
     F = "F"
     B = "B"
+    I = "I"  # noqa: E741 - torch's name: the input-gradient half of a backward
+    W = "W"
     SEND_F = "SEND_F"
     RECV_F = "RECV_F"
     SEND_B = "SEND_B"
@@ -55,14 +68,16 @@ class Op(str, Enum):
 
 
 # Enum attribute access (Op.F) is slow on CPython 3.11; hot paths use these module constants.
-_F, _B, _SEND_F, _RECV_F, _SEND_B, _RECV_B = Op.F, Op.B, Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
+_F, _B, _I, _W = Op.F, Op.B, Op.I, Op.W
+_SEND_F, _RECV_F, _SEND_B, _RECV_B = Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B
 _ALLREDUCE, _OPT, _BUBBLE = Op.ALLREDUCE, Op.OPT, Op.BUBBLE
-STAGE_OPS = frozenset({_F, _B, _SEND_F, _RECV_F, _SEND_B, _RECV_B})
+COMPUTE_OPS = frozenset({_F, _B, _I, _W})
+STAGE_OPS = COMPUTE_OPS | {_SEND_F, _RECV_F, _SEND_B, _RECV_B}
 _OP_TEXT = {op: op.value for op in Op}
 # Numbers without leading zeros and ASCII digits only, so that parse is the exact inverse of str.
 _NUM = "(0|[1-9][0-9]*)"
 _ACTION_RE = re.compile(
-    rf"{_NUM}(F|B|SEND_F|RECV_F|SEND_B|RECV_B){_NUM}|(ALLREDUCE)|(OPT)|BUBBLE{_NUM}", re.ASCII
+    rf"{_NUM}(F|B|I|W|SEND_F|RECV_F|SEND_B|RECV_B){_NUM}|(ALLREDUCE)|(OPT)|BUBBLE{_NUM}", re.ASCII
 )
 
 
@@ -109,7 +124,7 @@ class Action:
         match = _ACTION_RE.fullmatch(text) if isinstance(text, str) else None
         if match is None:
             raise ValueError(
-                f"not an action: {text!r} (expected e.g. '1F0', '0B3', '2SEND_F1', '3RECV_B0', "
+                f"not an action: {text!r} (expected e.g. '1F0', '0B3', '0I3', '0W3', '2SEND_F1', '3RECV_B0', "
                 "'ALLREDUCE', 'OPT', 'BUBBLE4')"
             )
         stage, op, mb, allreduce, opt, bubble = match.groups()
@@ -120,6 +135,51 @@ class Action:
         if opt is not None:
             return cls(stage=None, op=_OPT, mb=None)
         return cls(stage=None, op=_BUBBLE, mb=int(bubble))
+
+
+PLACEMENTS = ("loop", "v")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Which pipeline rank holds each of the p * v virtual stages: the only place that is derived.
+
+    "loop": stage k on rank k % p (Megatron interleaving; torch's generate_stage_to_rank_mapping loop style).
+    "v": chunk c goes down the ranks when c is even and back up when it is odd (torch's "v" style), so with
+    v = 2 rank r holds stages r and 2p - 1 - r and the middle two stages share rank p - 1.
+    """
+
+    style: str
+    p: int
+    v: int = 1
+    rank_of: tuple[int, ...] = ()
+    """rank_of[k]: the rank of stage k (derived; read it in hot loops)."""
+
+    def __post_init__(self) -> None:
+        if self.style not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {', '.join(PLACEMENTS)}, got {self.style!r}")
+        check_shape(self.p, 1, self.v)
+        p = self.p
+        if self.style == "loop":
+            ranks = tuple(k % p for k in range(p * self.v))
+        else:
+            ranks = tuple(k % p if (k // p) % 2 == 0 else p - 1 - k % p for k in range(p * self.v))
+        object.__setattr__(self, "rank_of", ranks)
+
+    @property
+    def num_stages(self) -> int:
+        return self.p * self.v
+
+    def rank(self, stage: int) -> int:
+        return self.rank_of[stage]
+
+    def stages(self, rank: int) -> tuple[int, ...]:
+        """The stages rank `rank` holds, in stage (chunk) order."""
+        return tuple(k for k, r in enumerate(self.rank_of) if r == rank)
+
+    def local(self, a: int, b: int) -> bool:
+        """Stages a and b share a rank (values pass between them without a transfer)."""
+        return self.rank_of[a] == self.rank_of[b]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -154,10 +214,11 @@ class Schedule:
     def num_stages(self) -> int:
         return self.p * self.v
 
+    @property
+    def placement(self) -> Placement:
+        from planner.schedules import get_schedule
 
-def stage_rank(stage: int, p: int) -> int:
-    """Rank that holds virtual stage ``stage`` (Megatron interleaved placement)."""
-    return stage % p
+        return Placement(get_schedule(self.kind).placement, self.p, self.v)
 
 
 @contextmanager
@@ -177,7 +238,7 @@ def gc_paused() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------------------------
-# Building blocks of the generators (planner.schedules)
+# Compute-only programs and the lowering passes
 
 
 def check_shape(p: int, m: int, v: int = 1) -> None:
@@ -191,9 +252,9 @@ _set_stage, _set_op, _set_mb = Action.stage.__set__, Action.op.__set__, Action.m
 
 
 def _action(stage: int, op: Op, mb: int) -> Action:
-    """``Action(stage=..., op=..., mb=...)`` without the checks, for generators whose actions are
-    well formed by construction: a 64-rank schedule has ~400k actions and the checked frozen
-    __init__ (~2 us each) dominated generation time."""
+    """``Action(stage=..., op=..., mb=...)`` without the checks, for passes whose actions are well formed
+    by construction: a 64-rank schedule has ~400k actions and the checked frozen __init__ (~2 us each)
+    dominated generation time."""
     obj = _new_action(Action)
     _set_stage(obj, stage)
     _set_op(obj, op)
@@ -201,26 +262,49 @@ def _action(stage: int, op: Op, mb: int) -> Action:
     return obj
 
 
-def with_comm(order: Iterable[tuple[Op, int, int]], last: int) -> tuple[Action, ...]:
-    """Wrap each compute (op, stage, mb) with its RECV before and SEND after; end with ALLREDUCE, OPT."""
+Compute = Iterable[tuple[Op, int, int]]
+"""A rank's compute-only program: (op, stage, microbatch) with op in F, B, I, W."""
+
+
+def add_send_recv(order: Compute, placement: Placement) -> list[Action]:
+    """One rank's compute with each cross-rank transfer next to it: the RECV a compute consumes just before it,
+    the SEND of what it produces just after (the runtime's sends are asynchronous, so a program whose compute
+    order is consistent across ranks cannot deadlock; `validate` proves it)."""
     out: list[Action] = []
     add = out.append
+    rank_of = placement.rank_of
+    last = len(rank_of) - 1
     for op, k, mb in order:
         if op is _F:
-            if k > 0:
+            if k > 0 and rank_of[k - 1] != rank_of[k]:
                 add(_action(k, _RECV_F, mb))
             add(_action(k, _F, mb))
-            if k < last:
+            if k < last and rank_of[k + 1] != rank_of[k]:
                 add(_action(k, _SEND_F, mb))
-        else:
-            if k < last:
+        elif op is _W:
+            add(_action(k, _W, mb))
+        else:  # B or I: consumes the gradient of stage k's output, produces its input's
+            if k < last and rank_of[k + 1] != rank_of[k]:
                 add(_action(k, _RECV_B, mb))
-            add(_action(k, _B, mb))
-            if k > 0:
+            add(_action(k, op, mb))
+            if k > 0 and rank_of[k - 1] != rank_of[k]:
                 add(_action(k, _SEND_B, mb))
-    add(Action(stage=None, op=_ALLREDUCE, mb=None))
-    add(Action(stage=None, op=_OPT, mb=None))
-    return tuple(out)
+    return out
+
+
+def add_reduce_grad(actions: list[Action]) -> list[Action]:
+    """End a rank's program with the data-parallel gradient reduction and the optimizer step."""
+    return [*actions, Action(stage=None, op=_ALLREDUCE, mb=None), Action(stage=None, op=_OPT, mb=None)]
+
+
+def lower(kind: str, p: int, m: int, v: int, compute: Iterable[Compute]) -> Schedule:
+    """A kind's compute-only program (one per rank), lowered into the actions every rank runs."""
+    from planner.schedules import get_schedule
+
+    placement = Placement(get_schedule(kind).placement, p, v)
+    with gc_paused():
+        ranks = tuple(tuple(add_reduce_grad(add_send_recv(order, placement))) for order in compute)
+    return Schedule(kind=kind, p=p, v=v, m=m, ranks=ranks)
 
 
 def one_f_one_b_order(r: int, p: int, v: int, m: int) -> list[tuple[Op, int, int]]:
@@ -249,9 +333,9 @@ def generate(kind: str, p: int, m: int, v: int = 1) -> Schedule:
 # (code, stage k, microbatch mb) on its rank, or -1; n = p * v * m. The rank is implied by the
 # placement (checked first), so a step is enough to name the action.
 
-_CODES = (_F, _B, _SEND_F, _RECV_F, _SEND_B, _RECV_B)
+_CODES = (_F, _B, _I, _W, _SEND_F, _RECV_F, _SEND_B, _RECV_B)
 _CODE = {op: code for code, op in enumerate(_CODES)}
-_CF, _CB, _CSEND_F, _CRECV_F, _CSEND_B, _CRECV_B = range(6)
+_CF, _CB, _CI, _CW, _CSEND_F, _CRECV_F, _CSEND_B, _CRECV_B = range(8)
 
 
 def _at(r: int, i: int, a: Action) -> str:
@@ -265,29 +349,30 @@ def _text(op: Op, stage: int, mb: int) -> str:
 class _Table:
     """The flat step table plus what is needed to turn an index back into words."""
 
-    __slots__ = ("s", "n", "steps")
+    __slots__ = ("s", "n", "steps", "rank_of")
 
-    def __init__(self, s: Schedule) -> None:
-        self.s, self.n = s, s.num_stages * s.m
-        self.steps = [-1] * (6 * self.n)
+    def __init__(self, s: Schedule, placement: Placement) -> None:
+        self.s, self.n, self.rank_of = s, s.num_stages * s.m, placement.rank_of
+        self.steps = [-1] * (len(_CODES) * self.n)
+
+    def step(self, code: int, idx: int) -> int:
+        return self.steps[code * self.n + idx]
 
     def name(self, code: int, idx: int) -> tuple[int, str]:
         """(rank, action text) of the action at code, idx = k * m + mb."""
         k, mb = divmod(idx, self.s.m)
-        return stage_rank(k, self.s.p), _text(_CODES[code], k, mb)
+        return self.rank_of[k], _text(_CODES[code], k, mb)
 
     def where(self, code: int, idx: int) -> str:
         r, text = self.name(code, idx)
-        return f"rank {r}, step {self.steps[code * self.n + idx]} ({text})"
+        return f"rank {r}, step {self.step(code, idx)} ({text})"
 
 
-def _check_action(s: Schedule, r: int, i: int, a: Action) -> None:
+def _check_action(s: Schedule, rank_of: tuple[int, ...], r: int, i: int, a: Action) -> None:
     if a.stage >= s.num_stages:
         raise ScheduleError(f"{_at(r, i, a)}: stage {a.stage} out of range 0..{s.num_stages - 1}")
-    if stage_rank(a.stage, s.p) != r:
-        raise ScheduleError(
-            f"{_at(r, i, a)}: stage {a.stage} lives on rank {stage_rank(a.stage, s.p)}, not {r}"
-        )
+    if rank_of[a.stage] != r:
+        raise ScheduleError(f"{_at(r, i, a)}: stage {a.stage} lives on rank {rank_of[a.stage]}, not {r}")
     if a.mb >= s.m:
         raise ScheduleError(f"{_at(r, i, a)}: microbatch {a.mb} out of range 0..{s.m - 1}")
 
@@ -318,17 +403,17 @@ def _check_rank_tail(r: int, acts: tuple[Action, ...]) -> None:
         )
 
 
-def _index(s: Schedule) -> _Table:
-    table = _Table(s)
-    steps, n, m, p, stages, code_of = table.steps, table.n, s.m, s.p, s.num_stages, _CODE
+def _index(s: Schedule, placement: Placement) -> _Table:
+    table = _Table(s, placement)
+    steps, n, m, stages, code_of, rank_of = table.steps, table.n, s.m, s.num_stages, _CODE, placement.rank_of
     for r, acts in enumerate(s.ranks):
         _check_rank_tail(r, acts)
         for i, a in enumerate(acts):
             k = a.stage
             if k is None:
                 continue
-            if k >= stages or k % p != r or a.mb >= m:
-                _check_action(s, r, i, a)
+            if k >= stages or rank_of[k] != r or a.mb >= m:
+                _check_action(s, rank_of, r, i, a)
             key = code_of[a.op] * n + k * m + a.mb
             if steps[key] >= 0:
                 raise ScheduleError(f"{_at(r, i, a)}: duplicate of step {steps[key]}")
@@ -337,69 +422,82 @@ def _index(s: Schedule) -> _Table:
 
 
 def _check_coverage(t: _Table) -> None:
-    for code in (_CF, _CB):
-        lo = code * t.n
-        try:
-            idx = t.steps.index(-1, lo, lo + t.n) - lo
-        except ValueError:
-            continue
-        r, text = t.name(code, idx)
-        raise ScheduleError(f"rank {r}: missing {text} (stage {idx // t.s.m} lives there)")
+    """Every (stage, microbatch) has its forward and either one B or both an I and a W."""
+    for idx in range(t.n):
+        f, b, i, w = (t.step(c, idx) for c in (_CF, _CB, _CI, _CW))
+        missing = _CF if f < 0 else None
+        if missing is None and b < 0 and i < 0:
+            missing = _CB
+        elif missing is None and b >= 0 and (i >= 0 or w >= 0):
+            r, text = t.name(_CI if i >= 0 else _CW, idx)
+            raise ScheduleError(f"{t.where(_CB, idx)}: the backward runs whole and split ({text}) on rank {r}")
+        elif missing is None and (i >= 0) != (w >= 0):
+            missing = _CW if w < 0 else _CI
+        if missing is not None:
+            r, text = t.name(missing, idx)
+            raise ScheduleError(f"rank {r}: missing {text} (stage {idx // t.s.m} lives there)")
 
 
-def _require_before(t: _Table, need: int, code: int, lo: int, hi: int) -> None:
-    """For idx in [lo, hi): where action (code, idx) exists, (need, idx) must come earlier."""
-    steps, n = t.steps, t.n
-    for idx in range(lo, hi):
-        step = steps[code * n + idx]
-        if step < 0:
-            continue
-        before = steps[need * n + idx]
-        if not 0 <= before < step:
-            r, text = t.name(need, idx)
-            what = "comes later" if before >= 0 else "is missing"
-            raise ScheduleError(
-                f"{t.where(code, idx)}: needs {text} earlier on rank {r}, but it {what}"
-            )
+def _before(t: _Table, need: int, need_idx: int, code: int, idx: int, step: int) -> None:
+    before = t.step(need, need_idx)
+    if not 0 <= before < step:
+        r, text = t.name(need, need_idx)
+        what = "comes later" if before >= 0 else "is missing"
+        raise ScheduleError(f"{t.where(code, idx)}: needs {text} earlier on rank {r}, but it {what}")
 
 
 def _check_local_order(t: _Table) -> None:
-    n, m = t.n, t.s.m
-    _require_before(t, _CRECV_F, _CF, m, n)  # a forward of stage k > 0 needs its input
-    _require_before(t, _CF, _CB, 0, n)  # a backward needs its own forward
-    _require_before(t, _CRECV_B, _CB, 0, n - m)  # ... and, below the last stage, its gradient
-    _require_before(t, _CF, _CSEND_F, 0, n)
-    _require_before(t, _CB, _CSEND_B, 0, n)
-
-
-def _require_partner(t: _Table, code: int, partner: int, shift: int) -> None:
-    """Every (code, idx) has (partner, idx + shift) on the neighbour; shift is +-m (one stage)."""
-    steps, n = t.steps, t.n
-    for idx in range(n):
-        if steps[code * n + idx] < 0:
-            continue
-        other = idx + shift
-        if not 0 <= other < n:
-            k = idx // t.s.m
-            raise ScheduleError(f"{t.where(code, idx)}: stage {k} has no neighbour stage {k + shift // t.s.m}")
-        if steps[partner * n + other] < 0:
-            r, text = t.name(partner, other)
-            raise ScheduleError(f"{t.where(code, idx)}: no matching {text} on rank {r}")
+    """Each compute after what it consumes: a forward after its input (received, or the previous stage's forward
+    on the same rank); a backward (B or I) after its own forward and its output's gradient; W after its I; a SEND
+    after the compute that produced it."""
+    m, rank_of = t.s.m, t.rank_of
+    last = len(rank_of) - 1
+    for idx in range(t.n):
+        k = idx // m
+        f = t.step(_CF, idx)
+        if k > 0:
+            local = rank_of[k - 1] == rank_of[k]
+            _before(t, _CF if local else _CRECV_F, idx - m if local else idx, _CF, idx, f)
+        code = _CB if t.step(_CB, idx) >= 0 else _CI
+        back = t.step(code, idx)
+        _before(t, _CF, idx, code, idx, back)
+        if k < last:
+            if rank_of[k + 1] == rank_of[k]:
+                _before(t, _CB if t.step(_CB, idx + m) >= 0 else _CI, idx + m, code, idx, back)
+            else:
+                _before(t, _CRECV_B, idx, code, idx, back)
+        if code == _CI:
+            _before(t, _CI, idx, _CW, idx, t.step(_CW, idx))
+        for send, producer in ((_CSEND_F, _CF), (_CSEND_B, code)):
+            if (step := t.step(send, idx)) >= 0:
+                _before(t, producer, idx, send, idx, step)
 
 
 def _check_pairs(t: _Table) -> None:
-    m = t.s.m
-    _require_partner(t, _CSEND_F, _CRECV_F, +m)
-    _require_partner(t, _CRECV_F, _CSEND_F, -m)
-    _require_partner(t, _CSEND_B, _CRECV_B, -m)
-    _require_partner(t, _CRECV_B, _CSEND_B, +m)
+    """A transfer between ranks for every boundary that crosses one (SEND and its RECV), none within a rank."""
+    m, rank_of = t.s.m, t.rank_of
+    for code, partner, shift in ((_CSEND_F, _CRECV_F, +1), (_CRECV_F, _CSEND_F, -1),
+                                 (_CSEND_B, _CRECV_B, -1), (_CRECV_B, _CSEND_B, +1)):
+        for idx in range(t.n):
+            if t.step(code, idx) < 0:
+                continue
+            k = idx // m
+            if not 0 <= k + shift < len(rank_of):
+                raise ScheduleError(f"{t.where(code, idx)}: stage {k} has no neighbour stage {k + shift}")
+            if rank_of[k + shift] == rank_of[k]:
+                raise ScheduleError(f"{t.where(code, idx)}: stages {k} and {k + shift} share rank {rank_of[k]}; "
+                                    "nothing is sent between them")
+            other = idx + shift * m
+            if t.step(partner, other) < 0:
+                r, text = t.name(partner, other)
+                raise ScheduleError(f"{t.where(code, idx)}: no matching {text} on rank {r}")
 
 
-def _check_deadlock(s: Schedule) -> None:
+def _check_deadlock(s: Schedule, rank_of: tuple[int, ...]) -> None:
     """Run every rank in order with unbounded buffers; fail if some rank can never proceed.
 
-    Only RECVs wait here: after the local-order and pairing checks, the edges F(k-1)->F(k),
-    B(k+1)->B(k) and F(last)->B(last) follow from SEND->RECV edges plus each rank's own order.
+    Only RECVs wait here: after the local-order and pairing checks, every cross-rank dependency goes through
+    a SEND->RECV pair and every same-rank one is the rank's own order.
     """
     m = s.m
     n = s.num_stages * m
@@ -429,35 +527,36 @@ def _check_deadlock(s: Schedule) -> None:
         ptr[r] = i
     stuck = [r for r in range(s.p) if ptr[r] < len(s.ranks[r])]
     if stuck:
-        raise ScheduleError("deadlock: " + "; ".join(_stuck_text(s, r, ptr[r]) for r in stuck[:4]))
+        raise ScheduleError("deadlock: " + "; ".join(_stuck_text(s, rank_of, r, ptr[r]) for r in stuck[:4]))
 
 
-def _stuck_text(s: Schedule, r: int, i: int) -> str:
+def _stuck_text(s: Schedule, rank_of: tuple[int, ...], r: int, i: int) -> str:
     a = s.ranks[r][i]
     src = a.stage - 1 if a.op is _RECV_F else a.stage + 1
     sender = _SEND_F if a.op is _RECV_F else _SEND_B
-    return f"{_at(r, i, a)} waits for {_text(sender, src, a.mb)} on rank {stage_rank(src, s.p)}"
+    return f"{_at(r, i, a)} waits for {_text(sender, src, a.mb)} on rank {rank_of[src]}"
 
 
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError (naming rank, step and action) unless the schedule is complete,
     respects every dependency, pairs every SEND with its RECV, and can run to completion."""
+    placement = schedule.placement
     with gc_paused():
-        table = _index(schedule)
+        table = _index(schedule, placement)
         _check_coverage(table)
         _check_local_order(table)
         _check_pairs(table)
-        _check_deadlock(schedule)
+        _check_deadlock(schedule, placement.rank_of)
 
 
 # ---------------------------------------------------------------------------------------------
 # Text grid
 
-_GRID_OPS = frozenset({_F, _B, _BUBBLE})
+_GRID_OPS = frozenset({_F, _B, _I, _W, _BUBBLE})
 
 
 def _mark_column(acts: tuple[Action, ...], step: int) -> int:
-    """Grid column of a step: itself if F/B/BUBBLE, the next compute for a RECV, the previous
+    """Grid column of a step: itself if F/B/I/W/BUBBLE, the next compute for a RECV, the previous
     compute for a SEND, the end of the row for ALLREDUCE/OPT."""
     col = sum(1 for a in acts[:step] if a.op in _GRID_OPS)
     op = acts[step].op
@@ -469,7 +568,7 @@ def _mark_column(acts: tuple[Action, ...], step: int) -> int:
 
 
 def grid(schedule: Schedule, mark: tuple[int, int] | None = None) -> str:
-    """One row per rank, one column per compute step (F, B, BUBBLE).
+    """One row per rank, one column per compute step (F, B, I, W, BUBBLE).
 
     ``mark=(rank, step)`` (step indexes ``schedule.ranks[rank]``, as in ScheduleError messages)
     puts ``>`` before that step's cell and adds a footer line naming the action.

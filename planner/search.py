@@ -197,11 +197,16 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
 
 def _optimistic_iteration(ev: Evaluator, c: ParallelConfig) -> float:
     """The schedule's own time with perfectly balanced stages and free p2p: no partition beats it."""
-    fwd, bwd, _, _ = ev.unit_costs(c)
+    fwd, bwd, _, _, wgt, _ = ev.unit_costs(c)
     work = [f + b for f, b in zip(fwd, bwd)]
     k = c.stages
     stage = max(sum(work) / k, max(work))
-    return c.schedule_kind.analytic_s((stage,) * k, (0.0,) * k, c.pp, c.v, c.m, 0.0)
+    if not c.schedule_kind.split_backward:
+        return c.schedule_kind.analytic_s((stage,) * k, (0.0,) * k, c.pp, c.v, c.m, 0.0, ())
+    # a split backward's bubble shrinks as W grows and F shrinks: the extreme shares of any unit bound it below
+    f = stage * min((f / x for f, x in zip(fwd, work) if x), default=0.0)
+    w = stage * max((w / x for w, x in zip(wgt, work) if x), default=0.0)
+    return c.schedule_kind.analytic_s((f,) * k, (stage - f,) * k, c.pp, c.v, c.m, 0.0, (min(w, stage - f),) * k)
 
 
 def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: int = 3,

@@ -1,11 +1,16 @@
 """Discrete-event simulation of one training iteration of a pipeline schedule.
 
 Each rank runs its actions in list order. A forward of stage k > 0 starts when the rank is free and
-the activation of F(k-1, mb) has arrived (its end + p2p_s); a backward of stage k < last waits for
-the gradient of B(k+1, mb) the same way; the last stage's backward waits for its own forward.
-Sends are asynchronous and never occupy the compute timeline; SEND/RECV/BUBBLE actions take no
+the activation of F(k-1, mb) has arrived (its end, + p2p_s when stage k-1 lives on another rank); a
+backward (B, or its input-gradient half I) of stage k < last waits for the gradient of B/I(k+1, mb) the
+same way; the last stage's backward waits for its own forward; a weight-gradient step W waits for its
+own I. Sends are asynchronous and never occupy the compute timeline; SEND/RECV/BUBBLE actions take no
 time. ALLREDUCE follows the rank's last backward, OPT follows ALLREDUCE, and the iteration ends
-when the last rank finishes OPT. Every idle gap on a rank becomes a Bubble:
+when the last rank finishes OPT.
+
+Memory is a ledger of each action's change: F adds its stage's activations, B frees them, I frees all
+but what W still needs (weight_bytes), W frees that; `SimResult.memory` is each rank's bytes over the
+iteration. Every idle gap on a rank becomes a Bubble:
 
 - 'A' (fill/drain): before the rank's first compute, or after its last backward up to the end of
   the iteration (including the wait while other ranks finish their all-reduce/optimizer step);
@@ -25,8 +30,9 @@ __all__ = ["Bubble", "Interval", "SimCosts", "SimResult", "simulate", "with_bubb
 GAP_EPS_S = 1e-12
 """Idle gaps shorter than this are not bubbles (float noise)."""
 
-_F, _B, _ALLREDUCE, _OPT, _BUBBLE = Op.F, Op.B, Op.ALLREDUCE, Op.OPT, Op.BUBBLE
+_F, _B, _I, _W, _ALLREDUCE, _OPT, _BUBBLE = Op.F, Op.B, Op.I, Op.W, Op.ALLREDUCE, Op.OPT, Op.BUBBLE
 _RECV = frozenset({Op.RECV_F, Op.RECV_B})
+_COMPUTE = frozenset({_F, _B, _I, _W})
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -49,10 +55,15 @@ class SimCosts:
     """Per virtual stage: bytes stashed per microbatch from its forward until its backward."""
     capacity_bytes: int
     """Device memory."""
+    weight_s: tuple[float, ...] = ()
+    """Per virtual stage: of backward_s, what a split backward's W step takes (I takes the rest); needed
+    only by schedules that split the backward."""
+    weight_bytes: tuple[int, ...] = ()
+    """Per virtual stage: of activation_bytes, what one microbatch still holds between its I and its W."""
 
     def __post_init__(self) -> None:
         for name in ("forward_s", "backward_s", "allreduce_s", "optimizer_s", "static_bytes",
-                     "activation_bytes"):
+                     "activation_bytes", "weight_s", "weight_bytes"):
             values = tuple(getattr(self, name))
             bad = [x for x in values if not x >= 0]  # also catches NaN
             if bad:
@@ -108,6 +119,9 @@ class SimResult:
     """Total bubble time over p * iteration_s."""
     peak_bytes: tuple[int, ...]
     """Per rank: static bytes + the most activation bytes in flight at once."""
+    memory: tuple[tuple[tuple[float, int], ...], ...] = ()
+    """Per rank, the ledger: (time, bytes held from then on: static + activations) at the start and after
+    each change, in time order."""
 
 
 def _check_costs(s: Schedule, c: SimCosts) -> None:
@@ -123,11 +137,16 @@ def _check_costs(s: Schedule, c: SimCosts) -> None:
         got = len(getattr(c, name))
         if got != want:
             raise ValueError(f"SimCosts.{name} has {got} entries, schedule needs {want}")
+    split = any(a.op is _W for acts in s.ranks for a in acts)
+    for name in ("weight_s", "weight_bytes") if split else ():
+        if len(getattr(c, name)) != stages:
+            raise ValueError(f"SimCosts.{name} has {len(getattr(c, name))} entries; a schedule with split "
+                             f"backwards needs {stages}")
 
 
-# One busy record per executed F/B/ALLREDUCE/OPT: (start, end, action).
+# One busy record per executed F/B/I/W/ALLREDUCE/OPT: (start, end, action).
 _Record = tuple[float, float, Action]
-_TIMED = frozenset({_F, _B, _ALLREDUCE, _OPT})
+_TIMED = frozenset({_F, _B, _I, _W, _ALLREDUCE, _OPT})
 
 
 def _execute(s: Schedule, c: SimCosts) -> list[list[_Record]]:
@@ -138,11 +157,14 @@ def _execute(s: Schedule, c: SimCosts) -> list[list[_Record]]:
     end times of an action's inputs and of the previous action on the rank).
     """
     p, m, last = s.p, s.m, s.num_stages - 1
+    rank_of = s.placement.rank_of
     n = s.num_stages * m
     fend = [-1.0] * n  # end time of F(k, mb) at index k*m + mb; -1 = not run yet
-    bend = [-1.0] * n
-    hop = c.p2p_s if p > 1 else 0.0  # with p == 1 neighbour stages share the rank
+    bend = [-1.0] * n  # end of B(k, mb) or I(k, mb): the input's gradient exists
+    hop = c.p2p_s
     fwd, bwd = c.forward_s, c.backward_s
+    wgt = c.weight_s or (0.0,) * s.num_stages
+    inp = tuple(b - w for b, w in zip(bwd, wgt))
     timed = [[a for a in acts if a.op in _TIMED] for acts in s.ranks]
     ptr, free, blocked = [0] * p, [0.0] * p, [-1] * p  # blocked: encoded key the rank waits on
     records: list[list[_Record]] = [[] for _ in range(p)]
@@ -162,18 +184,19 @@ def _execute(s: Schedule, c: SimCosts) -> list[list[_Record]]:
                     if arrive < 0.0:
                         blocked[r] = idx - m
                         break
-                    arrive += hop
+                    if rank_of[k - 1] != r:
+                        arrive += hop
                     if arrive > t:
                         t = arrive
                 end = t + fwd[k]
                 add((t, end, a))
                 t = fend[idx] = end
                 if k < last:
-                    nxt = (k + 1) % p
+                    nxt = rank_of[k + 1]
                     if blocked[nxt] == idx:
                         blocked[nxt] = -1
                         ready.append(nxt)
-            elif op is _B:
+            elif op is _B or op is _I:
                 k = a.stage
                 idx = k * m + a.mb
                 if k < last:
@@ -181,7 +204,8 @@ def _execute(s: Schedule, c: SimCosts) -> list[list[_Record]]:
                     if arrive < 0.0:
                         blocked[r] = n + idx + m
                         break
-                    arrive += hop
+                    if rank_of[k + 1] != r:
+                        arrive += hop
                 else:
                     arrive = fend[idx]
                     if arrive < 0.0:
@@ -189,14 +213,18 @@ def _execute(s: Schedule, c: SimCosts) -> list[list[_Record]]:
                         break
                 if arrive > t:
                     t = arrive
-                end = t + bwd[k]
+                end = t + (bwd[k] if op is _B else inp[k])
                 add((t, end, a))
                 t = bend[idx] = end
                 if k > 0:
-                    prv = (k - 1) % p
+                    prv = rank_of[k - 1]
                     if blocked[prv] == n + idx:
                         blocked[prv] = -1
                         ready.append(prv)
+            elif op is _W:  # after its own I on this rank (validate checks the order)
+                end = t + wgt[a.stage]
+                add((t, end, a))
+                t = end
             else:
                 end = t + (c.allreduce_s[r] if op is _ALLREDUCE else c.optimizer_s[r])
                 add((t, end, a))
@@ -263,14 +291,18 @@ def _bubble_kind(op: Op | None, started: bool) -> str:
 
 def _rank_timeline(
     r: int, rec: list[_Record], iteration: float, c: SimCosts
-) -> tuple[list[Interval], list[Bubble], int]:
-    """Intervals (busy and bubble) of one rank, its bubbles, and its peak activation bytes."""
-    free_base = c.capacity_bytes - c.static_bytes[r]
+) -> tuple[list[Interval], list[Bubble], list[tuple[float, int]]]:
+    """Intervals (busy and bubble) of one rank, its bubbles, and its memory ledger. An action's activations
+    count from its start (F) and are freed at its end (B, I, W)."""
+    static = c.static_bytes[r]
+    free_base = c.capacity_bytes - static
     act_bytes = c.activation_bytes
+    keep = c.weight_bytes or (0,) * len(act_bytes)
     intervals: list[Interval] = []
     bubbles: list[Bubble] = []
+    ledger: list[tuple[float, int]] = [(0.0, static)]
     add = intervals.append
-    held = peak = 0
+    held = 0
     prev, started = 0.0, False  # started: some action already ran on this rank
 
     def gap(until: float, op: Op | None) -> None:
@@ -285,18 +317,19 @@ def _rank_timeline(
             gap(start, op)
         if op is _F:
             held += act_bytes[a.stage]
-            if held > peak:
-                peak = held
-            add(_interval(start, end, f"{a.stage}F{a.mb}", "compute"))
-        elif op is _B:
-            held -= act_bytes[a.stage]
-            add(_interval(start, end, f"{a.stage}B{a.mb}", "compute"))
+            ledger.append((start, static + held))
+        elif op is _B or op is _I or op is _W:
+            k = a.stage
+            held -= act_bytes[k] if op is _B else act_bytes[k] - keep[k] if op is _I else keep[k]
+            ledger.append((end, static + held))
+        if op in _COMPUTE:
+            add(_interval(start, end, f"{a.stage}{op.value}{a.mb}", "compute"))
         else:
             add(_interval(start, end, str(a), "comm" if op is _ALLREDUCE else "compute"))
         prev, started = end, True
     if iteration - prev > GAP_EPS_S:
         gap(iteration, None)
-    return intervals, bubbles, peak
+    return intervals, bubbles, ledger
 
 
 def simulate(schedule: Schedule, costs: SimCosts) -> SimResult:
@@ -309,13 +342,13 @@ def simulate(schedule: Schedule, costs: SimCosts) -> SimResult:
 def _simulate(schedule: Schedule, costs: SimCosts) -> SimResult:
     records = _execute(schedule, costs)
     iteration = max((rec[-1][1] for rec in records if rec), default=0.0)
-    timelines, bubbles, busy, peaks = [], [], [], []
+    timelines, bubbles, busy, ledgers = [], [], [], []
     for r, rec in enumerate(records):
-        intervals, rank_bubbles, peak = _rank_timeline(r, rec, iteration, costs)
+        intervals, rank_bubbles, ledger = _rank_timeline(r, rec, iteration, costs)
         timelines.append(tuple(intervals))
         bubbles.extend(rank_bubbles)
         busy.append(sum(end - start for start, end, _ in rec))
-        peaks.append(costs.static_bytes[r] + peak)
+        ledgers.append(tuple(ledger))
     idle = sum(b.duration_s for b in bubbles)
     fraction = idle / (schedule.p * iteration) if iteration > 0 else 0.0
     return SimResult(
@@ -324,7 +357,8 @@ def _simulate(schedule: Schedule, costs: SimCosts) -> SimResult:
         bubbles=tuple(bubbles),
         busy_s=tuple(busy),
         bubble_fraction=fraction,
-        peak_bytes=tuple(peaks),
+        peak_bytes=tuple(max(b for _, b in ledger) for ledger in ledgers),
+        memory=tuple(ledgers),
     )
 
 
@@ -342,7 +376,7 @@ def with_bubbles(schedule: Schedule, result: SimResult) -> Schedule:
     ranks = []
     for r, timeline in enumerate(result.timelines):
         base = [a for a in schedule.ranks[r] if a.op is not _BUBBLE]
-        step_of = {str(a): i for i, a in enumerate(base) if a.op in (_F, _B, _ALLREDUCE, _OPT)}
+        step_of = {str(a): i for i, a in enumerate(base) if a.op in _TIMED}
         inserts: dict[int, list[Action]] = {}
         pending: list[Action] = []
         for iv in timeline:

@@ -36,7 +36,7 @@ def offload_bytes(ev: Evaluator, e: Evaluation) -> tuple[int, ...] | None:
     pcie = ev.hw.gpu.pcie_bw
     c, out = e.config, []
     for r, mem in enumerate(e.rank_memory):
-        forward_phase = c.m * sum(e.forward_s[j] for j in range(r, c.stages, c.pp))
+        forward_phase = c.m * sum(e.forward_s[j] for j in c.placement.stages(r))
         out.append(int(min(mem.optimizer, pcie * min(forward_phase, e.allreduce_s[r]))))
     return tuple(out) if any(out) else None
 

@@ -187,7 +187,8 @@ def _run_entry(c: CheckedPlan, ranks: list[dict[str, Any]], args: argparse.Names
     from ..validate import DTYPES
 
     cfg = c.plan.config
-    last = [r for r in ranks if r["pp"] == cfg.pp - 1 and r["dp"] == 0 and r["tp"] == 0][0]
+    holder = next(s.rank for s in c.plan.partition if s.stage == len(c.plan.partition) - 1)  # runs the loss
+    last = [r for r in ranks if r["pp"] == holder and r["dp"] == 0 and r["tp"] == 0][0]
     return RunEntry.model_validate({
         "plan": str(c.path), "config": cfg.model_dump(), "world": len(ranks), "device": device,
         "steps": args.steps, "fill": not args.no_fill, "optimizer": args.optimizer, "lr": args.lr,

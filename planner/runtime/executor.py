@@ -5,7 +5,11 @@ own action strings run here, one at a time, in order:
 
 - ``kF m`` / ``kB m``: forward / backward of virtual stage k on microbatch m. The last stage
   computes ``loss_fn(output, targets) / m``; its backward starts from that loss, other stages from
-  the gradient received for what they sent.
+  the gradient received for what they sent. Zero-bubble schedules split the backward: ``kI m`` computes
+  the gradients of the stage's inputs only and keeps the autograd nodes the weights' gradients hang from,
+  ``kW m`` computes those (torch.distributed.pipelining's ``stage_backward_input`` /
+  ``stage_backward_weight``; the first stage, whose inputs carry no gradient, runs its whole backward at W
+  as torch's does). Neighbour stages on the same rank (a V placement) hand values over directly.
 - ``kSEND_F m`` / ``kSEND_B m``: asynchronous ``isend`` (gloo/nccl p2p, tagged by boundary,
   microbatch and slot); ``kRECV_F m`` / ``kRECV_B m``: ``irecv`` into a buffer shaped by the meta
   shape pass, waited at once. Sends are waited at ALLREDUCE, so the schedule's own deadlock check
@@ -38,11 +42,12 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from passes.load import ModelFile
 
 from ..plan import Plan, plan_schedule
-from ..schedule import Action, Op, grid
+from ..schedule import COMPUTE_OPS, Action, Op, grid
 from passes.errors import UserError
 
 from .context_parallel import ContextParallel
@@ -141,6 +146,7 @@ class _Step:
     out_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     in_grads: dict[tuple[int, int], list[torch.Tensor]] = field(default_factory=dict)
     pending: list[Any] = field(default_factory=list)
+    weight_grads: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)  # what each W step needs
     loss: torch.Tensor | None = None
     bubble: tuple[int, float] | None = None
     bubbles: list[dict[str, Any]] = field(default_factory=list)
@@ -158,6 +164,7 @@ class Executor:
         self.specs = specs
         self.actions = [Action.parse(a) for a in plan.actions[self.c.pp]]
         self.n_stages = len(plan.partition)
+        self.rank_of = {s.stage: s.rank for s in plan.partition}  # the plan's placement
         self.cfg = plan.config.to_config()
         self.m = self.cfg.m
         self.params: dict[str, torch.nn.Parameter] = {}
@@ -171,10 +178,11 @@ class Executor:
                              optimizer=options.optimizer, lr=options.lr, grad_fp32=self.cfg.grad_fp32,
                              tp_partial=[p for st in stages for p in st.tp_partial], tp_group=groups.tp_group)
         self._names = {id(p): n for n, p in self.params.items()}
-        # the last backward of each stage: its gradients are final there (overlapped reduction starts)
+        # the last backward (B, or W of a split one) of each stage: its gradients are final there (overlapped
+        # reduction starts)
         self._last_backward = {}
         for i, a in enumerate(self.actions):
-            if a.op is Op.B:
+            if a.op is Op.B or a.op is Op.W:
                 self._last_backward[a.stage] = i
         self._stage_params = {k: [p for _, p in st.named_parameters()] for k, st in self.stages.items()}
         self.bubble_info = {b.id: b for b in plan.bubbles if b.rank == self.c.pp}
@@ -218,12 +226,18 @@ class Executor:
 
     def _do(self, st: _Step, a: Action) -> None:
         op = a.op
-        if op is Op.F or op is Op.B:
+        if op in COMPUTE_OPS:
             self._end_bubble(st)
             start = time.perf_counter()
-            (self._forward if op is Op.F else self._backward)(st, a.stage, a.mb)
+            if op is Op.F:
+                self._forward(st, a.stage, a.mb)
+            elif op is Op.W:
+                self._backward_weight(st, a.stage, a.mb)
+            else:
+                self._backward(st, a.stage, a.mb, split=op is Op.I)
             self._sync()
-            st.times.setdefault(a.stage, [0.0, 0.0])[op is Op.B] += time.perf_counter() - start
+            st.times.setdefault(a.stage, [0.0, 0.0])[op is not Op.F] += time.perf_counter() - start
+            self._hand_over(st, a)
         elif op is Op.SEND_F:
             self._send(st, st.out_acts.pop((a.stage, a.mb)), a.stage + 1, self._tag(0, a.stage, a.mb))
         elif op is Op.RECV_F:
@@ -281,21 +295,49 @@ class Executor:
             lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x, output)
         return self.mf.module.loss_fn(output, targets)
 
-    def _backward(self, st: _Step, k: int, mb: int) -> None:
+    def _backward(self, st: _Step, k: int, mb: int, split: bool = False) -> None:
+        """B, or with `split` its input-gradient half I (what W needs is kept in st.weight_grads)."""
         stage = self.stages[k]
         received, outs = st.saved.pop((k, mb))
+        grads: list[torch.Tensor] | None = None  # the loss's backward starts from 1
+        if stage.program.last:
+            outputs = [outs * self.scaler.scale if self.scaler else outs]
+        else:
+            pairs = [(o, g) for o, g in zip(self._grad_values(stage.program.send, outs), st.out_grads.pop((k, mb)))
+                     if o.requires_grad]
+            outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
+        inputs = self._grad_values(stage.program.recv, received)
         with implicit_replication(self.tp):
-            if stage.program.last:
-                (outs * self.scaler.scale if self.scaler else outs).backward()
+            if not split:
+                if outputs:
+                    torch.autograd.backward(outputs, grads)
+            elif not any(x.requires_grad for x in inputs):  # the first stage: its whole backward runs at W (torch)
+                st.weight_grads[(k, mb)] = ("whole", outputs, grads)
             else:
-                grads = st.out_grads.pop((k, mb))
-                pairs = [(o, g) for o, g in zip(self._grad_values(stage.program.send, outs), grads)
-                         if o.requires_grad]
-                if pairs:
-                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                weights = [p for p in self._stage_params[k] if p.requires_grad]
+                _, groups = stage_backward_input(outputs, grads, inputs, iter(weights))
+                st.weight_grads[(k, mb)] = ("weights", weights, groups)
         if k > 0:
-            st.in_grads[(k, mb)] = [x.grad if x.grad is not None else torch.zeros_like(x)
-                                    for x in self._grad_values(stage.program.recv, received)]
+            st.in_grads[(k, mb)] = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
+
+    def _backward_weight(self, st: _Step, k: int, mb: int) -> None:
+        """W: the weights' gradients of a backward whose I ran (torch's stage_backward_weight)."""
+        what, first, second = st.weight_grads.pop((k, mb))
+        with implicit_replication(self.tp):
+            if what == "weights":
+                stage_backward_weight(iter(first), second)
+            elif first:
+                torch.autograd.backward(first, second)
+
+    def _hand_over(self, st: _Step, a: Action) -> None:
+        """Pass what a compute produced to a neighbour stage on this rank (no SEND/RECV in the program)."""
+        k, mb = a.stage, a.mb
+        if a.op is Op.F and k + 1 < self.n_stages and self.rank_of[k + 1] == self.c.pp:
+            self._do(st, Action(stage=k, op=Op.SEND_F, mb=mb))
+            self._do(st, Action(stage=k + 1, op=Op.RECV_F, mb=mb))
+        elif (a.op is Op.B or a.op is Op.I) and k > 0 and self.rank_of[k - 1] == self.c.pp:
+            self._do(st, Action(stage=k, op=Op.SEND_B, mb=mb))
+            self._do(st, Action(stage=k - 1, op=Op.RECV_B, mb=mb))
 
     def _grad_values(self, names: tuple[str, ...], values: Any) -> list[torch.Tensor]:
         """The tensors among ``names`` that carry a gradient (floating point), in order."""
@@ -310,7 +352,7 @@ class Executor:
         return ((direction * self.n_stages + boundary) * self.m + mb) * self._slots
 
     def _peer(self, stage: int) -> int:
-        return self.c.peer(stage % self.c.pp_size)
+        return self.c.peer(self.rank_of[stage])
 
     def _send(self, st: _Step, tensors: list[Any], to_stage: int, tag: int) -> None:
         """Each tensor-parallel rank sends 1/t of a boundary tensor (Megatron's scatter-gather, thesis 4.4.1:

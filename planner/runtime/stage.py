@@ -157,7 +157,8 @@ def _node_stages(split: fx.GraphModule, pieces: list[Piece]) -> dict[str, int]:
 
 
 def _programs(split: fx.GraphModule, pieces: list[Piece], plan: Plan) -> list[StageProgram]:
-    n_stages, p = len(plan.partition), plan.config.pp
+    n_stages = len(plan.partition)
+    rank_of = {s.stage: s.rank for s in plan.partition}
     last = n_stages - 1
     routed = _node_stages(split, pieces)
     send: list[list[str]] = [[] for _ in range(n_stages)]
@@ -179,7 +180,7 @@ def _programs(split: fx.GraphModule, pieces: list[Piece], plan: Plan) -> list[St
             send[k].append(node.name)
             recv[k + 1].append(node.name)
     order = [n.name for n in split.graph.nodes if n.op != "output"]
-    return [StageProgram(stage=s, rank=s % p, recv=tuple(recv[s]), send=tuple(send[s]), last=s == last,
+    return [StageProgram(stage=s, rank=rank_of[s], recv=tuple(recv[s]), send=tuple(send[s]), last=s == last,
                          nodes=tuple(n for n in order if routed.get(n) == s or n in local[s]))
             for s in range(n_stages)]
 
@@ -430,7 +431,7 @@ def _key(target: Any) -> str:
 
 
 def stage_modules(split: SplitModel, pipeline_rank: int, constants: dict[str, Any]) -> list[StageModule]:
-    """The stages this pipeline rank runs (stage j runs on rank j % p), in stage order. The split
+    """The stages this pipeline rank runs (the plan's partition places them), in stage order. The split
     drops every other piece, so that only this rank's weights stay referenced."""
     stages = [StageModule(split, prog.stage, constants) for prog in split.programs if prog.rank == pipeline_rank]
     for name, _ in list(split.split.named_children()):

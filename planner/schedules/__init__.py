@@ -7,6 +7,6 @@ below) and a test; the search, the plan file, the CLI's choices and the runtime 
 from __future__ import annotations
 
 from .base import SCHEDULES, ScheduleKind, get_schedule, register, unregister
-from . import gpipe, one_f_one_b, interleaved  # noqa: E402,F401  (each registers itself)
+from . import gpipe, one_f_one_b, interleaved, zero_bubble  # noqa: E402,F401  (each registers itself)
 
 __all__ = ["SCHEDULES", "ScheduleKind", "get_schedule", "register", "unregister"]

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
-    from planner.schedule import Schedule
+    from planner.schedule import Op, Schedule
 
 __all__ = ["ScheduleKind", "SCHEDULES", "register", "get_schedule", "unregister"]
 
@@ -17,19 +17,33 @@ class ScheduleKind:
 
     name: str
     help: str
-    generate: Callable[[int, int, int], Schedule]
-    """(p, m, v) -> every rank's action list for one iteration."""
+    compute: Callable[[int, int, int], Sequence[Sequence[tuple[Op, int, int]]]]
+    """(p, m, v) -> every rank's compute-only program for one iteration: (op, stage, microbatch) with op F, B,
+    or a backward split into I (input gradient) and W (weight gradient). `generate` lowers it."""
     inflight: Callable[[int, int, int, int], float]
     """(p, v, m, rank) -> microbatches whose activations the rank holds at its peak, in units of a
-    whole stage (model chunks in flight divided by v)."""
-    analytic_s: Callable[[Sequence[float], Sequence[float], int, int, int, float], float]
-    """(forward_s, backward_s per virtual stage, p, v, m, p2p_s) -> pipeline time of one iteration
-    (exact for uniform stages; the event simulator refines it). With uniform stages and no p2p it
-    is the search's optimistic bound."""
+    whole stage (model chunks between their F and their B or I, divided by v)."""
+    analytic_s: Callable[..., float]
+    """(forward_s, backward_s per virtual stage, p, v, m, p2p_s, weight_s) -> pipeline time of one iteration
+    (exact for uniform stages; the event simulator refines it); backward_s is a whole backward, weight_s the
+    part of it a split backward's W runs. With uniform stages and no p2p it is the search's optimistic bound."""
     check: Callable[[int, int, int], str | None]
     """(p, v, m) -> why this kind cannot run that shape (a short, fixed reason), or None."""
     v_choices: Callable[[int, int], Sequence[int]]
     """(p, max_v) -> the chunks per rank the search tries."""
+    placement: str = "loop"
+    """Stage -> rank placement (planner.schedule.Placement): "loop" or "v"."""
+    split_backward: bool = False
+    """The program splits every backward into I and W (zero-bubble schedules)."""
+    w_pending: Callable[[int, int, int, int], float] = lambda p, v, m, rank: 0.0
+    """(p, v, m, rank) -> at the rank's activation peak, microbatches whose I ran and whose W has not (what the
+    weight gradient still needs: each linear's input and output gradient), in whole-stage units."""
+
+    def generate(self, p: int, m: int, v: int = 1) -> Schedule:
+        """Every rank's lowered action list for one iteration."""
+        from planner.schedule import lower
+
+        return lower(self.name, p, m, v, self.compute(p, m, v))
 
 
 SCHEDULES: dict[str, ScheduleKind] = {}

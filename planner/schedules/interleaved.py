@@ -1,17 +1,17 @@
-"""Megatron's interleaved 1F1B (Narayanan et al. 2021, 2.2.2): v model chunks per rank, virtual
-stage k on rank k % p; the bubble shrinks by v at the cost of v times the p2p messages."""
+"""Megatron's interleaved 1F1B (Narayanan et al. 2021, 2.2.2): v model chunks per rank, placed in a loop
+(planner.schedule.Placement); the bubble shrinks by v at the cost of v times the p2p messages."""
 from __future__ import annotations
 
 from typing import Sequence
 
-from planner.schedule import Op, Schedule, check_shape, one_f_one_b_order, with_comm, gc_paused
+from planner.schedule import Op, Placement, check_shape, one_f_one_b_order
 
 from .base import ScheduleKind, register
 from .one_f_one_b import inflight as one_f_one_b_inflight
 
 _F, _B = Op.F, Op.B  # module constants: Enum attribute access is slow in hot loops
 
-__all__ = ["generate", "KIND"]
+__all__ = ["compute", "KIND"]
 
 
 def group_size(p: int, m: int) -> int | None:
@@ -31,8 +31,9 @@ def _warmup(r: int, p: int, v: int, m: int) -> int:
 def _order(r: int, p: int, v: int, m: int) -> list[tuple[Op, int, int]]:
     g = group_size(p, m)
     groups = [range(s, min(s + g, m)) for s in range(0, m, g)]
-    fwd = [(_F, c * p + r, mb) for grp in groups for c in range(v) for mb in grp]
-    bwd = [(_B, c * p + r, mb) for grp in groups for c in reversed(range(v)) for mb in grp]
+    chunks = Placement("loop", p, v).stages(r)
+    fwd = [(_F, chunks[c], mb) for grp in groups for c in range(v) for mb in grp]
+    bwd = [(_B, chunks[c], mb) for grp in groups for c in reversed(range(v)) for mb in grp]
     warmup = _warmup(r, p, v, m)
     steady = m * v - warmup
     order = fwd[:warmup]
@@ -43,7 +44,7 @@ def _order(r: int, p: int, v: int, m: int) -> list[tuple[Op, int, int]]:
     return order
 
 
-def generate(p: int, m: int, v: int = 1) -> Schedule:
+def compute(p: int, m: int, v: int = 1) -> list[list[tuple[Op, int, int]]]:
     """Megatron interleaved 1F1B with v chunks per rank, each running its microbatches in groups of
     `group_size(p, m)` (p when p divides m).
 
@@ -53,11 +54,8 @@ def generate(p: int, m: int, v: int = 1) -> Schedule:
     why = _check(p, v, m)
     if why is not None:
         raise ValueError(f"interleaved schedule with p={p} m={m}: {why}")
-    last = p * v - 1
     order = one_f_one_b_order if v == 1 else _order
-    with gc_paused():
-        ranks = tuple(with_comm(order(r, p, v, m), last) for r in range(p))
-    return Schedule(kind="interleaved", p=p, v=v, m=m, ranks=ranks)
+    return [order(r, p, v, m) for r in range(p)]
 
 
 def _check(p: int, v: int, m: int) -> str | None:
@@ -74,16 +72,17 @@ def inflight(p: int, v: int, m: int, rank: int) -> float:
     return min(_warmup(rank, p, v, m) + 1, m * v) / v
 
 
-def analytic_s(f_s: Sequence[float], b_s: Sequence[float], p: int, v: int, m: int, p2p: float) -> float:
+def analytic_s(f_s: Sequence[float], b_s: Sequence[float], p: int, v: int, m: int, p2p: float,
+               w_s: Sequence[float] = ()) -> float:
     """m microbatches through the slowest rank, plus a fill/drain shortened v times; every chunk
     boundary is a hop. (Groups longer than p stall a little more; the simulation has it exactly.)"""
-    k = p * v
-    slowest = max(sum(f_s[j] + b_s[j] for j in range(r, k, p)) for r in range(p))
+    k, place = p * v, Placement("loop", p, v)
+    slowest = max(sum(f_s[j] + b_s[j] for j in place.stages(r)) for r in range(p))
     return m * slowest + (p - 1) * slowest / v + 2 * (k - 1) * p2p
 
 
 KIND = register(ScheduleKind(
     name="interleaved", help="Megatron interleaved 1F1B: v model chunks per rank, bubble / v",
-    generate=generate, inflight=inflight, analytic_s=analytic_s,
+    compute=compute, inflight=inflight, analytic_s=analytic_s,
     check=lambda p, v, m: _check(p, v, m),
     v_choices=lambda p, max_v: range(2, max_v + 1) if p > 1 else ()))

@@ -1,22 +1,20 @@
 """1F1B / PipeDream-Flush (Narayanan et al. 2021): warm-up forwards, then one forward one backward."""
 from __future__ import annotations
 
-from planner.schedule import Schedule, check_shape, one_f_one_b_order, with_comm, gc_paused
+from planner.schedule import Op, check_shape, one_f_one_b_order
 
 from .base import ScheduleKind, register
 from .gpipe import flush_analytic_s, one_chunk
 
-__all__ = ["generate", "inflight", "KIND"]
+__all__ = ["compute", "inflight", "KIND"]
 
 
-def generate(p: int, m: int, v: int = 1) -> Schedule:
+def compute(p: int, m: int, v: int = 1) -> list[list[tuple[Op, int, int]]]:
     """Rank r runs min(p-r-1, m) warm-up forwards, then alternates F and B."""
     check_shape(p, m)
     if v != 1:
         raise ValueError(f"schedule kind '1f1b' has one chunk per rank; got v={v}")
-    with gc_paused():
-        ranks = tuple(with_comm(one_f_one_b_order(r, p, 1, m), p - 1) for r in range(p))
-    return Schedule(kind="1f1b", p=p, v=1, m=m, ranks=ranks)
+    return [one_f_one_b_order(r, p, 1, m) for r in range(p)]
 
 
 def inflight(p: int, v: int, m: int, rank: int) -> float:
@@ -26,5 +24,5 @@ def inflight(p: int, v: int, m: int, rank: int) -> float:
 
 KIND = register(ScheduleKind(
     name="1f1b", help="1F1B (PipeDream-Flush): at most p - rank microbatches in flight",
-    generate=generate, inflight=inflight, analytic_s=flush_analytic_s, check=one_chunk("1f1b"),
+    compute=compute, inflight=inflight, analytic_s=flush_analytic_s, check=one_chunk("1f1b"),
     v_choices=lambda p, max_v: (1,)))

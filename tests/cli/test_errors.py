@@ -84,7 +84,7 @@ def _edit(data: dict, where: str, value) -> None:
     ("config.microbatch", lambda b: b * 2, "samples but source.global_batch"),
     ("predictions.iteration_s", lambda t: t / 10, "is not global_batch / iteration_s"),
     ("predictions.samples_per_s", lambda x: x * 10, "is not global_batch / iteration_s"),
-    ("partition.0.rank", 3, "stage s on rank s % pp"),
+    ("partition.0.rank", 3, "each on the rank of the"),
     ("actions.1", lambda a: a[:-3], "actions:"),
 ])
 @pytest.mark.parametrize("command", ["show", "export"])

@@ -162,4 +162,5 @@ def test_interleaving_m_not_a_multiple_of_p_exports_megatron_cores_microbatch_gr
     assert ex.argv[ex.argv.index("--microbatch-group-size-per-virtual-pipeline-stage") + 1] == "6"
     assert check_megatron(ex)["microbatch_group"] == 6
     titan = to_torchtitan(plan, module="llama3", config="llama3_debugmodel")
-    assert not any("groups of" in n for n in titan.unexpressed)  # torch's rounds: max(1, 6 // 4) = 1, groups of 6
+    assert not any("groups of" in n for n in titan.unexpressed)
+    assert "--parallelism.pipeline_parallel_schedule_csv" in titan.argv  # torchtitan runs the plan's own groups

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import sympy
 import torch
 
 from passes.costs import NodeCost, node_kind
@@ -139,3 +140,93 @@ def test_layer_activations_are_korthikantis_closed_forms(gpt8, t, sp, mode):
     expected = {"none": plain, "selective": plain - core / t, "full": 2 * sbh / r}[mode]
     seed = 64 if flash and mode == "none" else 0  # the fused kernel's RNG seed and offset: bytes, not tokens
     assert RECOMPUTE[mode].kept_bytes(block, b, t, r) == pytest.approx(expected, rel=1e-12, abs=seed)
+
+
+LINEAR_MLP = """import torch
+from torch import nn
+
+
+def build_model():
+    return nn.Sequential(nn.Linear(16, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8))
+
+
+def example_inputs(batch_size: int):
+    return (torch.randn(batch_size, 16),)
+"""
+
+
+def test_a_linear_mlps_weight_gradients_are_its_products_dw(tmp_path):
+    """Each linear's W is its dW, a product the size of its forward (the traced linears count no bias FLOPs,
+    forward or backward); its I the dX of the same size, except the first's: the data needs no gradient."""
+    path = tmp_path / "linear_mlp.py"
+    path.write_text(LINEAR_MLP)
+    prof, _ = analyze(path, {})
+    assert [u.kind for u in prof.units] == ["block"] * 4
+    for i, (u, (fan_in, fan_out)) in enumerate(zip(prof.units, [(16, 64), (64, 64), (64, 64), (64, 8)])):
+        for b in (1, 5):
+            dw = 2 * b * fan_in * fan_out
+            assert u.wgrad_flops(b) == dw
+            assert u.bwd_flops(b) - u.wgrad_flops(b) == (0 if i == 0 else dw)
+            assert [(f(b), bf(b), w(b)) for f, _, bf, _, w in u.sharded.products + u.replicated.products] \
+                == [(dw, u.bwd_flops(b), dw)]
+
+
+def test_a_gpt_layers_weight_gradients_are_its_linears_dw(gpt8):
+    """W of a GPT layer: the dW of its linears, 2bs x 12h^2 (qkv 3h^2, proj h^2, fc1 and fc2 4h^2 each), all of
+    it in the products (a norm's weight gradient is left in I); each linear's dX (I) is as large as its dW. The
+    attention's products (Q K^T and P V, or the fused kernel) multiply two activations: no W."""
+    prof, flash = gpt8
+    s, h = 64, 96
+    block = next(u for u in prof.units if u.kind == "block")
+    for b in (1, 3):
+        assert block.wgrad_flops(b) == 2 * b * s * 12 * h * h
+        products = [(f(b), bf(b), w(b)) for f, _, bf, _, w in block.sharded.products + block.replicated.products]
+        assert sum(w for _, _, w in products) == block.wgrad_flops(b)
+        linears = [p for p in products if p[2]]
+        assert len(linears) == 4 and all(w == f and bf == 2 * f for f, bf, w in linears)
+        assert len(products) - len(linears) == (1 if flash else 2)
+        assert 0 < block.wgrad_flops(b) < block.bwd_flops(b)
+
+
+def test_an_embeddings_backward_is_its_tables_weight_gradient(gpt):
+    """The lookups' scatter-adds are W (the token table's over b s rows, the positions' over s); the LM head
+    reads the tied table as a weight: its dW is one more product of the forward's size."""
+    prof, ctx = gpt
+    s, h = 64, 96
+    lookups = [n.meta[COST] for n in ctx.gm.graph.nodes if n.meta[COST].kind == "embedding"]
+    assert len(lookups) == 2 and all(c.wgrad_flops == c.bwd_flops != 0 for c in lookups)
+    emb, head = prof.units[0], prof.units[-1]
+    for b in (1, 3):
+        assert emb.wgrad_flops(b) == b * s * h + s * h
+        assert head.wgrad_flops(b) == head.sharded.mm_flops(b) + head.replicated.mm_flops(b) > 0
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+@pytest.mark.parametrize("sp", [False, True])
+def test_what_a_layer_keeps_from_its_input_gradient_to_its_weight_gradient(gpt8, t, sp):
+    """Per GPT layer and tensor-parallel rank, in 16-bit: each linear's input X (the norms' outputs, 2sbh each and
+    whole on every rank as Korthikanti counts them; the attention's output 2sbh and the GeLU's 8sbh, over t) and
+    the gradient of its output dY (qkv 6sbh and fc1 8sbh over t; proj and fc2 2sbh each, whole): sbh(24/t + 8/r).
+    The X are among what mode "none" keeps: at most that plus the dY."""
+    from costmodels.recompute import RECOMPUTE, weight_grad_bytes
+
+    prof, _ = gpt8
+    s, h, b = 64, 96, 2
+    r, sbh = t if sp else 1, s * b * h
+    block = next(u for u in prof.units if u.kind == "block")
+    kept = weight_grad_bytes(block, b, t, r)
+    assert kept == pytest.approx(sbh * (24 / t + 8 / r), rel=1e-12)
+    assert 0 < kept <= RECOMPUTE["none"].kept_bytes(block, b, t, r) + sbh * (14 / t + 4 / r)
+
+
+def test_every_units_weight_gradient_bytes_are_within_its_saved_bytes_and_output_gradients(gpt):
+    _, ctx = gpt
+    nodes = {n.name: n for n in ctx.gm.graph.nodes}
+    for u in ctx.priced:
+        dy = sum((c.out_bytes for c in (nodes[name].meta[COST] for name in u.nodes) if c.wgrad_mm_flops != 0),
+                 sympy.Integer(0))
+        for b in (1, 3):
+            kept = u.sharded.wgrad_bytes(b) + u.replicated.wgrad_bytes(b)
+            saved = u.sharded.saved_bytes(b) + u.replicated.saved_bytes(b)
+            assert (kept > 0) == (u.kind != "embedding")  # the lookups' W reads no product's X
+            assert kept <= saved + float(dy.subs(B, b))

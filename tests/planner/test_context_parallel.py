@@ -42,8 +42,8 @@ def test_keys_and_values_the_ring_passes_are_2sbh_per_layer(prof):
 
 def test_each_context_parallel_rank_keeps_one_cp_th_of_the_activations_and_work(prof):
     flash, _ = analyze(EXAMPLES / "gpt.py", {"preset": "7.5b", "flash": True})
-    f1, b1, _, a1 = _ev(flash).unit_costs(_cfg(cp=1))
-    f2, b2, _, a2 = _ev(flash).unit_costs(_cfg(cp=2, dp=4))
+    f1, b1, _, a1, _, _ = _ev(flash).unit_costs(_cfg(cp=1))
+    f2, b2, _, a2, _, _ = _ev(flash).unit_costs(_cfg(cp=2, dp=4))
     blocks = [i for i, u in enumerate(flash.units) if u.kind == "block"]
     for i, (x1, x2) in enumerate(zip(a1, a2)):  # (the embedding's position ids are a constant: not split)
         assert x2 == pytest.approx(x1 / 2, rel=1e-6 if i in blocks else 1e-2)

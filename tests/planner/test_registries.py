@@ -12,7 +12,7 @@ from planner.cli import app
 from planner.fill.assign import PACKERS
 from planner.plan import load_plan, plan_schedule, save_plan
 from planner.runtime import check_plan
-from planner.schedule import Op, Schedule, check_shape, gc_paused, validate, with_comm
+from planner.schedule import Op, Schedule, check_shape, validate
 from planner.schedules import SCHEDULES, ScheduleKind, register, unregister
 from planner.schedules.gpipe import flush_analytic_s
 from planner.search import Pins
@@ -20,16 +20,13 @@ from planner.simulate import SimCosts, simulate
 from tests.conftest import EXAMPLES
 
 
-def _lifo(p: int, m: int, v: int = 1) -> Schedule:
-    """GPipe with the backwards in reverse microbatch order (last in, first out)."""
+def _lifo(p: int, m: int, v: int = 1) -> list[list[tuple[Op, int, int]]]:
+    """GPipe with the backwards in reverse microbatch order (last in, first out): a compute-only program."""
     check_shape(p, m)
-    with gc_paused():
-        ranks = tuple(with_comm([(Op.F, r, mb) for mb in range(m)] + [(Op.B, r, mb) for mb in reversed(range(m))],
-                                p - 1) for r in range(p))
-    return Schedule(kind="lifo", p=p, v=1, m=m, ranks=ranks)
+    return [[(Op.F, r, mb) for mb in range(m)] + [(Op.B, r, mb) for mb in reversed(range(m))] for r in range(p)]
 
 
-LIFO = ScheduleKind(name="lifo", help="all forwards, then the backwards last microbatch first", generate=_lifo,
+LIFO = ScheduleKind(name="lifo", help="all forwards, then the backwards last microbatch first", compute=_lifo,
                     inflight=lambda p, v, m, rank: float(m), analytic_s=flush_analytic_s,
                     check=lambda p, v, m: None if v == 1 else "lifo runs one model chunk per rank",
                     v_choices=lambda p, max_v: (1,))
@@ -59,7 +56,7 @@ def test_a_schedule_added_through_the_registry_alone_plans_and_runs_the_checks(l
     costs = SimCosts(forward_s=(1.0,) * 4, backward_s=(2.0,) * 4, p2p_s=0.0, allreduce_s=(0.0,) * 4,
                      optimizer_s=(0.0,) * 4, static_bytes=(0,) * 4, activation_bytes=(1,) * 4, capacity_bytes=10)
     m = 6
-    assert simulate(_lifo(4, m), costs).iteration_s == simulate(SCHEDULES["gpipe"].generate(4, m, 1), costs).iteration_s
+    assert simulate(LIFO.generate(4, m), costs).iteration_s == simulate(SCHEDULES["gpipe"].generate(4, m, 1), costs).iteration_s
     res = CliRunner().invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "4", "--gpus-per-node", "4",
                                    "--model-arg", "preset=tiny", "--model-arg", "layers=4", "--pp", "4",
                                    "--schedule", "lifo", "-B", "16", "-o", str(tmp_path / "cli.json")])
@@ -72,7 +69,7 @@ def test_unregistered_schedule_is_refused_everywhere() -> None:
     with pytest.raises(ValueError, match="unknown schedule kind 'lifo'"):
         Schedule(kind="lifo", p=1, v=1, m=1, ranks=((),))
     res = CliRunner().invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "4", "--schedule", "lifo"])
-    assert res.exit_code != 0 and "--schedule must be one of gpipe, 1f1b, interleaved" in res.stdout + (res.stderr or "")
+    assert res.exit_code != 0 and "--schedule must be one of gpipe, 1f1b, interleaved, zbh1, zbv" in res.stdout + (res.stderr or "")
 
 
 def test_cli_choices_come_from_the_registries() -> None:

@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from planner.schedule import (
+    COMPUTE_OPS,
     Action,
     Op,
     Schedule,
@@ -17,6 +18,7 @@ from planner.schedule import (
     grid,
     validate,
 )
+from planner.schedules import SCHEDULES
 from tests.planner.kinds import KINDS, gpipe, interleaved, one_f_one_b
 
 FAST = settings(max_examples=120, deadline=None)
@@ -29,8 +31,9 @@ def schedules(draw: st.DrawFn, max_p: int = 8) -> Schedule:
     if kind == "interleaved":
         v = draw(st.integers(1, 4))
         m = p * draw(st.integers(1, 4))
-    else:
-        v, m = 1, draw(st.integers(1, 16))
+    else:  # the chunks per rank the kind runs (zbv: 2)
+        v, m = max(SCHEDULES[kind].v_choices(max(p, 2), 4), default=1), draw(st.integers(1, 16))
+    assume(SCHEDULES[kind].check(p, v, m) is None)
     return generate(kind, p, m, v)
 
 
@@ -112,8 +115,9 @@ def test_generated_schedules_validate(s: Schedule) -> None:
     validate(s)
     for r, acts in enumerate(s.ranks):
         assert [str(a) for a in acts[-2:]] == ["ALLREDUCE", "OPT"]
-        assert all(a.stage % s.p == r for a in acts if a.stage is not None), "placement k % p"
-        assert len(_strings(acts)) == 2 * s.v * s.m
+        assert all(s.placement.rank(a.stage) == r for a in acts if a.stage is not None), "the kind's placement"
+        split = 3 if SCHEDULES[s.kind].split_backward else 2  # F, I, W or F, B per chunk and microbatch
+        assert len([a for a in acts if a.op in COMPUTE_OPS]) == split * s.v * s.m
 
 
 def test_gpipe_golden() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from planner.schedule import (
@@ -16,6 +16,7 @@ from planner.schedule import (
     generate,
     validate,
 )
+from planner.schedules import SCHEDULES
 from tests.planner.kinds import KINDS, gpipe, interleaved, one_f_one_b
 from planner.simulate import SimCosts, SimResult, simulate, with_bubbles
 
@@ -44,19 +45,24 @@ def uniform(s: Schedule, tf: float = 1.0, tb: float = 2.0, **extra: object) -> S
 def cases(draw: st.DrawFn) -> tuple[Schedule, SimCosts]:
     kind = draw(st.sampled_from(KINDS))
     p = draw(st.integers(1, 6))
-    v = draw(st.integers(1, 3)) if kind == "interleaved" else 1
+    v = draw(st.integers(1, 3)) if kind == "interleaved" else max(SCHEDULES[kind].v_choices(max(p, 2), 3), default=1)
     m = p * draw(st.integers(1, 3)) if kind == "interleaved" else draw(st.integers(1, 10))
+    assume(SCHEDULES[kind].check(p, v, m) is None)
     s = generate(kind, p, m, v)
     time = st.floats(0.01, 10.0)
     stages, ranks = s.num_stages, s.p
+    backward = tuple(draw(st.lists(time, min_size=stages, max_size=stages)))
+    acts = tuple(draw(st.lists(st.integers(0, 100), min_size=stages, max_size=stages)))
+    share = draw(st.floats(0.0, 0.9))  # of a backward, the W step (split-backward kinds)
     costs = SimCosts(
         forward_s=tuple(draw(st.lists(time, min_size=stages, max_size=stages))),
-        backward_s=tuple(draw(st.lists(time, min_size=stages, max_size=stages))),
+        backward_s=backward, weight_s=tuple(b * share for b in backward),
+        weight_bytes=tuple(int(a * share) for a in acts),
         p2p_s=draw(st.sampled_from([0.0, 0.05, 1.5])),
         allreduce_s=tuple(draw(st.lists(st.floats(0.0, 5.0), min_size=ranks, max_size=ranks))),
         optimizer_s=tuple(draw(st.lists(st.floats(0.0, 1.0), min_size=ranks, max_size=ranks))),
         static_bytes=tuple(draw(st.lists(st.integers(0, 500), min_size=ranks, max_size=ranks))),
-        activation_bytes=tuple(draw(st.lists(st.integers(0, 100), min_size=stages, max_size=stages))),
+        activation_bytes=acts,
         capacity_bytes=draw(st.integers(0, 2000)),
     )
     return s, costs
@@ -101,25 +107,39 @@ def test_bubbles_plus_busy_fill_every_rank(case: tuple[Schedule, SimCosts]) -> N
 @settings(max_examples=60, deadline=None)
 @given(cases())
 def test_dependencies_and_ordering_are_respected(case: tuple[Schedule, SimCosts]) -> None:
+    """A forward after the previous stage's (plus a hop across ranks), a backward (B or I) after its own forward
+    and the next stage's backward, W after its I; each takes its cost (I and W split B's)."""
     s, costs = case
     res = simulate(s, costs)
-    hop = costs.p2p_s if s.p > 1 else 0.0
+    rank_of = s.placement.rank_of
     spans = [_spans(res, r) for r in range(s.p)]
     last = s.num_stages - 1
     eps = 1e-9
+    split = SCHEDULES[s.kind].split_backward
+
+    def hop(a: int, b: int) -> float:
+        return costs.p2p_s if rank_of[a] != rank_of[b] else 0.0
+
+    def back(k: int, mb: int) -> tuple[float, float]:
+        return spans[rank_of[k]][f"{k}{'I' if split else 'B'}{mb}"]
+
     for k in range(s.num_stages):
-        here = spans[k % s.p]
+        here = spans[rank_of[k]]
         for mb in range(s.m):
             f0, f1 = here[f"{k}F{mb}"]
-            b0, b1 = here[f"{k}B{mb}"]
-            assert math.isclose(f1 - f0, costs.forward_s[k]) and math.isclose(b1 - b0, costs.backward_s[k])
+            b0, b1 = back(k, mb)
+            want = costs.backward_s[k] - (costs.weight_s[k] if split else 0.0)
+            assert math.isclose(f1 - f0, costs.forward_s[k]) and math.isclose(b1 - b0, want, abs_tol=1e-12)
             assert b0 >= f1 - eps
+            if split:
+                w0, w1 = here[f"{k}W{mb}"]
+                assert w0 >= b1 - eps and math.isclose(w1 - w0, costs.weight_s[k], abs_tol=1e-12)
             if k > 0:
-                assert f0 >= spans[(k - 1) % s.p][f"{k - 1}F{mb}"][1] + hop - eps
+                assert f0 >= spans[rank_of[k - 1]][f"{k - 1}F{mb}"][1] + hop(k - 1, k) - eps
             if k < last:
-                assert b0 >= spans[(k + 1) % s.p][f"{k + 1}B{mb}"][1] + hop - eps
+                assert b0 >= back(k + 1, mb)[1] + hop(k + 1, k) - eps
     for r in range(s.p):
-        last_b = max(end for name, (_, end) in spans[r].items() if "B" in name)
+        last_b = max(end for name, (_, end) in spans[r].items() if any(x in name for x in "BIW"))
         assert math.isclose(spans[r]["ALLREDUCE"][0], last_b)
         assert math.isclose(spans[r]["OPT"][0], spans[r]["ALLREDUCE"][1])
 

@@ -42,6 +42,12 @@ CASES = {  # name: (model, model args, pins)
     "interleaved_p2_d2_zero_overlap": (GPT, gpt_args(), dict(t=1, p=2, d=2, b=1, v=2, schedule="interleaved",
                                                              zero=1, overlap=True)),
     "tp2_d2_zero_overlap": (GPT, gpt_args(), dict(t=2, p=1, d=2, b=2, v=1, schedule="1f1b", zero=1, overlap=True)),
+    # zero-bubble: backwards split into I and W (torch's stage_backward_input / _weight); ZB-V's V placement hands
+    # the middle stages over on one rank
+    "zbh1_p4": (GPT, gpt_args(), dict(t=1, p=4, d=1, b=2, v=1, schedule="zbh1")),
+    "zbh1_p2_d2_zero_overlap": (GPT, gpt_args(), dict(t=1, p=2, d=2, b=1, v=1, schedule="zbh1", zero=1, overlap=True)),
+    "zbv_p2_d2": (GPT, gpt_args(), dict(t=1, p=2, d=2, b=1, v=2, schedule="zbv")),
+    "zbv_p4": (GPT, gpt_args(6), dict(t=1, p=4, d=1, b=2, v=2, schedule="zbv")),
 }
 
 

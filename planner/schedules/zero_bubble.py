@@ -1,0 +1,165 @@
+"""Zero-bubble schedules (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"): each backward splits into I (the
+gradient of the stage's input, which the previous stage waits for) and W (the weights' gradient, which nobody
+waits for), and the W steps fill what would be bubbles.
+
+- ZB-H1 (section 2.1; torch's ``ScheduleInterleavedZeroBubble``, its ZB1P, with one stage per rank): 1F1B's
+  warm-up and memory, rank r delays its W steps by r microbatches; bubble (p-1)(T_F + T_I - T_W), a third of
+  1F1B's (p-1)(T_F + T_I + T_W) when the three are equal.
+- ZB-V (section 6; torch's ``ScheduleZBVZeroBubble``): two chunks per rank in a V placement (rank r holds stages
+  r and 2p-1-r), 1F1B's peak memory, no bubble when T_F = T_I = T_W.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Sequence
+
+from planner.schedule import Op, Placement, check_shape
+
+from .base import ScheduleKind, register
+from .gpipe import one_chunk
+
+_F, _I, _W = Op.F, Op.I, Op.W
+
+__all__ = ["zbh1_compute", "zbv_compute", "ZBH1", "ZBV", "order_memory"]
+
+
+def zbh1_compute(p: int, m: int, v: int = 1) -> list[list[tuple[Op, int, int]]]:
+    """Rank r: min(p-1-r, m) warm-up forwards, then F and I alternate, each I followed by the W of the
+    microbatch r steps older; the W steps left over close the iteration (torch's ZB1P at one chunk)."""
+    check_shape(p, m)
+    if v != 1:
+        raise ValueError(f"schedule kind 'zbh1' has one chunk per rank; got v={v}")
+    out = []
+    for r in range(p):
+        warmup = min(p - 1 - r, m)
+        order = [(_F, r, mb) for mb in range(warmup)]
+        w = 0
+        for i in range(m):  # the i-th I; a forward runs before it while forwards remain
+            if warmup + i < m:
+                order.append((_F, r, warmup + i))
+            order.append((_I, r, i))
+            if i >= r:
+                order.append((_W, r, w))
+                w += 1
+        order.extend((_W, r, mb) for mb in range(w, m))
+        out.append(order)
+    return out
+
+
+def zbv_compute(p: int, m: int, v: int = 2) -> list[list[tuple[Op, int, int]]]:
+    """ZB-V as torch's ScheduleZBVZeroBubble builds it: chunk 0 (stage r) warms up with 2(p-r)-1 forwards,
+    then the two chunks' forwards interleave, chunk 1 (stage 2p-1-r) starts its F-I-W steps, the steady state
+    runs F, I, W of each chunk in turn, and the cool-down drains the I steps before the W steps left over."""
+    check_shape(p, m, v)
+    if v != 2:
+        raise ValueError(f"schedule kind 'zbv' runs two chunks per rank; got v={v}")
+    n = max(2 * p - 1, m)  # torch fills the V with at least 2p-1 microbatches, then drops the ones past m
+    out = []
+    for r in range(p):
+        c0, c1 = Placement("v", p, 2).stages(r)
+        cnt = {(op, k): 0 for op in (_F, _I, _W) for k in (c0, c1)}
+        order: list[tuple[Op, int, int]] = []
+
+        def step(*actions: tuple[Op, int]) -> None:
+            for op, stage in actions:
+                order.append((op, stage, cnt[op, stage]))
+                cnt[op, stage] += 1
+
+        f0, i0, w0, f1, i1, w1 = (_F, c0), (_I, c0), (_W, c0), (_F, c1), (_I, c1), (_W, c1)
+        for _ in range(2 * (p - r) - 1):
+            step(f0)
+        for _ in range(r):
+            step(f1, f0)
+        for _ in range(p - r):
+            step(f1, i1, w1)
+        while cnt[f1] < cnt[f0] or cnt[f0] < n:
+            if cnt[f0] < n:
+                step(f0)
+            step(i0, w0, f1, i1, w1)
+        for _ in range(r):
+            step(i0, i1)
+        for _ in range(p - r):
+            step(i0, w0)
+        while cnt[w1] < cnt[i1]:
+            step(w1)
+        while cnt[w0] < cnt[i0]:
+            step(w0)
+        out.append([a for a in order if a[2] < m])
+    return out
+
+
+@lru_cache(maxsize=4096)
+def order_memory(kind: str, p: int, v: int, m: int) -> tuple[tuple[float, float], ...]:
+    """Per rank, from the generated order: (chunks between their F and their I/B at the peak, chunks between
+    their I and W then), each over v; the peak is of F - I - B + omega (I - W) for omega = 1/2, the weight
+    gradient's share of the activations (ties broken by the larger W share)."""
+    from planner.schedules import get_schedule
+
+    out = []
+    for order in get_schedule(kind).compute(p, m, v):
+        a = c = 0
+        best = (-1.0, 0, 0)
+        for op, _, _ in order:
+            if op is _F:
+                a += 1
+            elif op is _I:
+                a, c = a - 1, c + 1
+            elif op is _W:
+                c -= 1
+            else:
+                a -= 1
+            best = max(best, (a + c / 2, c, a))
+        out.append((best[2] / v, best[1] / v))
+    return tuple(out)
+
+
+def zbh1_analytic_s(f_s: Sequence[float], b_s: Sequence[float], p: int, v: int, m: int, p2p: float,
+                    w_s: Sequence[float] = ()) -> float:
+    """m microbatches of the slowest stage plus the paper's bubble (p-1)(T_F + T_I - T_W) (never below zero:
+    W cannot fill more than the bubble), one activation and one gradient hop per boundary."""
+    w_s = w_s or (0.0,) * len(f_s)
+    slowest = max(f + b for f, b in zip(f_s, b_s))
+    f, b, w = (max(x) for x in (f_s, b_s, w_s))
+    return m * slowest + (p - 1) * max(0.0, f + (b - w) - w) + 2 * (p - 1) * p2p
+
+
+def zbv_analytic_s(f_s: Sequence[float], b_s: Sequence[float], p: int, v: int, m: int, p2p: float,
+                   w_s: Sequence[float] = ()) -> float:
+    """Each rank runs its two chunks' m microbatches; the V's fill and drain cost about (p-1) of
+    (T_F + T_I - 2 T_W) per chunk (zero when the three are equal, section 6), plus a hop per boundary that
+    crosses ranks (2p-2 of the 2p-1)."""
+    w_s = w_s or (0.0,) * len(f_s)
+    place = Placement("v", p, 2)
+    slowest = max(sum(f_s[j] + b_s[j] for j in place.stages(r)) for r in range(p))
+    f, b, w = (max(x) for x in (f_s, b_s, w_s))
+    return m * slowest + (p - 1) * max(0.0, f + (b - w) - 2 * w) + 2 * (2 * p - 2) * p2p
+
+
+def _zbh1_inflight(p: int, v: int, m: int, rank: int) -> float:
+    return float(min(p - rank, m))
+
+
+def _zbh1_pending(p: int, v: int, m: int, rank: int) -> float:
+    return float(max(0, min(rank, m - (p - rank))))
+
+
+def _zbv_inflight(p: int, v: int, m: int, rank: int) -> float:
+    """1F1B's p microbatches of the whole rank once the V is full (m >= 2p-1, section 6), else as generated."""
+    return float(p) if m >= 2 * p - 1 else order_memory("zbv", p, v, m)[rank][0]
+
+
+def _zbv_pending(p: int, v: int, m: int, rank: int) -> float:
+    """W follows its I at once at the peak of a full V."""
+    return 0.0 if m >= 2 * p - 1 else order_memory("zbv", p, v, m)[rank][1]
+
+
+ZBH1 = register(ScheduleKind(
+    name="zbh1", help="ZB-H1 zero bubble: backward split into I and W, W delayed into 1F1B's bubbles (1F1B's memory)",
+    compute=zbh1_compute, inflight=_zbh1_inflight, w_pending=_zbh1_pending, analytic_s=zbh1_analytic_s,
+    check=one_chunk("zbh1"), v_choices=lambda p, max_v: (1,), split_backward=True))
+
+ZBV = register(ScheduleKind(
+    name="zbv", help="ZB-V zero bubble: two chunks per rank in a V, backward split into I and W",
+    compute=zbv_compute, inflight=_zbv_inflight, w_pending=_zbv_pending, analytic_s=zbv_analytic_s,
+    check=lambda p, v, m: None if v == 2 and p > 1 else "zbv runs two chunks per rank on p > 1",
+    v_choices=lambda p, max_v: (2,) if p > 1 and max_v >= 2 else (), placement="v", split_backward=True))
