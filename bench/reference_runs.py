@@ -25,6 +25,7 @@ from planner.search import Pins  # noqa: E402
 
 REFS = ROOT.parent / "shared" / "references"
 TARGETS = {"a100-80": "a100-80gb", "h100": "h100-sxm"}
+MEGATRON_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # what the published Megatron-LM / NeMo runs ran (no split backward)
 
 
 def main() -> None:
@@ -40,7 +41,8 @@ def main() -> None:
         h100 = r["gpu"] == "h100"
         pins = Pins(tp=r["tp"], pp=r["pp"], dp=r["dp"], cp=r["cp"], b=r["microbatch"], v=r["vp"], recompute=r["recompute"],
                     sp=r["sequence_parallel"], zero=1 if h100 else 0, overlap_grad_reduce=h100, max_v=max(8, r["vp"] or 0),
-                    schedule=("interleaved" if r["vp"] else None) if r["pp"] > 1 else None)
+                    schedule=("interleaved" if r["vp"] else None) if r["pp"] > 1 else None,
+                    schedules=MEGATRON_SCHEDULES)
         plan, _ = make_plan(str(REFS / "models" / r["model"]), gpus=r["gpus"], global_batch=r["global_batch"],
                             target=TARGETS[r["gpu"]], model_args=r["model_args"], pins=pins)
         pred, meas = plan.predictions.iteration_s, r["measured_iter_s"]

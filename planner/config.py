@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from costmodels.precision import PRECISIONS, Precision
 from costmodels.recompute import RECOMPUTE, RecomputeMode
 from passes.errors import UserError
-from planner.schedule import Placement
+from planner.schedule import Placement, placement_of
 
 if TYPE_CHECKING:
     from planner.schedules import ScheduleKind
@@ -140,7 +140,7 @@ class ParallelConfig:
     @property
     def placement(self) -> Placement:
         """Which pipeline rank holds each virtual stage (the schedule kind's placement)."""
-        return Placement(self.schedule_kind.placement, self.pp, self.v)
+        return placement_of(self.schedule_kind.placement, self.pp, self.v)
 
     def inflight(self, rank: int) -> float:
         """Microbatches (of a whole stage) whose activations pipeline rank `rank` holds at its peak."""

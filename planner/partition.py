@@ -75,9 +75,16 @@ def partition(inp: PartitionInput) -> Partition:
     n, k = len(inp.time_s), len(inp.inflight)
     T = _prefix(inp.time_s)
     held = _stage_bytes(inp)
+    S, A, fl, cap = _prefix(inp.static_bytes), _prefix(inp.activation_bytes), inp.inflight, inp.cap_bytes
 
-    def fits(j: int, lo: int, hi: int) -> bool:
-        return held(j, lo, hi) <= inp.cap_bytes[j]
+    def fits(j: int, lo: int, hi: int) -> bool:  # the hot loop: held() inlined where no W is pending
+        return S[hi] - S[lo] + fl[j] * (A[hi] - A[lo]) <= cap[j]
+
+    if inp.weight_bytes:
+        Wb, pend = _prefix(inp.weight_bytes), inp.w_pending
+
+        def fits(j: int, lo: int, hi: int) -> bool:  # noqa: F811
+            return S[hi] - S[lo] + fl[j] * (A[hi] - A[lo]) + pend[j] * (Wb[hi] - Wb[lo]) <= cap[j]
 
     best = [[INF] * (n + 1) for _ in range(k + 1)]
     choice = [[-1] * (n + 1) for _ in range(k + 1)]

@@ -25,6 +25,7 @@ import re
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
+from functools import lru_cache
 from typing import Iterable, Iterator
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "Op",
     "PLACEMENTS",
     "Placement",
+    "placement_of",
     "Schedule",
     "ScheduleError",
     "add_reduce_grad",
@@ -154,6 +156,8 @@ class Placement:
     v: int = 1
     rank_of: tuple[int, ...] = ()
     """rank_of[k]: the rank of stage k (derived; read it in hot loops)."""
+    stages_of: tuple[tuple[int, ...], ...] = ()
+    """stages_of[r]: the stages rank r holds, in stage order (derived)."""
 
     def __post_init__(self) -> None:
         if self.style not in PLACEMENTS:
@@ -165,6 +169,8 @@ class Placement:
         else:
             ranks = tuple(k % p if (k // p) % 2 == 0 else p - 1 - k % p for k in range(p * self.v))
         object.__setattr__(self, "rank_of", ranks)
+        object.__setattr__(self, "stages_of", tuple(tuple(k for k, r in enumerate(ranks) if r == rank)
+                                                     for rank in range(p)))
 
     @property
     def num_stages(self) -> int:
@@ -175,11 +181,17 @@ class Placement:
 
     def stages(self, rank: int) -> tuple[int, ...]:
         """The stages rank `rank` holds, in stage (chunk) order."""
-        return tuple(k for k, r in enumerate(self.rank_of) if r == rank)
+        return self.stages_of[rank]
 
     def local(self, a: int, b: int) -> bool:
         """Stages a and b share a rank (values pass between them without a transfer)."""
         return self.rank_of[a] == self.rank_of[b]
+
+
+@lru_cache(maxsize=1024)
+def placement_of(style: str, p: int, v: int = 1) -> Placement:
+    """The (shared, immutable) Placement of a style and shape: the search asks for it per configuration."""
+    return Placement(style, p, v)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -218,7 +230,7 @@ class Schedule:
     def placement(self) -> Placement:
         from planner.schedules import get_schedule
 
-        return Placement(get_schedule(self.kind).placement, self.p, self.v)
+        return placement_of(get_schedule(self.kind).placement, self.p, self.v)
 
 
 @contextmanager
@@ -301,7 +313,7 @@ def lower(kind: str, p: int, m: int, v: int, compute: Iterable[Compute]) -> Sche
     """A kind's compute-only program (one per rank), lowered into the actions every rank runs."""
     from planner.schedules import get_schedule
 
-    placement = Placement(get_schedule(kind).placement, p, v)
+    placement = placement_of(get_schedule(kind).placement, p, v)
     with gc_paused():
         ranks = tuple(tuple(add_reduce_grad(add_send_recv(order, placement))) for order in compute)
     return Schedule(kind=kind, p=p, v=v, m=m, ranks=ranks)

@@ -40,6 +40,8 @@ class Pins:
     v: int | None = None
     recompute: str | None = None
     schedule: str | None = None
+    schedules: tuple[str, ...] | None = None  # the kinds the search may choose (None: every registered kind), e.g.
+    # the ones an engine runs (Megatron-LM: gpipe, 1f1b, interleaved)
     cp: int | None = None  # context parallelism; None: the search tries the degrees a ring inside one node allows
     zero: int | None = None  # None: 1 wherever d*cp > 1 (it dominates: the same bytes, a shorter step, less memory)
     grad_fp32: bool = False
@@ -54,8 +56,9 @@ class Pins:
     def __post_init__(self) -> None:
         if self.recompute is not None and self.recompute not in RECOMPUTE:
             raise UserError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
-        if self.schedule is not None and self.schedule not in SCHEDULES:
-            raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+        for name in ((self.schedule,) if self.schedule is not None else ()) + (self.schedules or ()):
+            if name not in SCHEDULES:
+                raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
         if self.precision not in PRECISIONS:
             raise UserError(f"--dtype must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         if self.zero is not None and self.zero not in ZERO_STAGES:
@@ -172,7 +175,7 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
             continue
         m = per_replica // b
         for name, kind in SCHEDULES.items():
-            if pins.schedule not in (None, name):
+            if pins.schedule not in (None, name) or (pins.schedules is not None and name not in pins.schedules):
                 continue
             for v in kind.v_choices(p, max(pins.max_v, pins.v or 0)):  # a pinned v is always a choice
                 if pins.v not in (None, v):

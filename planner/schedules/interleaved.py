@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from planner.schedule import Op, Placement, check_shape, one_f_one_b_order
+from planner.schedule import Op, check_shape, one_f_one_b_order, placement_of
 
 from .base import ScheduleKind, register
 from .one_f_one_b import inflight as one_f_one_b_inflight
@@ -31,7 +31,7 @@ def _warmup(r: int, p: int, v: int, m: int) -> int:
 def _order(r: int, p: int, v: int, m: int) -> list[tuple[Op, int, int]]:
     g = group_size(p, m)
     groups = [range(s, min(s + g, m)) for s in range(0, m, g)]
-    chunks = Placement("loop", p, v).stages(r)
+    chunks = placement_of("loop", p, v).stages(r)
     fwd = [(_F, chunks[c], mb) for grp in groups for c in range(v) for mb in grp]
     bwd = [(_B, chunks[c], mb) for grp in groups for c in reversed(range(v)) for mb in grp]
     warmup = _warmup(r, p, v, m)
@@ -76,7 +76,7 @@ def analytic_s(f_s: Sequence[float], b_s: Sequence[float], p: int, v: int, m: in
                w_s: Sequence[float] = ()) -> float:
     """m microbatches through the slowest rank, plus a fill/drain shortened v times; every chunk
     boundary is a hop. (Groups longer than p stall a little more; the simulation has it exactly.)"""
-    k, place = p * v, Placement("loop", p, v)
+    k, place = p * v, placement_of("loop", p, v)
     slowest = max(sum(f_s[j] + b_s[j] for j in place.stages(r)) for r in range(p))
     return m * slowest + (p - 1) * slowest / v + 2 * (k - 1) * p2p
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Sequence
 
-from planner.schedule import Op, Placement, check_shape
+from planner.schedule import Op, check_shape, placement_of
 
 from .base import ScheduleKind, register
 from .gpipe import one_chunk
@@ -56,7 +56,7 @@ def zbv_compute(p: int, m: int, v: int = 2) -> list[list[tuple[Op, int, int]]]:
     n = max(2 * p - 1, m)  # torch fills the V with at least 2p-1 microbatches, then drops the ones past m
     out = []
     for r in range(p):
-        c0, c1 = Placement("v", p, 2).stages(r)
+        c0, c1 = placement_of("v", p, 2).stages(r)
         cnt = {(op, k): 0 for op in (_F, _I, _W) for k in (c0, c1)}
         order: list[tuple[Op, int, int]] = []
 
@@ -129,7 +129,7 @@ def zbv_analytic_s(f_s: Sequence[float], b_s: Sequence[float], p: int, v: int, m
     (T_F + T_I - 2 T_W) per chunk (zero when the three are equal, section 6), plus a hop per boundary that
     crosses ranks (2p-2 of the 2p-1)."""
     w_s = w_s or (0.0,) * len(f_s)
-    place = Placement("v", p, 2)
+    place = placement_of("v", p, 2)
     slowest = max(sum(f_s[j] + b_s[j] for j in place.stages(r)) for r in range(p))
     f, b, w = (max(x) for x in (f_s, b_s, w_s))
     return m * slowest + (p - 1) * max(0.0, f + (b - w) - 2 * w) + 2 * (2 * p - 2) * p2p
@@ -143,23 +143,25 @@ def _zbh1_pending(p: int, v: int, m: int, rank: int) -> float:
     return float(max(0, min(rank, m - (p - rank))))
 
 
-def _zbv_inflight(p: int, v: int, m: int, rank: int) -> float:
-    """1F1B's p microbatches of the whole rank once the V is full (m >= 2p-1, section 6), else as generated."""
-    return float(p) if m >= 2 * p - 1 else order_memory("zbv", p, v, m)[rank][0]
+def _pipelined(name: str, p: int) -> str | None:
+    return None if p > 1 else f"{name} fills pipeline bubbles: it needs p > 1"
 
 
-def _zbv_pending(p: int, v: int, m: int, rank: int) -> float:
-    """W follows its I at once at the peak of a full V."""
-    return 0.0 if m >= 2 * p - 1 else order_memory("zbv", p, v, m)[rank][1]
+def _zbv_check(p: int, v: int, m: int) -> str | None:
+    if v != 2:
+        return "zbv runs two chunks per rank"
+    if m < 2 * p - 1:  # torch pads the V with idle microbatches; the bubble it meant to remove stays
+        return "zbv needs at least 2p-1 microbatches to fill its V"
+    return _pipelined("zbv", p)
 
 
 ZBH1 = register(ScheduleKind(
     name="zbh1", help="ZB-H1 zero bubble: backward split into I and W, W delayed into 1F1B's bubbles (1F1B's memory)",
     compute=zbh1_compute, inflight=_zbh1_inflight, w_pending=_zbh1_pending, analytic_s=zbh1_analytic_s,
-    check=one_chunk("zbh1"), v_choices=lambda p, max_v: (1,), split_backward=True))
+    check=lambda p, v, m: one_chunk("zbh1")(p, v, m) or _pipelined("zbh1", p), v_choices=lambda p, max_v: (1,),
+    split_backward=True))
 
 ZBV = register(ScheduleKind(
     name="zbv", help="ZB-V zero bubble: two chunks per rank in a V, backward split into I and W",
-    compute=zbv_compute, inflight=_zbv_inflight, w_pending=_zbv_pending, analytic_s=zbv_analytic_s,
-    check=lambda p, v, m: None if v == 2 and p > 1 else "zbv runs two chunks per rank on p > 1",
+    compute=zbv_compute, inflight=lambda p, v, m, rank: float(p), analytic_s=zbv_analytic_s, check=_zbv_check,
     v_choices=lambda p, max_v: (2,) if p > 1 and max_v >= 2 else (), placement="v", split_backward=True))

@@ -18,9 +18,9 @@ from planner.schedules import SCHEDULES
 @st.composite
 def configs(draw: st.DrawFn) -> ParallelConfig:
     schedule = draw(st.sampled_from(sorted(SCHEDULES)))
-    pp = draw(st.integers(2 if schedule == "zbv" else 1, 8))  # zbv: a V needs two ranks
+    pp = draw(st.integers(2 if SCHEDULES[schedule].split_backward else 1, 8))  # zero bubble fills a pipeline
     v = draw(st.sampled_from(list(SCHEDULES[schedule].v_choices(pp, 4)) or [1]))
-    m = pp * draw(st.integers(1, 8))
+    m = pp * draw(st.integers(2 if schedule == "zbv" else 1, 8))  # zbv fills its V with 2p-1 or more
     tp = draw(st.sampled_from([1, 2, 4, 8]))
     return ParallelConfig(tp=tp, pp=pp, dp=draw(st.integers(1, 64)), cp=draw(st.sampled_from([1, 2, 4])),
                           sp=tp > 1 and draw(st.booleans()), zero=draw(st.sampled_from([0, 1])),
