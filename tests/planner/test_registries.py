@@ -87,3 +87,49 @@ def test_every_recompute_mode_keeps_no_more_than_none() -> None:
         plain = RECOMPUTE["none"].kept_bytes(u, 4, 1)
         for mode in RECOMPUTE.values():
             assert 0 <= mode.kept_bytes(u, 4, 1) <= plain, (mode.name, u.name)
+
+
+TOY_KIND = """
+from planner.schedule import Op, check_shape
+from planner.schedules import ScheduleKind, register
+from planner.schedules.gpipe import flush_analytic_s
+
+
+def _compute(p, m, v=1):
+    check_shape(p, m)
+    return [[(Op.F, r, mb) for mb in range(m)] + [(Op.B, r, mb) for mb in reversed(range(m))] for r in range(p)]
+
+
+register(ScheduleKind(name="toylifo", help="GPipe, backwards last in first out", compute=_compute,
+                      inflight=lambda p, v, m, rank: float(m), analytic_s=flush_analytic_s,
+                      check=lambda p, v, m: None if v == 1 else "one chunk per rank", v_choices=lambda p, max_v: (1,)))
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_kind_outside_the_tree_plans_and_runs_under_torchrun(tmp_path, monkeypatch) -> None:
+    """A kind in a module of its own, named in FXPLANNER_SCHEDULES: the planner plans it and every torchrun rank
+    (which imports the registry afresh) runs it, training as one process does."""
+    import importlib
+    import sys
+
+    from planner.metrics import load_metrics
+    from tests.runtime._util import GPT, gpt_args, plan_file, reference, torchrun
+
+    (tmp_path / "toy_kind.py").write_text(TOY_KIND)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("FXPLANNER_SCHEDULES", "toy_kind")
+    importlib.import_module("toy_kind")
+    try:
+        plan_file(tmp_path / "toy.json", GPT, gpt_args(), gpus=2, global_batch=4, t=1, p=2, d=1, b=1, v=1,
+                  schedule="toylifo")
+        proc = torchrun(2, [str(tmp_path / "toy.json"), "--steps", "2", "--optimizer", "sgd", "--lr", "0.1",
+                            "--no-fill", "--metrics", str(tmp_path / "m.json")], cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        got = load_metrics(tmp_path / "m.json").runs[0].loss
+    finally:
+        unregister("toylifo")
+        sys.modules.pop("toy_kind", None)
+    want = reference(GPT, gpt_args(), global_batch=4, steps=2, optimizer="sgd", lr=0.1)["loss"]
+    assert got == pytest.approx(want, rel=1e-5)

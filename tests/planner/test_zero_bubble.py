@@ -100,3 +100,31 @@ def test_v_placement_hands_over_without_transfers() -> None:
     assert f"{p - 1}SEND_F0" not in texts and f"{p}RECV_F0" not in texts and f"{p}SEND_B0" not in texts
     assert f"{p}SEND_F0" in texts and f"{p - 2}SEND_F0" not in texts  # stage p goes on to rank p-2
     assert any(a.op is Op.I for a in s.ranks[0]) and any(a.op is Op.W for a in s.ranks[0])
+
+
+@pytest.mark.parametrize("t,recompute", [(1, "none"), (2, "selective"), (1, "full")])
+def test_zbh1_bubble_with_the_units_own_split(t: int, recompute: str) -> None:
+    """T_F, T_I and T_W of a GPT-3 block on an A100 (costmodels.compute.unit_time: W is the four linears' dW)
+    put into p uniform stages: the simulated ZB-H1 iteration is the paper's closed form, and below 1F1B by
+    (p-1)(2 T_W)."""
+    from costmodels.compute import unit_time
+    from costmodels.hardware import Hardware
+    from passes.pipeline import analyze
+    from planner.config import ParallelConfig
+    from targets.registry import get_target
+    from tests.conftest import EXAMPLES
+
+    prof, _ = analyze(EXAMPLES / "gpt.py", {"preset": "7.5b", "layers": 2})
+    block = next(u for u in prof.units if u.kind == "block")
+    p, m = 4, 16
+    cfg = ParallelConfig(tp=t, pp=p, dp=1, b=1, m=m, recompute=recompute, schedule="zbh1")
+    ut = unit_time(block, Hardware(target=get_target("a100-80gb")), cfg)
+    tf, ti, tw = ut.fwd_s, ut.bwd_input_s, ut.bwd_weight_s
+    assert 0 < tw < ti and ti + tw == pytest.approx(ut.bwd_s)
+    costs = SimCosts(forward_s=(tf,) * p, backward_s=(ut.bwd_s,) * p, weight_s=(tw,) * p, p2p_s=0.0,
+                     allreduce_s=(0.0,) * p, optimizer_s=(0.0,) * p, static_bytes=(0,) * p,
+                     activation_bytes=(1,) * p, weight_bytes=(0,) * p, capacity_bytes=10)
+    zb = simulate(SCHEDULES["zbh1"].generate(p, m, 1), costs).iteration_s
+    assert zb == pytest.approx(m * (tf + ti + tw) + (p - 1) * (tf + ti - tw), rel=1e-9)
+    one_f_one_b = simulate(SCHEDULES["1f1b"].generate(p, m, 1), costs).iteration_s
+    assert one_f_one_b - zb == pytest.approx((p - 1) * 2 * tw, rel=1e-9)

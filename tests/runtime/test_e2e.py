@@ -47,7 +47,8 @@ CASES = {  # name: (model, model args, pins)
     "zbh1_p4": (GPT, gpt_args(), dict(t=1, p=4, d=1, b=2, v=1, schedule="zbh1")),
     "zbh1_p2_d2_zero_overlap": (GPT, gpt_args(), dict(t=1, p=2, d=2, b=1, v=1, schedule="zbh1", zero=1, overlap=True)),
     "zbv_p2_d2": (GPT, gpt_args(), dict(t=1, p=2, d=2, b=1, v=2, schedule="zbv")),
-    "zbv_p4": (GPT, gpt_args(6), dict(t=1, p=4, d=1, b=2, v=2, schedule="zbv")),
+    "zbv_p4": (GPT, gpt_args(6), dict(t=1, p=4, d=1, b=1, v=2, schedule="zbv")),  # m=8 >= 2p-1
+    "zbh1_tp2_p2": (GPT, gpt_args(), dict(t=2, p=2, d=1, b=2, v=1, schedule="zbh1", recompute="full")),
 }
 
 
