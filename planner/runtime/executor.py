@@ -47,7 +47,7 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 from passes.load import ModelFile
 
 from ..plan import Plan, plan_schedule
-from ..schedule import COMPUTE_OPS, Action, Op, grid
+from ..schedule import Action, Op, grid
 from passes.errors import UserError
 
 from .context_parallel import ContextParallel
@@ -198,6 +198,7 @@ class Executor:
         self.dtype = DTYPES[self.cfg.precision]
         self.scaler = LossScaler() if self.dtype == torch.float16 else None
         self._skipped = False  # this step's gradients overflowed (fp16)
+        self._actions = self._table()
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -225,44 +226,53 @@ class Executor:
                 "loss_scale": self.scaler.applied if self.scaler else None, "skipped": self._skipped}
 
     def _do(self, st: _Step, a: Action) -> None:
+        self._actions[a.op](st, a)
+
+    def _compute(self, st: _Step, a: Action) -> None:
+        """F, B, I or W of one stage and microbatch, timed; what it produces for a stage on this rank handed over."""
+        self._end_bubble(st)
+        start = time.perf_counter()
         op = a.op
-        if op in COMPUTE_OPS:
-            self._end_bubble(st)
-            start = time.perf_counter()
-            if op is Op.F:
-                self._forward(st, a.stage, a.mb)
-            elif op is Op.W:
-                self._backward_weight(st, a.stage, a.mb)
+        if op is Op.F:
+            self._forward(st, a.stage, a.mb)
+        elif op is Op.W:
+            self._backward_weight(st, a.stage, a.mb)
+        else:
+            self._backward(st, a.stage, a.mb, split=op is Op.I)
+        self._sync()
+        st.times.setdefault(a.stage, [0.0, 0.0])[op is not Op.F] += time.perf_counter() - start
+        self._hand_over(st, a)
+
+    def _allreduce(self, st: _Step, a: Action) -> None:
+        self._end_bubble(st)
+        for work in st.pending:
+            work.wait()
+        st.pending.clear()
+        self.sync.reduce(self.groups.shared, self._names)
+
+    def _optimizer(self, st: _Step, a: Action) -> None:
+        self._end_bubble(st)
+        with implicit_replication(self.tp):
+            if self.scaler is None:
+                self.sync.step()
+            elif self.scaler.update(self.sync.finite()):
+                self.sync.step(self.scaler.applied)
             else:
-                self._backward(st, a.stage, a.mb, split=op is Op.I)
-            self._sync()
-            st.times.setdefault(a.stage, [0.0, 0.0])[op is not Op.F] += time.perf_counter() - start
-            self._hand_over(st, a)
-        elif op is Op.SEND_F:
-            self._send(st, st.out_acts.pop((a.stage, a.mb)), a.stage + 1, self._tag(0, a.stage, a.mb))
-        elif op is Op.RECV_F:
-            self._recv_forward(st, a.stage, a.mb)
-        elif op is Op.SEND_B:
-            self._send(st, st.in_grads.pop((a.stage, a.mb)), a.stage - 1, self._tag(1, a.stage - 1, a.mb))
-        elif op is Op.RECV_B:
-            self._recv_backward(st, a.stage, a.mb)
-        elif op is Op.ALLREDUCE:
-            self._end_bubble(st)
-            for work in st.pending:
-                work.wait()
-            st.pending.clear()
-            self.sync.reduce(self.groups.shared, self._names)
-        elif op is Op.OPT:
-            self._end_bubble(st)
-            with implicit_replication(self.tp):
-                if self.scaler is None:
-                    self.sync.step()
-                elif self.scaler.update(self.sync.finite()):
-                    self.sync.step(self.scaler.applied)
-                else:
-                    self._skipped = True
-        elif op is Op.BUBBLE:
-            self._begin_bubble(st, a.mb)
+                self._skipped = True
+
+    def _table(self) -> dict[Op, Any]:
+        """What each action runs: the dispatch table of the plan's programs."""
+        return {
+            Op.F: self._compute, Op.B: self._compute, Op.I: self._compute, Op.W: self._compute,
+            Op.SEND_F: lambda st, a: self._send(st, st.out_acts.pop((a.stage, a.mb)), a.stage + 1,
+                                                self._tag(0, a.stage, a.mb)),
+            Op.RECV_F: lambda st, a: self._recv_forward(st, a.stage, a.mb),
+            Op.SEND_B: lambda st, a: self._send(st, st.in_grads.pop((a.stage, a.mb)), a.stage - 1,
+                                                self._tag(1, a.stage - 1, a.mb)),
+            Op.RECV_B: lambda st, a: self._recv_backward(st, a.stage, a.mb),
+            Op.ALLREDUCE: self._allreduce, Op.OPT: self._optimizer,
+            Op.BUBBLE: lambda st, a: self._begin_bubble(st, a.mb),
+        }
 
     def _forward(self, st: _Step, k: int, mb: int) -> None:
         stage = self.stages[k]
