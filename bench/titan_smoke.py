@@ -65,8 +65,12 @@ def main() -> None:
     plan, _ = make_plan(str(MODEL), gpus=args.gpus, gpus_per_node=max(args.gpus, 1), global_batch=args.batch,
                         target="h100-sxm", model_args=DEBUGMODEL, pins=Pins(recompute="none"))
     save_plan(plan, out / "plan.json")
-    (out / "job.toml").write_text(to_torchtitan(plan, module="llama3", config="llama3_debugmodel", toml=True).text)
-    (out / "torchtitan.sh").write_text(to_torchtitan(plan, module="llama3", config="llama3_debugmodel").text)
+    csv = str(out / "schedule.csv")  # the plan's pipeline order (pp > 1), beside the jobs that read it
+    for name, toml in (("job.toml", True), ("torchtitan.sh", False)):
+        ex = to_torchtitan(plan, module="llama3", config="llama3_debugmodel", toml=toml, schedule_csv=csv)
+        (out / name).write_text(ex.text)
+        for path, text in ex.files.items():
+            Path(path).write_text(text)
     p = plan.predictions
     print(f"{out}: plan {plan.config.tp}x{plan.config.pp}x{plan.config.dp} predicted {p.iteration_s * 1e3:.1f} ms per "
           f"iteration, peak {max(m.total for m in p.memory) / 2**30:.2f} GiB (reserve {plan.source.reserve_bytes / 2**30:.0f} "
