@@ -42,7 +42,6 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
-from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from passes.load import ModelFile
 
@@ -324,6 +323,8 @@ class Executor:
             elif not any(x.requires_grad for x in inputs):  # the first stage: its whole backward runs at W (torch)
                 st.weight_grads[(k, mb)] = ("whole", outputs, grads)
             else:
+                from torch.distributed.pipelining._backward import stage_backward_input
+
                 weights = [p for p in self._stage_params[k] if p.requires_grad]
                 _, groups = stage_backward_input(outputs, grads, inputs, iter(weights))
                 st.weight_grads[(k, mb)] = ("weights", weights, groups)
@@ -335,6 +336,8 @@ class Executor:
         what, first, second = st.weight_grads.pop((k, mb))
         with implicit_replication(self.tp):
             if what == "weights":
+                from torch.distributed.pipelining._backward import stage_backward_weight
+
                 stage_backward_weight(iter(first), second)
             elif first:
                 torch.autograd.backward(first, second)
