@@ -128,3 +128,26 @@ def test_zbh1_bubble_with_the_units_own_split(t: int, recompute: str) -> None:
     assert zb == pytest.approx(m * (tf + ti + tw) + (p - 1) * (tf + ti - tw), rel=1e-9)
     one_f_one_b = simulate(SCHEDULES["1f1b"].generate(p, m, 1), costs).iteration_s
     assert one_f_one_b - zb == pytest.approx((p - 1) * 2 * tw, rel=1e-9)
+
+
+def test_ranks_are_derived_only_by_the_placement() -> None:
+    """No code outside planner/schedule.py's Placement turns a stage into a rank with `% p` (strings and
+    comments aside): a new placement changes one class."""
+    import io
+    import re
+    import tokenize
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    pattern = re.compile(r"\b(stage|k|j|s|idx)(\.stage)? *% *[a-z_.]*\bp(p|p_size)?\b")
+    found = []
+    for path in [*root.glob("planner/**/*.py"), *root.glob("costmodels/*.py"), *root.glob("passes/*.py")]:
+        if path.name == "schedule.py" and path.parent.name == "planner":
+            continue
+        code: dict[int, list[str]] = {}
+        for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
+            if tok.type not in (tokenize.STRING, tokenize.COMMENT):
+                code.setdefault(tok.start[0], []).append(tok.string)
+        found += [f"{path.relative_to(root)}:{n}" for n, toks in code.items()
+                  if pattern.search(" ".join(toks).replace(" . ", "."))]
+    assert not found, found
