@@ -197,7 +197,6 @@ class Executor:
         self.dtype = DTYPES[self.cfg.precision]
         self.scaler = LossScaler() if self.dtype == torch.float16 else None
         self._skipped = False  # this step's gradients overflowed (fp16)
-        self._actions = self._table()
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -225,7 +224,7 @@ class Executor:
                 "loss_scale": self.scaler.applied if self.scaler else None, "skipped": self._skipped}
 
     def _do(self, st: _Step, a: Action) -> None:
-        self._actions[a.op](st, a)
+        _ACTIONS[a.op](self, st, a)
 
     def _compute(self, st: _Step, a: Action) -> None:
         """F, B, I or W of one stage and microbatch, timed; what it produces for a stage on this rank handed over."""
@@ -259,19 +258,14 @@ class Executor:
             else:
                 self._skipped = True
 
-    def _table(self) -> dict[Op, Any]:
-        """What each action runs: the dispatch table of the plan's programs."""
-        return {
-            Op.F: self._compute, Op.B: self._compute, Op.I: self._compute, Op.W: self._compute,
-            Op.SEND_F: lambda st, a: self._send(st, st.out_acts.pop((a.stage, a.mb)), a.stage + 1,
-                                                self._tag(0, a.stage, a.mb)),
-            Op.RECV_F: lambda st, a: self._recv_forward(st, a.stage, a.mb),
-            Op.SEND_B: lambda st, a: self._send(st, st.in_grads.pop((a.stage, a.mb)), a.stage - 1,
-                                                self._tag(1, a.stage - 1, a.mb)),
-            Op.RECV_B: lambda st, a: self._recv_backward(st, a.stage, a.mb),
-            Op.ALLREDUCE: self._allreduce, Op.OPT: self._optimizer,
-            Op.BUBBLE: lambda st, a: self._begin_bubble(st, a.mb),
-        }
+    def _send_forward(self, st: _Step, a: Action) -> None:
+        self._send(st, st.out_acts.pop((a.stage, a.mb)), a.stage + 1, self._tag(0, a.stage, a.mb))
+
+    def _send_backward(self, st: _Step, a: Action) -> None:
+        self._send(st, st.in_grads.pop((a.stage, a.mb)), a.stage - 1, self._tag(1, a.stage - 1, a.mb))
+
+    def _bubble(self, st: _Step, a: Action) -> None:
+        self._begin_bubble(st, a.mb)
 
     def _forward(self, st: _Step, k: int, mb: int) -> None:
         stage = self.stages[k]
@@ -561,6 +555,14 @@ class Executor:
             grads[name] = full(p.grad, p) if p.grad is not None else None
         path.parent.mkdir(parents=True, exist_ok=True)
         torch.save({"params": params, "grads": grads, "coords": [self.c.pp, self.c.dp, self.c.cp, self.c.tp]}, path)
+
+
+_ACTIONS = {  # what each action of the plan's programs runs (functions of the class: no cycle through an executor)
+    Op.F: Executor._compute, Op.B: Executor._compute, Op.I: Executor._compute, Op.W: Executor._compute,
+    Op.SEND_F: Executor._send_forward, Op.RECV_F: lambda ex, st, a: ex._recv_forward(st, a.stage, a.mb),
+    Op.SEND_B: Executor._send_backward, Op.RECV_B: lambda ex, st, a: ex._recv_backward(st, a.stage, a.mb),
+    Op.ALLREDUCE: Executor._allreduce, Op.OPT: Executor._optimizer, Op.BUBBLE: Executor._bubble,
+}
 
 
 class LossScaler:
