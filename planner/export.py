@@ -25,7 +25,7 @@ from pathlib import Path, PurePath
 from passes.errors import UserError
 
 from .plan import Plan
-from .schedule import PLACEMENTS, Placement
+from .schedule import PLACEMENTS, placement_of
 from .schedules import get_schedule
 from .schedules.interleaved import group_size
 
@@ -76,7 +76,7 @@ def placement(plan: Plan) -> str | None:
     """How the plan places virtual stages on pipeline ranks, read from its partition: a style of
     planner.schedule.Placement ("loop" or "v"), or None for any other placement."""
     ranks = tuple(s.rank for s in sorted(plan.partition, key=lambda s: s.stage))
-    return next((style for style in PLACEMENTS if Placement(style, plan.config.pp, plan.config.vp).rank_of == ranks),
+    return next((style for style in PLACEMENTS if placement_of(style, plan.config.pp, plan.config.vp).rank_of == ranks),
                 None)
 
 

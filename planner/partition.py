@@ -63,28 +63,24 @@ def _prefix(xs: Sequence[float]) -> list[float]:
 
 def _stage_bytes(inp: PartitionInput):
     """(j, lo, hi) -> bytes stage j holds with units lo..hi-1: static, activations in flight, and under a split
-    backward what the pending weight gradients still hold."""
-    S, A, Wb = _prefix(inp.static_bytes), _prefix(inp.activation_bytes), _prefix(inp.weight_bytes)
-    if inp.weight_bytes:
-        return lambda j, lo, hi: (S[hi] - S[lo] + inp.inflight[j] * (A[hi] - A[lo])
-                                  + inp.w_pending[j] * (Wb[hi] - Wb[lo]))
-    return lambda j, lo, hi: S[hi] - S[lo] + inp.inflight[j] * (A[hi] - A[lo])
+    backward what the pending weight gradients still hold (no W pending: zeros)."""
+    S, A, fl = _prefix(inp.static_bytes), _prefix(inp.activation_bytes), inp.inflight
+    Wb = _prefix(inp.weight_bytes) if inp.weight_bytes else [0.0] * len(S)
+    pend = inp.w_pending if inp.weight_bytes else (0.0,) * len(fl)
+
+    def held(j: int, lo: int, hi: int) -> float:
+        return S[hi] - S[lo] + fl[j] * (A[hi] - A[lo]) + pend[j] * (Wb[hi] - Wb[lo])
+
+    return held
 
 
 def partition(inp: PartitionInput) -> Partition:
     n, k = len(inp.time_s), len(inp.inflight)
     T = _prefix(inp.time_s)
-    held = _stage_bytes(inp)
-    S, A, fl, cap = _prefix(inp.static_bytes), _prefix(inp.activation_bytes), inp.inflight, inp.cap_bytes
+    held, cap = _stage_bytes(inp), inp.cap_bytes
 
-    def fits(j: int, lo: int, hi: int) -> bool:  # the hot loop: held() inlined where no W is pending
-        return S[hi] - S[lo] + fl[j] * (A[hi] - A[lo]) <= cap[j]
-
-    if inp.weight_bytes:
-        Wb, pend = _prefix(inp.weight_bytes), inp.w_pending
-
-        def fits(j: int, lo: int, hi: int) -> bool:  # noqa: F811
-            return S[hi] - S[lo] + fl[j] * (A[hi] - A[lo]) + pend[j] * (Wb[hi] - Wb[lo]) <= cap[j]
+    def fits(j: int, lo: int, hi: int) -> bool:
+        return held(j, lo, hi) <= cap[j]
 
     best = [[INF] * (n + 1) for _ in range(k + 1)]
     choice = [[-1] * (n + 1) for _ in range(k + 1)]

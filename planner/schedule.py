@@ -172,20 +172,12 @@ class Placement:
         object.__setattr__(self, "stages_of", tuple(tuple(k for k, r in enumerate(ranks) if r == rank)
                                                      for rank in range(p)))
 
-    @property
-    def num_stages(self) -> int:
-        return self.p * self.v
-
     def rank(self, stage: int) -> int:
         return self.rank_of[stage]
 
     def stages(self, rank: int) -> tuple[int, ...]:
         """The stages rank `rank` holds, in stage (chunk) order."""
         return self.stages_of[rank]
-
-    def local(self, a: int, b: int) -> bool:
-        """Stages a and b share a rank (values pass between them without a transfer)."""
-        return self.rank_of[a] == self.rank_of[b]
 
 
 @lru_cache(maxsize=1024)

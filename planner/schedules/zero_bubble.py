@@ -10,7 +10,6 @@ waits for), and the W steps fill what would be bubbles.
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Sequence
 
 from planner.schedule import Op, check_shape, placement_of
@@ -20,7 +19,7 @@ from .gpipe import one_chunk
 
 _F, _I, _W = Op.F, Op.I, Op.W
 
-__all__ = ["zbh1_compute", "zbv_compute", "ZBH1", "ZBV", "order_memory"]
+__all__ = ["zbh1_compute", "zbv_compute", "ZBH1", "ZBV"]
 
 
 def zbh1_compute(p: int, m: int, v: int = 1) -> list[list[tuple[Op, int, int]]]:
@@ -88,51 +87,27 @@ def zbv_compute(p: int, m: int, v: int = 2) -> list[list[tuple[Op, int, int]]]:
     return out
 
 
-@lru_cache(maxsize=4096)
-def order_memory(kind: str, p: int, v: int, m: int) -> tuple[tuple[float, float], ...]:
-    """Per rank, from the generated order: (chunks between their F and their I/B at the peak, chunks between
-    their I and W then), each over v; the peak is of F - I - B + omega (I - W) for omega = 1/2, the weight
-    gradient's share of the activations (ties broken by the larger W share)."""
-    from planner.schedules import get_schedule
-
-    out = []
-    for order in get_schedule(kind).compute(p, m, v):
-        a = c = 0
-        best = (-1.0, 0, 0)
-        for op, _, _ in order:
-            if op is _F:
-                a += 1
-            elif op is _I:
-                a, c = a - 1, c + 1
-            elif op is _W:
-                c -= 1
-            else:
-                a -= 1
-            best = max(best, (a + c / 2, c, a))
-        out.append((best[2] / v, best[1] / v))
-    return tuple(out)
+def _split_s(work: float, f_s: Sequence[float], b_s: Sequence[float], w_s: Sequence[float], p: int, m: int,
+             fill: int, hops: int, p2p: float) -> float:
+    """m microbatches of the busiest work, a bubble of (p-1)(T_F + T_I - fill T_W) (never below zero: W cannot
+    fill more than the bubble), and `hops` activation and gradient hops."""
+    f, b, w = (max(x) for x in (f_s, b_s, w_s or (0.0,) * len(f_s)))
+    return m * work + (p - 1) * max(0.0, f + (b - w) - fill * w) + 2 * hops * p2p
 
 
 def zbh1_analytic_s(f_s: Sequence[float], b_s: Sequence[float], p: int, v: int, m: int, p2p: float,
                     w_s: Sequence[float] = ()) -> float:
-    """m microbatches of the slowest stage plus the paper's bubble (p-1)(T_F + T_I - T_W) (never below zero:
-    W cannot fill more than the bubble), one activation and one gradient hop per boundary."""
-    w_s = w_s or (0.0,) * len(f_s)
-    slowest = max(f + b for f, b in zip(f_s, b_s))
-    f, b, w = (max(x) for x in (f_s, b_s, w_s))
-    return m * slowest + (p - 1) * max(0.0, f + (b - w) - w) + 2 * (p - 1) * p2p
+    """The slowest stage's m microbatches plus the paper's bubble (p-1)(T_F + T_I - T_W); a hop per boundary."""
+    return _split_s(max(f + b for f, b in zip(f_s, b_s)), f_s, b_s, w_s, p, m, 1, p - 1, p2p)
 
 
 def zbv_analytic_s(f_s: Sequence[float], b_s: Sequence[float], p: int, v: int, m: int, p2p: float,
                    w_s: Sequence[float] = ()) -> float:
-    """Each rank runs its two chunks' m microbatches; the V's fill and drain cost about (p-1) of
-    (T_F + T_I - 2 T_W) per chunk (zero when the three are equal, section 6), plus a hop per boundary that
-    crosses ranks (2p-2 of the 2p-1)."""
-    w_s = w_s or (0.0,) * len(f_s)
+    """Each rank runs its two chunks' m microbatches; the V's fill and drain cost about (p-1)(T_F + T_I - 2 T_W)
+    (zero when the three are equal, section 6), plus a hop per boundary that crosses ranks (2p-2 of the 2p-1)."""
     place = placement_of("v", p, 2)
-    slowest = max(sum(f_s[j] + b_s[j] for j in place.stages(r)) for r in range(p))
-    f, b, w = (max(x) for x in (f_s, b_s, w_s))
-    return m * slowest + (p - 1) * max(0.0, f + (b - w) - 2 * w) + 2 * (2 * p - 2) * p2p
+    work = max(sum(f_s[j] + b_s[j] for j in place.stages(r)) for r in range(p))
+    return _split_s(work, f_s, b_s, w_s, p, m, 2, 2 * p - 2, p2p)
 
 
 def _zbh1_inflight(p: int, v: int, m: int, rank: int) -> float:
