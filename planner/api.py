@@ -1,8 +1,9 @@
 """Library entry points the CLI calls: profile a model file, make a plan."""
 from __future__ import annotations
 
+import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any, Callable
 
 from costmodels.calibration import Calibration, apply_calibration
@@ -20,12 +21,13 @@ from .evaluate import Evaluation, Evaluator
 from .launch import launch_script, torchrun_commands
 from .plan import (Alternative, ConfigModel, Launch, Plan, Predictions, RankMemory, SearchInfo, Source,
                    Stage)
-from .fill.joint import choose_joint
+from .fill.joint import JointChoice, choose_joint, choose_shrink_or_fill, greedy_proven_optimal
 from .fill.packing import cpsat_budget
 from .fill.profiles import profile_job
 from .fill.section import fill_section
 from .fill.spec import FillSpec
-from .search import Pins, SearchResult, search
+from .schedules import SCHEDULES
+from .search import NoFeasibleConfig, Pins, SearchResult, search
 from .simulate import SimResult, with_bubbles
 
 __all__ = ["parse_model_args", "profile_rows", "make_plan"]
@@ -68,7 +70,13 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
               model_args: dict[str, Any] | None = None, pins: Pins = Pins(), leaves: tuple[str, ...] = (),
               plan_path: str = "plan.json", fill: FillSpec | None = None, main_slack: float = 0.0, offload: str = "auto",
               fill_solver: str = "greedy", fill_time_limit_s: float = 5.0, calibration: Calibration | None = None, progress: Callable[[str], None] | None = None,
-              search_progress: Callable[[int, int], None] | None = None) -> tuple[Plan, SearchResult]:
+              search_progress: Callable[[int, int], None] | None = None, fill_value: float = 0.0) -> tuple[Plan, SearchResult]:
+    """`fill_value`: what one recovered fill GPU-second is worth against one main-job GPU-second (0: the fastest
+    main job wins and fill only breaks ties); `main_slack`: how much slower than the fastest a main configuration
+    may be and still be considered (planner/fill/joint.py)."""
+    if not (math.isfinite(fill_value) and fill_value >= 0):
+        raise UserError(f"--fill-value must be a finite number >= 0 (the worth of a recovered fill GPU-second "
+                        f"against a main-job one), got {fill_value:g}")
     hw = Hardware(target=get_target(target, gpus_per_node))
     if calibration is not None:
         hw = apply_calibration(calibration, hw)
@@ -90,8 +98,9 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
         with cpsat_budget(fill_time_limit_s, progress=(lambda n, s: progress(f"fill: CP-SAT solve {n} ({s:.1f} s of "
                                                                              f"{fill_time_limit_s:g})")) if progress
                           else None) as budget:
-            joint = choose_joint(ev, [result.best, *result.runners_up], jobs, main_slack=main_slack, offload=offload,
-                                 safety_margin=fill.safety_margin, solver=fill_solver)
+            joint = _choose_fill(ev, pins, result, jobs, main_slack=main_slack, offload=offload,
+                                 safety_margin=fill.safety_margin, solver=fill_solver, fill_value=fill_value,
+                                 top=8 if wide else 6, simulate_top=8 if wide else 3)
         best, sim = joint.evaluation, joint.simulation
     seconds = time.perf_counter() - start
     _check_physics(ev, best)
@@ -99,10 +108,40 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     plan = _to_plan(profile, ev, best, sim, runners, result, seconds, pins, plan_path, leaves)
     if joint is not None:
         section = fill_section(joint.fill, fill, offload=joint.offload, main_useful_per_gpu=joint.main_useful_per_gpu)
-        if fill_solver == "cpsat":
-            section.predictions.solver = budget.summary()
+        if fill_solver != "greedy":
+            section.predictions.solver = (budget.summary() if joint.solver == fill_solver
+                                          else greedy_proven_optimal(fill_solver))
+        section.predictions.choice = joint.choice
         plan = plan.model_copy(update={"fill": section})
     return plan, result
+
+
+def _choose_fill(ev: Evaluator, pins: Pins, result: SearchResult, jobs: dict, *, main_slack: float, offload: str,
+                 safety_margin: float, solver: str, fill_value: float, top: int, simulate_top: int) -> JointChoice:
+    """The main configuration and its fill. Unless the user pinned the schedule, the best configurations that
+    shrink the bubbles (zero-bubble schedules) and that keep and fill them are compared: the side the search's
+    best is on comes from the search, the other from a search pinned to its schedule kinds."""
+    kw = dict(main_slack=main_slack, offload=offload, safety_margin=safety_margin, solver=solver,
+              fill_value=fill_value)
+    candidates = [result.best, *result.runners_up]
+    zero = tuple(n for n, k in SCHEDULES.items() if k.split_backward)
+    bubbly = tuple(n for n, k in SCHEDULES.items() if not k.split_backward)
+    pinned = pins.schedule or (", ".join(pins.schedules) if pins.schedules is not None else None)
+    if pinned or not zero or not bubbly:
+        joint = choose_joint(ev, candidates, jobs, **kw)
+        why = (f"the schedule is pinned ({pinned})" if pinned else
+               f"every schedule kind is {'zero-bubble' if not bubbly else 'one that keeps its bubbles'}")
+        return replace(joint, choice=f"{why}: shrinking the bubbles and filling them were not compared")
+    best_shrinks = result.best.config.schedule_kind.split_backward
+    own = [e for e in candidates if e.config.schedule_kind.split_backward == best_shrinks]
+    kinds = bubbly if best_shrinks else zero
+    try:
+        pinned_result = search(ev, replace(pins, schedule=None, schedules=kinds), top=top, simulate_top=simulate_top)
+        other, why_none = [pinned_result.best, *pinned_result.runners_up], ""
+    except NoFeasibleConfig:
+        other, why_none = [], f"no configuration with a schedule of {', '.join(kinds)} is feasible here"
+    shrink, keep = (own, other) if best_shrinks else (other, own)
+    return choose_shrink_or_fill(ev, shrink, keep, jobs, no_shrink=why_none, no_keep=why_none, **kw)
 
 
 MAX_MFU = 0.75  # no published dense training run comes near; above it the cost model is wrong

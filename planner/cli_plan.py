@@ -1,6 +1,7 @@
 """`planner plan`, `planner show`, `planner chart`."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import List, Optional
 
@@ -59,7 +60,11 @@ def plan(
     dtype: str = typer.Option("bf16", "--dtype", help=f"training precision: {_choices(PRECISIONS)}"),
     calibration: Optional[str] = typer.Option(None, "--calibration", help="file from `planner calibrate`"),
     fill: Optional[str] = typer.Option(None, "--fill", help="fill-job YAML: pack these jobs into the bubbles"),
-    main_slack: float = typer.Option(0.0, "--main-slack", help="main throughput the fill may cost (0.05 = 5%)"),
+    main_slack: float = typer.Option(0.0, "--main-slack", help="how much slower than the fastest a main "
+                                     "configuration may be and still be considered for its fill (0.05 = 5%)"),
+    fill_value: float = typer.Option(0.0, "--fill-value", help="what one recovered fill GPU-second is worth against "
+                                     "one main-job GPU-second (0: never slow the main job for fill; fill only breaks "
+                                     "ties); chooses among the configurations --main-slack admits"),
     offload: str = typer.Option("auto", "--offload", help="main-job optimizer offload to host: auto, on, off"),
     fill_solver: str = typer.Option("greedy", "--fill-solver", help=f"fill packer: {_choices(PACKERS)}"),
     fill_time_limit: float = typer.Option(5.0, "--fill-time-limit", help="seconds for all CP-SAT solves together "
@@ -80,6 +85,9 @@ def plan(
             raise UserError(f"--offload takes auto, on or off, got {offload!r}")
         if fill_solver not in PACKERS:
             raise UserError(f"--fill-solver takes {_choices(PACKERS)}, got {fill_solver!r}")
+        if not (math.isfinite(fill_value) and fill_value >= 0):  # before the progress bar starts (make_plan checks too)
+            raise UserError(f"--fill-value must be a finite number >= 0 (the worth of a recovered fill GPU-second "
+                            f"against a main-job one), got {fill_value:g}")
         spec = load_fill_spec(fill) if fill else None
         cal = load_calibration(calibration) if calibration else None
         pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
@@ -94,7 +102,8 @@ def plan(
             plan_, _ = make_plan(model, gpus=gpus, global_batch=global_batch, target=target,
                                  gpus_per_node=gpus_per_node, model_args=parse_model_args(model_arg), pins=pins,
                                  leaves=tuple(leaf), plan_path=output, fill=spec,
-                                 main_slack=main_slack, offload=offload, fill_solver=fill_solver,
+                                 main_slack=main_slack, fill_value=fill_value, offload=offload,
+                                 fill_solver=fill_solver,
                                  fill_time_limit_s=fill_time_limit, calibration=cal,
                                  progress=lambda name: bar.update(task, description=f"pass: {name}"),
                                  search_progress=lambda i, n: bar.update(task, description="searching",
@@ -151,6 +160,8 @@ def _print_fill(p: Plan) -> None:
     out.print(f"fill: {fp.fill_tflops_per_gpu:.2f} TFLOP/s/GPU recovered, {fp.bubble_time_used:.0%} of bubble time "
               f"used, total useful {fp.total_useful_tflops_per_gpu:.1f} TFLOP/s/GPU; main optimizer offload: "
               f"{'yes' if fp.offload_optimizer else 'no'}; packing: {fp.solver}", highlight=False)
+    if fp.choice:
+        out.print(f"shrink or fill: {fp.choice}", highlight=False)
     table = Table(title="fill per pipeline rank")
     for col in ("rank", "job", "resident", "chunks", "units/iteration", "busy in bubbles"):
         table.add_column(col)

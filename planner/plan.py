@@ -198,8 +198,11 @@ class FillPredictions(_Model):
     unplaceable: dict[str, str] = Field(default_factory=dict, description="job -> why it fits no bubble")
     not_chosen: dict[str, str] = Field(default_factory=dict, description="job -> why it fits but runs nowhere "
                                        "(every job of the spec is placed, unplaceable, or here)")
-    solver: str = Field("greedy", description="how the packing was solved: greedy, or CP-SAT's solves, time and "
-                        "gap to its proven bound")
+    solver: str = Field("greedy", description="how the packing was solved: greedy (and, when CP-SAT was asked for, "
+                        "that greedy is proven optimal where chunk boundaries cost nothing), or CP-SAT's solves, time "
+                        "and gap to its proven bound")
+    choice: str = Field("", description="which won, shrinking the bubbles (a zero-bubble schedule) or keeping and "
+                        "filling them, and why, with both configurations' figures; or why they were not compared (a pinned schedule)")
 
 
 class Fill(_Model):

@@ -183,7 +183,7 @@ def fill_spec_of(plan: Plan):
 def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy") -> Plan:
     """Pack the fill jobs again into the plan's bubbles (measured ones after `refit`), and update the fill
     predictions. `spec` is the fill YAML's spec, or None for the plan's own jobs (`fill_spec_of`)."""
-    from .fill.assign import assign_fill
+    from .fill.assign import assign_fill, plan_hold_free
     from .fill.packing import BubbleSlot
     from .fill.profiles import profile_job
     from .fill.section import fill_section
@@ -196,7 +196,8 @@ def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy") -> Plan:
     jobs = {j.name: profile_job(j, hw, plan.config.precision) for j in spec.jobs}
     cycles = [[BubbleSlot(id=b.id, duration_s=b.duration_s, free_bytes=b.free_bytes) for b in plan.bubbles
                if b.rank == r] for r in range(plan.config.pp)]
-    fa = assign_fill(cycles, plan.predictions.iteration_s, jobs, hw, safety_margin=spec.safety_margin, solver=solver)
+    fa = assign_fill(cycles, plan.predictions.iteration_s, jobs, hw, safety_margin=spec.safety_margin, solver=solver,
+                     hold_free=plan_hold_free(plan))
     old = plan.fill.predictions
     fill = fill_section(fa, spec, offload=old.offload_optimizer,
                         main_useful_per_gpu=(old.total_useful_tflops_per_gpu - old.fill_tflops_per_gpu) * 1e12)

@@ -8,7 +8,7 @@ replicated back to back). Bubbles are visited in order, ``cycles`` times. Each b
 one chunk, a contiguous run of the stream starting exactly where the previous chunk ended. A chunk
 ``[a, b)`` in slot ``s`` must satisfy::
 
-    launch + swap(a) + sum(time[a:b]) + swap(b) <= duration_s * (1 - safety_margin)
+    launch + swap(a) + sum(time[a:b] + unit_overhead) + swap(b) <= duration_s * (1 - safety_margin)
     max(mem[a:b]) + resident_bytes               <= free_bytes
 
 ``swap(p)`` is zero unless ``state_swap_bw`` is given (see below). All times are quantized to whole
@@ -128,13 +128,15 @@ class PackingParams:
     state_swap_bw: float | None = None
     """Bytes/s for offloading/reloading ``FillUnit.state_bytes`` at chunk boundaries; None keeps
     PipeFill's model, where a boundary costs nothing beyond the launch overhead."""
+    unit_overhead_s: float = 0.0
+    """Fixed cost of every unit run (the runtime's request/reply round trip; planner/fill/physics.py)."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.safety_margin < 1:
             raise ValueError(f"safety_margin={self.safety_margin} must be in [0, 1)")
-        if self.launch_overhead_s < 0 or self.resident_bytes < 0:
+        if self.launch_overhead_s < 0 or self.resident_bytes < 0 or self.unit_overhead_s < 0:
             raise ValueError(
-                f"launch_overhead_s={self.launch_overhead_s} and "
+                f"launch_overhead_s={self.launch_overhead_s}, unit_overhead_s={self.unit_overhead_s} and "
                 f"resident_bytes={self.resident_bytes} must be >= 0"
             )
         if self.cycles < 1:
@@ -157,7 +159,7 @@ class Chunk:
     time_s: float
     """Sum of the units' execution times (useful work)."""
     overhead_s: float
-    """Launch overhead plus state reload/offload."""
+    """Launch overhead, per-unit overhead and state reload/offload."""
     mem_bytes: int
     """Peak device memory of the fill job in this bubble, resident bytes included."""
     flops: float
@@ -207,6 +209,9 @@ class _Problem:
 
     n: int
     prefix_ns: tuple[int, ...]
+    """Busy time from the start of an iteration: units' compute and their per-unit overhead."""
+    work_ns: tuple[int, ...]
+    """Compute time alone (useful work), same positions."""
     mem: tuple[int, ...]
     flops_prefix: tuple[float, ...]
     swap_ns: tuple[int, ...]
@@ -219,6 +224,10 @@ class _Problem:
     def elapsed(self, p: int) -> int:
         q, r = divmod(p, self.n)
         return q * self.prefix_ns[self.n] + self.prefix_ns[r]
+
+    def worked(self, p: int) -> int:
+        q, r = divmod(p, self.n)
+        return q * self.work_ns[self.n] + self.work_ns[r]
 
     def flops_done(self, p: int) -> float:
         q, r = divmod(p, self.n)
@@ -253,9 +262,11 @@ def _build(units: Sequence[FillUnit], cycle: Sequence[BubbleSlot], params: Packi
     ids = tuple(b.id for b in cycle)
     if len(set(ids)) != len(ids):
         raise ValueError(f"bubble ids must be unique, got {list(ids)}")
-    prefix, flops = [0], [0.0]
+    prefix, work, flops = [0], [0], [0.0]
+    per_unit = _ns(params.unit_overhead_s)
     for u in units:
-        prefix.append(prefix[-1] + _ns(u.time_s))
+        work.append(work[-1] + _ns(u.time_s))
+        prefix.append(prefix[-1] + _ns(u.time_s) + per_unit)
         flops.append(flops[-1] + u.flops)
     if prefix[-1] <= 0:
         raise ValueError(f"one iteration of the fill job takes {prefix[-1]} ns; it must be > 0")
@@ -263,7 +274,7 @@ def _build(units: Sequence[FillUnit], cycle: Sequence[BubbleSlot], params: Packi
     swap = tuple(0 if bw is None else _ns(u.state_bytes / bw) for u in units)
     keep = 1.0 - params.safety_margin
     return _Problem(
-        n=len(units), prefix_ns=tuple(prefix), mem=tuple(u.mem_bytes for u in units),
+        n=len(units), prefix_ns=tuple(prefix), work_ns=tuple(work), mem=tuple(u.mem_bytes for u in units),
         flops_prefix=tuple(flops), swap_ns=swap,
         usable_ns=tuple(int(b.duration_s * keep * NS_PER_S) for b in cycle),
         free=tuple(b.free_bytes for b in cycle), ids=ids,
@@ -341,7 +352,7 @@ def _empty_reason(prob: _Problem, slot: int, a: int) -> EmptyReason:
 
 
 def _make_chunk(prob: _Problem, slot: int, cyc: int, a: int, b: int) -> Chunk:
-    work = prob.elapsed(b) - prob.elapsed(a)
+    work = prob.worked(b) - prob.worked(a)
     return Chunk(
         bubble_id=prob.ids[slot], slot=slot, cycle=cyc, first_unit=a, num_units=b - a,
         time_s=work / NS_PER_S, overhead_s=(prob.busy_ns(a, b) - work) / NS_PER_S,
@@ -364,7 +375,7 @@ def _make_packing(
                                      reason=_empty_reason(prob, slot, a)))
         a = b
     usable = params.cycles * sum(max(0, u) for u in prob.usable_ns)
-    work = sum(prob.elapsed(c.end_unit) - prob.elapsed(c.first_unit) for c in chunks)
+    work = sum(prob.worked(c.end_unit) - prob.worked(c.first_unit) for c in chunks)
     return Packing(
         chunks=tuple(chunks), empty_bubbles=tuple(empty), params=params,
         units_per_iteration=prob.n, bubbles_per_cycle=nb, units_completed=a,
@@ -378,7 +389,7 @@ def _make_packing(
 def greedy_pack(
     units: Sequence[FillUnit], cycle: Sequence[BubbleSlot], *, safety_margin: float = 0.1,
     launch_overhead_s: float = DEFAULT_LAUNCH_OVERHEAD_S, resident_bytes: int = 0, cycles: int = 1,
-    state_swap_bw: float | None = None, farthest_fit: bool = False,
+    state_swap_bw: float | None = None, farthest_fit: bool = False, unit_overhead_s: float = 0.0,
 ) -> Packing:
     """PipeFill Algorithm 1: fill each bubble in turn with as many next units as fit.
 
@@ -387,7 +398,8 @@ def greedy_pack(
     only with ``state_swap_bw``, where a longer chunk can end at a cheaper boundary.
     """
     params = PackingParams(safety_margin=safety_margin, launch_overhead_s=launch_overhead_s,
-                           resident_bytes=resident_bytes, cycles=cycles, state_swap_bw=state_swap_bw)
+                           resident_bytes=resident_bytes, cycles=cycles, state_swap_bw=state_swap_bw,
+                           unit_overhead_s=unit_overhead_s)
     prob = _build(units, cycle, params)
     start = time.perf_counter()
     ends = _greedy_ends(prob, cycles, farthest_fit=farthest_fit)
@@ -492,7 +504,7 @@ def cpsat_pack(
     units: Sequence[FillUnit], cycle: Sequence[BubbleSlot], *, safety_margin: float = 0.1,
     launch_overhead_s: float = DEFAULT_LAUNCH_OVERHEAD_S, resident_bytes: int = 0, cycles: int = 1,
     state_swap_bw: float | None = None, time_limit_s: float = 2.0, hint: Packing | None = None,
-    num_workers: int = 2, seed: int = 0,
+    num_workers: int = 2, seed: int = 0, unit_overhead_s: float = 0.0,
 ) -> Packing:
     """Maximize units completed over the horizon with CP-SAT; never worse than greedy.
 
@@ -502,7 +514,8 @@ def cpsat_pack(
     ``solver="greedy-fallback"``.
     """
     kwargs = dict(safety_margin=safety_margin, launch_overhead_s=launch_overhead_s,
-                  resident_bytes=resident_bytes, cycles=cycles, state_swap_bw=state_swap_bw)
+                  resident_bytes=resident_bytes, cycles=cycles, state_swap_bw=state_swap_bw,
+                  unit_overhead_s=unit_overhead_s)
     floor = max((greedy_pack(units, cycle, **kwargs, farthest_fit=ff) for ff in (False, True)),
                 key=lambda p: p.units_completed)
     budget = BUDGET.get()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from planner.plan import Plan, plan_hardware
 
-from .assign import best_fill
+from .assign import best_fill, plan_hold_free
 from .cluster_sim import Prices, SimReport, simulate
 from .packing import BubbleSlot
 from .profiles import profile_job
@@ -29,12 +29,14 @@ def simulate_trace(plan: Plan, spec: FillSpec, *, policy: str = "fifo", horizon_
     """One simulated rank per pipeline rank; each stands for the t*d GPUs that share its bubbles."""
     hw = plan_hardware(plan)
     ranks = _ranks(plan)
+    hold = plan_hold_free(plan)
     jobs = []
     for js in spec.jobs:
         profiles = profile_job(js, hw, plan.config.precision)
         plans, best_any = [], None
         for rank in ranks:
-            rf = best_fill(rank.id, list(rank.slots), profiles, hw, safety_margin=spec.safety_margin) if rank.slots else None
+            rf = best_fill(rank.id, list(rank.slots), profiles, hw, safety_margin=spec.safety_margin,
+                           hold_free=hold[rank.id]) if rank.slots else None
             plans.append(RankPlan.from_packing(rf.packing) if rf else None)
             best_any = best_any or rf
         prof = best_any.profile if best_any else profiles[0]

@@ -432,11 +432,17 @@ class Executor:
         planned = info.duration_s if info else 0.0
         duration = self.measured.get(bubble_id, planned)
         kwargs = {}
-        if self.cuda:  # CUDA-only: the fill job may start once the compute stream reaches this point
-            ev = torch.cuda.Event()
+        free = info.free_bytes if info else 0
+        if self.cuda and not isinstance(self.fill, NullFill):
+            # CUDA-only, as PipeFill does at every bubble (4.2): hand the allocator's cached free blocks back so
+            # the fill job can use them, and give it no more than the device has beside what the main job holds
+            torch.cuda.empty_cache()
+            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+            free = min(free, max(0, total - torch.cuda.memory_reserved()))
+            ev = torch.cuda.Event()  # the fill job may start once the compute stream reaches this point
             ev.record(torch.cuda.current_stream())
             kwargs["ready"] = ev
-        self.fill.bubble_begin(bubble_id, duration, info.free_bytes if info else 0, **kwargs)
+        self.fill.bubble_begin(bubble_id, duration, free, **kwargs)
 
     def _end_bubble(self, st: _Step) -> None:
         if st.bubble is None:

@@ -50,6 +50,7 @@ from dataclasses import dataclass, field
 from multiprocessing import connection
 from typing import Any, Literal
 
+from planner.fill.physics import STEP_ALLOWANCE_S, STEP_SAFETY
 from planner.plan import FillJob, Plan
 
 __all__ = ["State", "Transition", "TRANSITIONS", "IllegalTransition", "SideTaskState", "ExecutorOptions",
@@ -126,9 +127,10 @@ class ExecutorOptions:
     FillJob.iterations (the fill spec's amount of work), else it runs until shutdown."""
     profile_reps: int = 2
     """Timed passes over the linearized units during InitSideTask (after one warm-up pass)."""
-    step_safety: float = 1.25
-    """A step starts only if usable time left >= profiled (or recently observed) time x this + overhead."""
-    step_overhead_s: float = 1e-3
+    step_safety: float = STEP_SAFETY
+    """A step starts only if usable time left >= profiled (or recently observed) time x this + overhead (the
+    planner prices chunks with the same numbers: planner/fill/physics.py)."""
+    step_overhead_s: float = STEP_ALLOWANCE_S
     cpu_threads: int = 1
     """torch threads of a task process on CPU, so fill work does not crowd the main job's cores."""
     seed: int = 0

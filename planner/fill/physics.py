@@ -1,0 +1,73 @@
+"""What running a fill job inside a bubble costs beyond its own compute, and how much of a bubble it may take.
+
+Named constants with their sources (seed files in ../shared/seeds/: 000 FreeRide, 001 PipeFill, 002 PipeSwitch).
+Nothing here is fitted to the papers' result figures; `bench/paper_fill.py` compares against those.
+
+The fill job's own compute is priced by the same cost models as the main job, at the fill job's own sizes
+(batch, hidden size: small products run below the GEMM ceiling, `Hardware.matmul_rate`) and on the main job's
+hardware and calibration. What the bubble adds is priced here, as the runtime (planner/runtime/fill_executor.py,
+iterative interface) runs it:
+
+- **The share of a bubble filled.** PipeFill measured a main-job overhead under 2% while its executor filled up
+  to 68% of each bubble, and a substantial one above (001 l.231); its simulator fills 68% by default. The
+  default safety margin is the rest, 32%. FreeRide runs a step whenever the time left exceeds the step's
+  profiled duration (000 l.249), with no margin; its measured time increase was 0.9-1.4% (Table 1).
+- **Admission of a step.** The runtime starts a unit only if the usable time left covers its profiled time x
+  `STEP_SAFETY` + `STEP_ALLOWANCE_S` (FreeRide's program-directed limit with our margin for a step that runs
+  slower than profiled): the last unit of a chunk needs that slack, so a chunk is charged it once.
+- **Every unit a round trip.** Each unit is one request from the executor to the task process and one reply
+  (a pipe each way), and on CUDA the task synchronizes at the unit's end, so the next unit's first kernel
+  launch is exposed: `STEP_IPC_S` + the target's kernel launch per unit.
+- **Interruption.** No step is cut by the bubble's end (admission above), so the interruption PipeFill names
+  (001 l.245) is the tail of the bubble the next unit does not fit into: the packing's granularity, priced by
+  the packer, not a constant.
+- **Process switch.** The fill job runs in its own process, created and initialized before the first bubble
+  and kept (FreeRide's PAUSED state holds its GPU context, 000 l.205): the seconds of process launch and CUDA
+  context creation PipeSwitch measured for stop-and-start (Table 1: 7.3 s on a V100, 002 l.102-110) are paid
+  once, not per bubble. Per bubble, the signal crosses two pipes (main job -> executor -> task), within
+  `STEP_ALLOWANCE_S`.
+- **Memory.** The task process's CUDA context stays on the device between bubbles: `FILL_CONTEXT_BYTES`
+  (PipeSwitch: "every standby worker needs to maintain its own CUDA context, which consumes a few hundred MB
+  GPU memory", 002 l.282). What a fill job holds between bubbles (context, weights, optimizer state, the
+  activations of an iteration it is in the middle of) must fit beside the main job at the main job's peak on
+  that rank; what it uses only while it runs must fit beside the main job's memory during that bubble (the
+  pipeline program's memory ledger). PipeFill empties the main job's allocator cache at every bubble so its
+  cached free blocks count as free (001 l.115, 117); the runtime does the same on CUDA.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+__all__ = ["SAFE_FILL_FRACTION", "DEFAULT_SAFETY_MARGIN", "STEP_SAFETY", "STEP_ALLOWANCE_S", "STEP_IPC_S",
+           "FILL_CONTEXT_BYTES", "chunk_overhead_s", "unit_overhead_s", "shortest_bubble_s"]
+
+SAFE_FILL_FRACTION = 0.68
+"""PipeFill 6.1 (001 l.231): the main job's overhead stays under 2% up to 68% of each bubble filled."""
+DEFAULT_SAFETY_MARGIN = round(1.0 - SAFE_FILL_FRACTION, 2)
+STEP_SAFETY = 1.25
+"""The runtime starts a unit only if the usable time left >= its profiled (or recently observed) time x this."""
+STEP_ALLOWANCE_S = 1e-3
+"""... + this: the bubble signal's two pipe hops, the task's wake-up and a unit's jitter."""
+STEP_IPC_S = 40e-6
+"""One executor -> task -> executor round trip of a unit's request and reply over multiprocessing pipes: 38 us
+measured on the 2-core CI machine (`python bench/paper_fill.py --ipc` measures it where you run it)."""
+FILL_CONTEXT_BYTES = 300 << 20
+"""A fill task process's CUDA context on the device: "a few hundred MB" (PipeSwitch, 002 l.282)."""
+
+
+def unit_overhead_s(launch_s: float) -> float:
+    """Seconds each unit adds to its chunk beyond its compute: the request/reply round trip, and the first
+    kernel launch after the previous unit's synchronize."""
+    return STEP_IPC_S + launch_s
+
+
+def chunk_overhead_s(unit_times: Sequence[float]) -> float:
+    """Seconds each non-empty chunk is charged once: the admission slack of its last unit (bounded by the job's
+    longest unit, so a chunk's fit does not depend on where it ends) and the runtime's per-step allowance."""
+    return (STEP_SAFETY - 1.0) * max(unit_times, default=0.0) + STEP_ALLOWANCE_S
+
+
+def shortest_bubble_s(unit_times: Sequence[float], launch_s: float, safety_margin: float) -> float:
+    """The shortest bubble in which this job can run one unit: anything shorter is left empty."""
+    return (chunk_overhead_s(unit_times) + min(unit_times, default=0.0) + unit_overhead_s(launch_s)) / \
+        (1.0 - safety_margin)

@@ -1,0 +1,97 @@
+"""Fill priced as the runtime runs it (planner/fill/physics.py): the margin, per-chunk and per-unit costs, the
+shortest bubble worth filling, and memory from the main job's ledger."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from costmodels.hardware import Hardware
+from planner.fill.assign import best_fill, held_bytes
+from planner.fill.packing import BubbleSlot, FillUnit, greedy_pack, validate_packing
+from planner.fill.physics import (
+    DEFAULT_SAFETY_MARGIN,
+    FILL_CONTEXT_BYTES,
+    STEP_ALLOWANCE_S,
+    STEP_SAFETY,
+    chunk_overhead_s,
+    shortest_bubble_s,
+    unit_overhead_s,
+)
+from planner.fill.profiles import FillProfile
+from planner.fill.spec import FillSpec
+from planner.runtime.fill_executor import ExecutorOptions
+from targets.registry import get_target
+
+HW = Hardware(target=get_target("a100-80gb"))
+GiB = 1 << 30
+MS = 1e-3
+
+
+def _profile(kind: str, times_ms: list[float], *, mem: int = GiB, state: int = 0, resident: int = GiB) -> FillProfile:
+    units = tuple(FillUnit(name=f"u{i}", time_s=t * MS, mem_bytes=mem, flops=t * 1e9, state_bytes=state)
+                  for i, t in enumerate(times_ms))
+    return FillProfile(job="j", kind=kind, batch_size=8, config="plain", units=units, resident_bytes=resident,
+                       layers=(), params=1, sha256="")
+
+
+def test_defaults_are_the_papers_and_the_runtimes():
+    assert DEFAULT_SAFETY_MARGIN == pytest.approx(0.32)  # PipeFill filled 68% of each bubble (001 l.231)
+    assert FillSpec(jobs=[{"name": "a", "model": "m.py", "kind": "infer", "batch_sizes": [1],
+                           "work": {"samples": 1}}]).safety_margin == DEFAULT_SAFETY_MARGIN
+    opts = ExecutorOptions()  # the planner prices a step's admission exactly as the runtime applies it
+    assert (opts.step_safety, opts.step_overhead_s) == (STEP_SAFETY, STEP_ALLOWANCE_S)
+
+
+def test_the_shortest_bubble_worth_filling_is_where_one_unit_first_fits():
+    prof = _profile("infer", [2.0, 2.0, 2.0])
+    shortest = shortest_bubble_s([u.time_s for u in prof.units], HW.eff.launch_s, DEFAULT_SAFETY_MARGIN)
+    assert shortest == pytest.approx((0.25 * 2 * MS + STEP_ALLOWANCE_S + 2 * MS + unit_overhead_s(HW.eff.launch_s))
+                                     / (1 - DEFAULT_SAFETY_MARGIN))
+    assert chunk_overhead_s([2 * MS, 3 * MS]) == pytest.approx((STEP_SAFETY - 1) * 3 * MS + STEP_ALLOWANCE_S)
+    below = [BubbleSlot(id=0, duration_s=shortest * 0.99, free_bytes=80 * GiB)]
+    above = [BubbleSlot(id=0, duration_s=shortest * 1.01, free_bytes=80 * GiB)]
+    assert best_fill(0, below, [prof], HW) is None
+    got = best_fill(0, above, [prof], HW)
+    assert got is not None and all(c.num_units == 1 for c in got.packing.chunks)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 20), min_size=1, max_size=6), st.lists(st.integers(0, 80), min_size=1, max_size=4),
+       st.sampled_from([0.0, 50e-6]), st.sampled_from([0.0, 0.32]))
+def test_per_unit_overhead_is_charged_but_not_counted_as_work(times, bubbles, per_unit, margin):
+    units = [FillUnit(name=f"u{i}", time_s=t * MS, mem_bytes=1, flops=t * 1e9) for i, t in enumerate(times)]
+    cycle = [BubbleSlot(id=i, duration_s=d * MS, free_bytes=10) for i, d in enumerate(bubbles)]
+    pk = greedy_pack(units, cycle, safety_margin=margin, launch_overhead_s=1 * MS, cycles=3, unit_overhead_s=per_unit)
+    validate_packing(pk, units, cycle)
+    for c in pk.chunks:
+        work = sum(units[p % len(units)].time_s for p in range(c.first_unit, c.end_unit))
+        assert c.time_s == pytest.approx(work, abs=1e-8)
+        assert c.overhead_s == pytest.approx(1 * MS + c.num_units * per_unit, abs=1e-8)
+        assert c.time_s + c.overhead_s <= cycle[c.slot].duration_s * (1 - margin) + 1e-8
+    plain = greedy_pack(units, cycle, safety_margin=margin, launch_overhead_s=1 * MS, cycles=3)
+    assert pk.units_completed <= plain.units_completed
+
+
+def test_what_a_job_holds_between_bubbles_must_fit_beside_the_main_jobs_peak():
+    # a training job mid-iteration keeps 6 GiB of activations for its backward; resident 2 GiB
+    train = _profile("train", [5.0] * 4, mem=GiB, state=6 * GiB, resident=2 * GiB)
+    assert held_bytes(train) == FILL_CONTEXT_BYTES + 8 * GiB
+    cycle = [BubbleSlot(id=0, duration_s=0.5, free_bytes=20 * GiB)]
+    assert best_fill(0, cycle, [train], HW, hold_free=held_bytes(train)) is not None
+    assert best_fill(0, cycle, [train], HW, hold_free=held_bytes(train) - 1) is None  # every bubble has room
+    # an inference job that cannot stay resident is loaded per bubble: its weights count only while it runs
+    infer = _profile("infer", [5.0] * 4, mem=GiB, resident=4 * GiB)
+    streamed = best_fill(0, cycle, [infer], HW, hold_free=FILL_CONTEXT_BYTES + GiB)
+    assert streamed is not None and not streamed.resident
+    assert max(c.mem_bytes for c in streamed.packing.chunks) == GiB + 4 * GiB + FILL_CONTEXT_BYTES
+    resident = best_fill(0, cycle, [infer], HW, hold_free=held_bytes(infer))
+    assert resident is not None and resident.resident
+
+
+def test_a_bubble_without_room_for_the_fill_processs_context_runs_nothing():
+    prof = _profile("infer", [1.0], mem=GiB, resident=GiB)
+    tight = [BubbleSlot(id=0, duration_s=0.5, free_bytes=2 * GiB)]  # unit + weights fit, the context does not
+    assert best_fill(0, tight, [prof], HW, hold_free=10 * GiB) is None
+    roomy = [BubbleSlot(id=0, duration_s=0.5, free_bytes=2 * GiB + FILL_CONTEXT_BYTES)]
+    assert best_fill(0, roomy, [prof], HW, hold_free=10 * GiB) is not None
