@@ -30,7 +30,7 @@ from .schedules import SCHEDULES
 from .search import NoFeasibleConfig, Pins, SearchResult, search
 from .simulate import SimResult, with_bubbles
 
-__all__ = ["parse_model_args", "profile_rows", "make_plan"]
+__all__ = ["parse_model_args", "profile_rows", "make_plan", "check_fill_value"]
 
 
 def parse_model_args(items: list[str]) -> dict[str, Any]:
@@ -74,9 +74,7 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     """`fill_value`: what one recovered fill GPU-second is worth against one main-job GPU-second (0: the fastest
     main job wins and fill only breaks ties); `main_slack`: how much slower than the fastest a main configuration
     may be and still be considered (planner/fill/joint.py)."""
-    if not (math.isfinite(fill_value) and fill_value >= 0):
-        raise UserError(f"--fill-value must be a finite number >= 0 (the worth of a recovered fill GPU-second "
-                        f"against a main-job one), got {fill_value:g}")
+    check_fill_value(fill_value)
     hw = Hardware(target=get_target(target, gpus_per_node))
     if calibration is not None:
         hw = apply_calibration(calibration, hw)
@@ -114,6 +112,12 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
         section.predictions.choice = joint.choice
         plan = plan.model_copy(update={"fill": section})
     return plan, result
+
+
+def check_fill_value(fill_value: float) -> None:
+    if not (math.isfinite(fill_value) and fill_value >= 0):
+        raise UserError(f"--fill-value must be a finite number >= 0 (the worth of a recovered fill GPU-second "
+                        f"against a main-job one), got {fill_value:g}")
 
 
 def _choose_fill(ev: Evaluator, pins: Pins, result: SearchResult, jobs: dict, *, main_slack: float, offload: str,

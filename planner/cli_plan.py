@@ -1,7 +1,6 @@
 """`planner plan`, `planner show`, `planner chart`."""
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import List, Optional
 
@@ -75,7 +74,7 @@ def plan(
     """Choose the whole PTD-P configuration for MODEL on N GPUs (and the fill of its bubbles)."""
     from costmodels.calibration import load_calibration
 
-    from .api import make_plan, parse_model_args
+    from .api import check_fill_value, make_plan, parse_model_args
     from .search import Pins
 
     from .fill.spec import load_fill_spec
@@ -85,9 +84,7 @@ def plan(
             raise UserError(f"--offload takes auto, on or off, got {offload!r}")
         if fill_solver not in PACKERS:
             raise UserError(f"--fill-solver takes {_choices(PACKERS)}, got {fill_solver!r}")
-        if not (math.isfinite(fill_value) and fill_value >= 0):  # before the progress bar starts (make_plan checks too)
-            raise UserError(f"--fill-value must be a finite number >= 0 (the worth of a recovered fill GPU-second "
-                            f"against a main-job one), got {fill_value:g}")
+        check_fill_value(fill_value)  # before the progress bar starts (make_plan checks too)
         spec = load_fill_spec(fill) if fill else None
         cal = load_calibration(calibration) if calibration else None
         pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,

@@ -110,9 +110,10 @@ def greedy_proven_optimal(packer: str) -> str:
     return f"greedy (proven optimal: chunk boundaries cost nothing here; {name} not needed)"
 
 
-def _admitted(candidates: list[Evaluation], main_slack: float) -> list[Evaluation]:
-    best = min(e.iteration_s for e in candidates)
-    return [e for e in candidates if e.iteration_s <= best * (1 + main_slack) * (1 + TIE)]
+def _admitted(items: list, main_slack: float, time_of=lambda e: e.iteration_s) -> list:
+    """The items whose iteration time is within main_slack of the fastest."""
+    best = min(time_of(x) for x in items)
+    return [x for x in items if time_of(x) <= best * (1 + main_slack) * (1 + TIE)]
 
 
 def _options(ev: Evaluator, candidates: list[Evaluation], jobs: dict[str, list[FillProfile]], *, main_slack: float,
@@ -150,8 +151,7 @@ def _better(a: JointChoice, b: JointChoice) -> bool:
 
 def _pick(options: list[JointChoice], *, reference_s: float, main_slack: float, fill_value: float) -> JointChoice:
     """The best-scoring option among those within main_slack of the fastest simulated one."""
-    fastest = min(o.evaluation.iteration_s for o in options)
-    admitted = [o for o in options if o.evaluation.iteration_s <= fastest * (1 + main_slack) * (1 + TIE)]
+    admitted = _admitted(options, main_slack, lambda o: o.evaluation.iteration_s)
     considered = len({o.evaluation.config for o in admitted})
     best: JointChoice | None = None
     for o in admitted:

@@ -190,6 +190,7 @@ class Executor:
         self.fill: Any = NullFill()
         self.tp = groups.coords.tp_size > 1
         self.cuda = options.device.startswith("cuda")
+        self.device_bytes = torch.cuda.get_device_properties(options.device).total_memory if self.cuda else 0
         self._slots = slots  # tags must agree between sender and receiver: from all stages' programs
         self._mail: dict[int, torch.Tensor] = {}
         self.hold: tuple[tuple[int, int], float] | None = None  # ((pp rank, bubble id), seconds) to occupy
@@ -437,8 +438,7 @@ class Executor:
             # CUDA-only, as PipeFill does at every bubble (4.2): hand the allocator's cached free blocks back so
             # the fill job can use them, and give it no more than the device has beside what the main job holds
             torch.cuda.empty_cache()
-            total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-            free = min(free, max(0, total - torch.cuda.memory_reserved()))
+            free = min(free, max(0, self.device_bytes - torch.cuda.memory_reserved()))
             ev = torch.cuda.Event()  # the fill job may start once the compute stream reaches this point
             ev.record(torch.cuda.current_stream())
             kwargs["ready"] = ev
