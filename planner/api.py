@@ -98,6 +98,7 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
                           else None) as budget:
             joint = _choose_fill(ev, pins, result, jobs, main_slack=main_slack, offload=offload,
                                  safety_margin=fill.safety_margin, solver=fill_solver, fill_value=fill_value,
+                                 policy=fill.policy,
                                  top=8 if wide else 6, simulate_top=8 if wide else 3)
         best, sim = joint.evaluation, joint.simulation
     seconds = time.perf_counter() - start
@@ -121,12 +122,13 @@ def check_fill_value(fill_value: float) -> None:
 
 
 def _choose_fill(ev: Evaluator, pins: Pins, result: SearchResult, jobs: dict, *, main_slack: float, offload: str,
-                 safety_margin: float, solver: str, fill_value: float, top: int, simulate_top: int) -> JointChoice:
+                 safety_margin: float, solver: str, fill_value: float, top: int, simulate_top: int,
+                 policy: str) -> JointChoice:
     """The main configuration and its fill. Unless the user pinned the schedule, the best configurations that
     shrink the bubbles (zero-bubble schedules) and that keep and fill them are compared: the side the search's
     best is on comes from the search, the other from a search pinned to its schedule kinds."""
     kw = dict(main_slack=main_slack, offload=offload, safety_margin=safety_margin, solver=solver,
-              fill_value=fill_value)
+              fill_value=fill_value, policy=policy)
     candidates = [result.best, *result.runners_up]
     zero = tuple(n for n, k in SCHEDULES.items() if k.split_backward)
     bubbly = tuple(n for n, k in SCHEDULES.items() if not k.split_backward)

@@ -151,6 +151,14 @@ def print_summary(p: Plan) -> None:
               highlight=False)
 
 
+def _span(seconds: float) -> str:
+    """A predicted time from the run's start, in the unit that reads best."""
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f} {unit}"
+    return f"{seconds:.1f} s"
+
+
 def _print_fill(p: Plan) -> None:
     f = p.fill
     fp = f.predictions
@@ -159,18 +167,22 @@ def _print_fill(p: Plan) -> None:
               f"{'yes' if fp.offload_optimizer else 'no'}; packing: {fp.solver}", highlight=False)
     if fp.choice:
         out.print(f"shrink or fill: {fp.choice}", highlight=False)
-    table = Table(title="fill per pipeline rank")
-    for col in ("rank", "job", "resident", "chunks", "units/iteration", "busy in bubbles"):
+    gpus = p.config.dp * p.config.cp * p.config.tp
+    table = Table(title=f"fill per pipeline rank (each rank's {gpus} GPU{'s' if gpus > 1 else ''} divide its share; "
+                        f"one job at a time, next by {f.policy})")
+    for col in ("rank", "job", "resident", "batches", "turn", "chunks", "units/iteration", "busy in bubbles"):
         table.add_column(col)
-    jobs = {j.name: j for j in f.jobs}
+    turns = sorted(((s.rank, s.start_s, j, s) for j in f.jobs for s in j.shards), key=lambda x: x[:2])
     for rank in range(p.config.pp):
-        chunks = [c for c in f.chunks if c.rank == rank]
-        if not chunks:
-            table.add_row(str(rank), "-", "", "0", "0", "0")
-            continue
-        job = jobs[chunks[0].job]
-        table.add_row(str(rank), job.name, "yes" if job.resident else "loaded per bubble", str(len(chunks)),
-                      str(sum(c.units for c in chunks)), _ms(sum(c.expected_s for c in chunks)))
+        here = [(job, shard) for r, _, job, shard in turns if r == rank]
+        if not here:
+            table.add_row(str(rank), "-", "", "0", "", "0", "0", "0")
+        for job, shard in here:
+            chunks = [c for c in f.chunks if c.rank == rank and c.job == job.name]
+            table.add_row(str(rank), job.name, "yes" if job.resident else "loaded per bubble",
+                          f"{shard.first_batch}-{shard.first_batch + shard.batches - 1}",
+                          f"{_span(shard.start_s)}-{_span(shard.end_s)}", str(len(chunks)),
+                          str(sum(c.units for c in chunks)), _ms(sum(c.expected_s for c in chunks)))
     out.print(table)
     for name, why in fp.unplaceable.items():
         out.print(f"[yellow]unplaceable[/] {name}: {why}", highlight=False)

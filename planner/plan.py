@@ -163,6 +163,18 @@ class SearchInfo(_Model):
     pinned: list[str]
 
 
+class FillShard(_Model):
+    """One pipeline rank's share of a fill job. Its d x cp x t GPUs divide it: replica k of R takes batches
+    first_batch + k, first_batch + k + R, ... below first_batch + batches (a training job's R replicas are data
+    parallel: each step every replica trains on its own batch and the gradients are averaged)."""
+
+    rank: int = Field(description="pipeline rank")
+    first_batch: int
+    batches: int
+    start_s: float = Field(description="predicted start of the job's turn on this rank (s after the main job starts)")
+    end_s: float = Field(description="predicted end of that turn")
+
+
 class FillJob(_Model):
     name: str
     model_file: str
@@ -177,12 +189,19 @@ class FillJob(_Model):
     leaves: list[str] = Field(default_factory=list, description="modules traced as leaves")
     notes: list[str] = Field(default_factory=list, description="how the model was priced: unpriced ops, unused "
                              "parameters, layers priced without a parallelism they need")
-    iterations: Optional[int] = Field(None, description="work: iterations after which the job is done")
+    iterations: Optional[int] = Field(None, description="work: the job's batches (iterations of batch_size on one "
+                                      "GPU), done once over all the GPUs that run it")
+    arrival_s: float = Field(0.0, description="seconds after the main job starts when the job may first run")
+    deadline_s: Optional[float] = Field(None, description="seconds after the main job starts by which it should end")
+    priority: int = Field(0, description="free for user score functions")
+    shards: list[FillShard] = Field(default_factory=list, description="per pipeline rank that runs the job, its "
+                                      "share of the batches and its predicted turn there")
 
 
 class FillChunk(_Model):
     job: str
-    rank: int = Field(description="pipeline rank whose bubble runs it (every d x t replica of that rank does)")
+    rank: int = Field(description="pipeline rank whose bubble runs it (each of that rank's GPUs runs its own share "
+                      "of the job: FillJob.shards)")
     bubble_id: int
     first_unit: int = Field(description="index into the job's linearized units, counted over repeated iterations")
     units: int
@@ -207,6 +226,8 @@ class FillPredictions(_Model):
 
 class Fill(_Model):
     safety_margin: float
+    policy: str = Field("sjf", description="which of a rank's fill jobs runs next when one ends (planner/fill/"
+                        "scheduler.py POLICIES: fifo, sjf, makespan, edf)")
     jobs: list[FillJob]
     chunks: list[FillChunk]
     predictions: FillPredictions

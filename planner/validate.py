@@ -176,8 +176,9 @@ def fill_spec_of(plan: Plan):
         name = j.name.split("@")[0]
         jobs.setdefault(name, FillJobSpec(name=name, model=j.model_file, model_args=j.model_args, kind=j.kind,
                                           batch_sizes=[j.batch_size], leaves=list(j.leaves),
-                                          work=Work(iterations=j.iterations or 1)))
-    return FillSpec(jobs=list(jobs.values()), safety_margin=plan.fill.safety_margin)
+                                          work=Work(iterations=j.iterations or 1), arrival_s=j.arrival_s,
+                                          deadline_s=j.deadline_s, priority=j.priority))
+    return FillSpec(jobs=list(jobs.values()), safety_margin=plan.fill.safety_margin, policy=plan.fill.policy)
 
 
 def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy") -> Plan:
@@ -197,7 +198,8 @@ def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy") -> Plan:
     cycles = [[BubbleSlot(id=b.id, duration_s=b.duration_s, free_bytes=b.free_bytes) for b in plan.bubbles
                if b.rank == r] for r in range(plan.config.pp)]
     fa = assign_fill(cycles, plan.predictions.iteration_s, jobs, hw, safety_margin=spec.safety_margin, solver=solver,
-                     hold_free=plan_hold_free(plan))
+                     hold_free=plan_hold_free(plan), replicas=plan.config.dp * plan.config.cp * plan.config.tp,
+                     policy=spec.policy)
     old = plan.fill.predictions
     fill = fill_section(fa, spec, offload=old.offload_optimizer,
                         main_useful_per_gpu=(old.total_useful_tflops_per_gpu - old.fill_tflops_per_gpu) * 1e12)

@@ -14,7 +14,8 @@ from targets.registry import TargetError, get_target, list_targets, load_target_
 from targets.specs import DTYPES, GPUSpec
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "targets" / "my-cluster.yaml"
-NAMES = ["a100-40gb", "a100-80gb", "h100-pcie", "h100-sxm", "h200", "rtx6000-ada", "v100-16gb", "v100-32gb"]
+NAMES = ["a100-40gb", "a100-80gb", "h100-pcie", "h100-sxm", "h200", "rtx3080", "rtx6000-ada", "v100-16gb",
+         "v100-32gb"]
 
 
 def write(tmp_path: Path, text: str, name: str = "t.yaml") -> Path:
@@ -54,6 +55,7 @@ def test_builtin_loads_with_positive_figures(name):
         ("a100-40gb", "fp16", 312e12), ("v100-16gb", "fp16", 125e12), ("v100-32gb", "fp32", 15.7e12),
         ("h100-sxm", "bf16", 989.5e12), ("h100-sxm", "fp8", 1979e12), ("h200", "bf16", 989.5e12),
         ("h100-pcie", "bf16", 756.5e12), ("rtx6000-ada", "bf16", 364.2e12), ("rtx6000-ada", "fp8", 728.5e12),
+        ("rtx3080", "fp16", 59.5e12), ("rtx3080", "fp32", 29.8e12),
     ],
 )
 def test_datasheet_peaks(name, dtype, flops):

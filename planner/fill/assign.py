@@ -17,6 +17,7 @@ pipelined transmission, whose non-overlapped part is charged to every chunk as l
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
@@ -26,8 +27,9 @@ from .packing import BubbleSlot, FillUnit, Packing, cpsat_pack, greedy_pack
 from .physics import DEFAULT_SAFETY_MARGIN, FILL_CONTEXT_BYTES, chunk_overhead_s, unit_overhead_s
 from .pipeswitch import TransferOverhead, dp_grouping
 from .profiles import FillProfile
+from .scheduler import JobInfo, next_on_rank, resolve_policy
 
-__all__ = ["RankFill", "FillAssignment", "Packer", "PACKERS", "assign_fill", "best_fill", "load_overhead_s",
+__all__ = ["RankFill", "Turn", "FillAssignment", "Packer", "PACKERS", "assign_fill", "best_fill", "load_overhead_s",
            "held_bytes", "plan_hold_free"]
 
 PCIE_CALL_S = 10e-6  # per transfer (PipeSwitch 4.2's fixed cost; assumption for the target)
@@ -66,13 +68,52 @@ class RankFill:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Turn:
+    """One job's turn on one pipeline rank: the rank's share of the job's batches, which the rank's GPUs divide
+    (an inference job's batches among them, a training job's steps data parallel over them)."""
+
+    fill: RankFill
+    first_batch: int
+    batches: int
+    start_s: float
+    end_s: float
+
+    @property
+    def rank(self) -> int:
+        return self.fill.rank
+
+    @property
+    def job(self) -> str:
+        return self.fill.profile.job
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class FillAssignment:
-    per_rank: tuple[RankFill | None, ...]
+    per_rank: tuple[tuple[RankFill, ...], ...]
+    """Each pipeline rank's fill jobs (the queue its executor runs, one job at a time), in predicted turn order."""
+    turns: tuple[Turn, ...]
     iteration_s: float
-    fill_flops_per_gpu_s: float  # averaged over pipeline ranks
-    bubble_time_used: float  # fraction of all bubble time
+    fill_flops_per_gpu_s: float
+    """Fill FLOP/s per GPU while a rank has fill work (each rank's turns weighted by their length), averaged
+    over the pipeline ranks; each sample counted once."""
+    bubble_time_used: float  # fraction of all bubble time, weighted the same way
+    replicas: int = 1
+    """GPUs per pipeline rank (d x cp x t): they divide each of the rank's jobs."""
     unplaceable: dict[str, str] = field(default_factory=dict)
-    not_chosen: dict[str, str] = field(default_factory=dict)  # jobs that fit, outscored on every rank
+    not_chosen: dict[str, str] = field(default_factory=dict)  # jobs that fit alone but beside no rank's others
+
+    def per_cycle(self, value: Callable[[RankFill], float]) -> float:
+        """`value` of a job's packing per bubble cycle, weighted by the turns' lengths on each rank (a rank counts
+        while it has fill work), averaged over the pipeline ranks."""
+        if not self.per_rank:
+            return 0.0
+        total = 0.0
+        for r in range(len(self.per_rank)):
+            turns = [t for t in self.turns if t.rank == r and t.end_s > t.start_s]
+            busy = sum(t.end_s - t.start_s for t in turns)
+            if busy > 0:
+                total += sum(value(t.fill) * (t.end_s - t.start_s) for t in turns) / busy
+        return total / len(self.per_rank)
 
 
 def load_overhead_s(profile: FillProfile, hw: Hardware) -> float:
@@ -165,38 +206,152 @@ def best_fill(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], h
     return best
 
 
+def _held(rf: RankFill) -> int:
+    """Bytes the job keeps on the device between bubbles (and so during the other jobs' chunks)."""
+    return held_bytes(rf.profile) if rf.resident else FILL_CONTEXT_BYTES
+
+
+def _slot_free(cycle: list[BubbleSlot]) -> dict[int, int]:
+    return {s.id: s.free_bytes for s in cycle}
+
+
+def _beside(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], queue: list[RankFill], hw: Hardware, *,
+            margin: float, hold_free: int) -> RankFill | None:
+    """The job's best packing on a rank where the jobs of `queue` already hold their bytes; None if it does not fit,
+    or if the bytes it holds would leave a queued job's chunk without room."""
+    held = sum(_held(q) for q in queue)
+    shrunk = [replace(s, free_bytes=max(0, s.free_bytes - held)) for s in cycle]
+    rf = best_fill(rank, shrunk, profiles, hw, safety_margin=margin, hold_free=max(0, hold_free - held))
+    if rf is None:
+        return None
+    free = _slot_free(cycle)
+    for q in queue:
+        others = held - _held(q) + _held(rf)
+        if any(ch.mem_bytes + others > free[ch.bubble_id] for ch in q.packing.chunks):
+            return None
+    return rf
+
+
+def _rate(rf: RankFill, iteration_s: float) -> float:
+    """Batches per second one GPU of the rank completes of this job."""
+    return rf.packing.iterations_per_cycle / iteration_s
+
+
+def _split(total: int, weights: list[float]) -> list[int]:
+    """`total` divided in proportion to `weights` (largest remainders), summing to `total` exactly."""
+    exact = [total * w / sum(weights) for w in weights]
+    out = [int(x) for x in exact]
+    for i in sorted(range(len(exact)), key=lambda i: out[i] - exact[i])[:total - sum(out)]:
+        out[i] += 1
+    return out
+
+
+def _place(cycles: list[list[BubbleSlot]], jobs: dict[str, list[FillProfile]], hw: Hardware, *, margin: float,
+           hold: list[int], replicas: int, iteration_s: float) -> tuple[list[list[RankFill]], dict[str, str], set]:
+    """Which ranks run which jobs. An inference job runs on every rank it fits (one batch size and configuration
+    on all of them, so its batches mean the same samples everywhere); a training job on the one rank that would
+    finish it first, data parallel over that rank's GPUs. Jobs are placed in order of what they recover; a job
+    joins a rank only if the bytes every job there holds between bubbles fit together."""
+    p = len(cycles)
+
+    def alone(profiles: list[FillProfile]) -> list[RankFill | None]:
+        return [best_fill(r, c, profiles, hw, safety_margin=margin, hold_free=hold[r]) if c else None
+                for r, c in enumerate(cycles)]
+
+    best: dict[str, list[RankFill | None]] = {}
+    for name, profiles in jobs.items():
+        if profiles and profiles[0].kind == "infer":
+            per = [alone([prof]) for prof in profiles]
+            best[name] = max(per, key=lambda o: sum(rf.packing.flops_per_cycle for rf in o if rf), default=[None] * p)
+        else:
+            best[name] = alone(profiles)
+    feasible = {name for name, o in best.items() if any(o)}
+    queues: list[list[RankFill]] = [[] for _ in cycles]
+    load = [0.0] * p  # seconds of training work placed on each rank
+    not_chosen: dict[str, str] = {}
+    for name in sorted(feasible, key=lambda n: -max(rf.packing.flops_per_cycle for rf in best[n] if rf)):
+        fits = []
+        for r, rf in enumerate(best[name]):
+            if rf is not None and queues[r]:
+                rf = _beside(r, cycles[r], [rf.profile], queues[r], hw, margin=margin, hold_free=hold[r])
+            if rf is not None:
+                fits.append(rf)
+        if not fits:
+            r = next(r for r, rf in enumerate(best[name]) if rf)
+            not_chosen[name] = (f"it fits alone, but not beside the jobs already on each rank it fits (rank {r}: "
+                                f"{', '.join(q.profile.job for q in queues[r])} hold their memory between bubbles)")
+            continue
+        if fits[0].profile.kind == "train":
+            steps = -(-fits[0].profile.batches // replicas)
+            fits = [min(fits, key=lambda rf: (load[rf.rank] + steps / _rate(rf, iteration_s), rf.rank))]
+            load[fits[0].rank] += steps / _rate(fits[0], iteration_s)
+        for rf in fits:
+            queues[rf.rank].append(rf)
+    return queues, not_chosen, feasible
+
+
+def _turns(queues: list[list[RankFill]], replicas: int, iteration_s: float, policy: str) -> list[Turn]:
+    """Each rank's share of its jobs' batches, and the order its executor runs them in (the policy, with the
+    same function the runtime uses: scheduler.next_on_rank)."""
+    p = len(queues)
+    shares: dict[tuple[str, int], tuple[int, int]] = {}  # (job, rank) -> (first batch, batches)
+    for name in dict.fromkeys(rf.profile.job for q in queues for rf in q):
+        here = [rf for q in queues for rf in q if rf.profile.job == name]
+        total = here[0].profile.batches
+        if here[0].profile.kind == "train":  # data parallel: every step, each replica one batch
+            shares[(name, here[0].rank)] = (0, replicas * -(-total // replicas))
+            continue
+        first = 0
+        for rf, n in zip(here, _split(total, [_rate(rf, iteration_s) for rf in here])):
+            shares[(name, rf.rank)] = (first, n)
+            first += n
+    score = resolve_policy(policy)
+    out: list[Turn] = []
+    for r, queue in enumerate(queues):
+        rfs = {rf.profile.job: rf for rf in queue if shares[(rf.profile.job, r)][1] > 0}
+        proc = {n: -(-shares[(n, r)][1] // replicas) / _rate(rf, iteration_s) for n, rf in rfs.items()}
+        infos = [JobInfo(name=n, kind=rf.profile.kind, arrival_s=rf.profile.arrival_s,
+                         deadline_s=rf.profile.deadline_s, priority=rf.profile.priority, work=shares[(n, r)][1],
+                         proc_times=tuple(proc[n] if i == r else math.inf for i in range(p)), index=k)
+                 for k, (n, rf) in enumerate(rfs.items())]
+        now = 0.0
+        while infos:
+            arrived = [i for i in infos if i.arrival_s <= now]
+            if not arrived:
+                now = min(i.arrival_s for i in infos)
+                continue
+            job = next_on_rank(arrived, r, p, now, score)
+            first, n = shares[(job.name, r)]
+            out.append(Turn(fill=rfs[job.name], first_batch=first, batches=n, start_s=now, end_s=now + proc[job.name]))
+            now += proc[job.name]
+            infos.remove(job)
+    return out
+
+
 def assign_fill(cycles: list[list[BubbleSlot]], iteration_s: float, jobs: dict[str, list[FillProfile]],
                 hw: Hardware, *, safety_margin: float = DEFAULT_SAFETY_MARGIN, solver: str = "greedy",
-                time_limit_s: float = 1.0, hold_free: Sequence[int] | None = None) -> FillAssignment:
+                time_limit_s: float = 1.0, hold_free: Sequence[int] | None = None, replicas: int = 1,
+                policy: str = "sjf") -> FillAssignment:
     """cycles[r] is pipeline rank r's bubbles in one iteration (with the free memory of each), hold_free[r] the
-    bytes free beside the main job's peak on rank r; each rank runs the job that recovers the most FLOPs there."""
-    per_rank: list[RankFill | None] = []
-    feasible: set[str] = set()  # jobs that fit some bubble somewhere, chosen or not
-    closest: dict[str, tuple[float, int, RankFill]] = {}  # job -> (its share of the winner, rank, winner)
-    for r, cycle in enumerate(cycles):
-        hold = hold_free[r] if hold_free is not None else None
-        options = [best_fill(r, cycle, profiles, hw, safety_margin=safety_margin, hold_free=hold)
-                   for profiles in jobs.values() if cycle]
-        feasible.update(o.profile.job for o in options if o is not None)
-        best = max((o for o in options if o is not None), key=lambda o: o.packing.flops_per_cycle, default=None)
-        for o in options:
-            if o is not None and best is not None and o.profile.job != best.profile.job:
-                share = o.packing.flops_per_cycle / max(best.packing.flops_per_cycle, 1e-30)
-                closest[o.profile.job] = max(closest.get(o.profile.job, (-1.0, r, best)), (share, r, best),
-                                             key=lambda x: x[0])
-        if best is not None and solver != "greedy":
-            best = best_fill(r, cycle, jobs[best.profile.job], hw, safety_margin=safety_margin,
-                             solver=solver, time_limit_s=time_limit_s, hold_free=hold)
-        per_rank.append(best)
-    total_bubble = sum(s.duration_s for c in cycles for s in c)
-    used = sum(sum(ch.time_s for ch in rf.packing.chunks) / rf.packing.params.cycles for rf in per_rank if rf)
-    flops = sum(rf.packing.flops_per_cycle for rf in per_rank if rf)
+    bytes free beside the main job's peak on rank r, `replicas` the GPUs of each pipeline rank. Every job that fits
+    is placed (see _place), its work divided among the GPUs that run it, and each rank runs its jobs one at a time
+    in the order `policy` gives (see _turns)."""
+    hold = [hold_free[r] if hold_free is not None else min((s.free_bytes for s in c), default=0)
+            for r, c in enumerate(cycles)]
+    queues, not_chosen, feasible = _place(cycles, jobs, hw, margin=safety_margin, hold=hold, replicas=replicas,
+                                          iteration_s=iteration_s)
+    if solver != "greedy":
+        queues = [[replace(rf, packing=PACKERS[solver].repack(rf.profile.units, cycles[rf.rank], greedy=rf.packing,
+                                                              time_limit_s=time_limit_s)) for rf in q]
+                  for q in queues]
+    turns = tuple(_turns(queues, replicas, iteration_s, policy))
+    order = {(t.rank, t.job): i for i, t in enumerate(turns)}
+    per_rank = tuple(tuple(sorted((rf for rf in q if (rf.rank, rf.profile.job) in order),
+                                  key=lambda rf: order[(rf.rank, rf.profile.job)])) for q in queues)
     unplaceable = {name: _why_not(profs, cycles, safety_margin) for name, profs in jobs.items() if name not in feasible}
-    chosen = {rf.profile.job for rf in per_rank if rf}
-    not_chosen = {name: (f"it fits, but each rank runs the one job that recovers the most; its best is rank {r}, "
-                         f"where it would recover {share:.0%} of what {win.profile.job} does")
-                  for name, (share, r, win) in closest.items() if name not in chosen}
-    return FillAssignment(per_rank=tuple(per_rank), iteration_s=iteration_s,
-                          fill_flops_per_gpu_s=flops / (len(cycles) * iteration_s) if cycles else 0.0,
-                          bubble_time_used=used / total_bubble if total_bubble else 0.0, unplaceable=unplaceable,
-                          not_chosen=not_chosen)
+    fa = FillAssignment(per_rank=per_rank, turns=turns, iteration_s=iteration_s, fill_flops_per_gpu_s=0.0,
+                        bubble_time_used=0.0, replicas=replicas, unplaceable=unplaceable, not_chosen=not_chosen)
+    total_bubble = sum(s.duration_s for c in cycles for s in c) / max(len(cycles), 1)
+    used = fa.per_cycle(lambda rf: sum(ch.time_s for ch in rf.packing.chunks) / rf.packing.params.cycles)
+    return replace(fa, fill_flops_per_gpu_s=fa.per_cycle(lambda rf: rf.packing.flops_per_cycle) / iteration_s,
+                   bubble_time_used=used / total_bubble if total_bubble else 0.0)

@@ -86,22 +86,25 @@ def _main_useful(ev: Evaluator, e: Evaluation) -> float:
 def recovered_gpu_s_per_s(fa: FillAssignment, iteration_s: float) -> float:
     """Dedicated-GPU-equivalent seconds of fill work done per wall second per GPU: on each pipeline rank, the
     fill FLOPs of one main iteration over the fill job's own FLOP rate on a dedicated GPU (its profile's FLOPs
-    per iteration / its iteration time), over the main iteration time; averaged over the pipeline ranks."""
-    if not fa.per_rank or iteration_s <= 0:
+    per iteration / its iteration time), over the main iteration time; weighted by the rank's turns and averaged
+    over the pipeline ranks (FillAssignment.per_cycle)."""
+    if iteration_s <= 0:
         return 0.0
-    done = 0.0
-    for rf in fa.per_rank:
-        if rf is None or rf.profile.iteration_s <= 0 or rf.profile.flops_per_iteration <= 0:
-            continue
-        done += rf.packing.flops_per_cycle / (rf.profile.flops_per_iteration / rf.profile.iteration_s)
-    return done / (len(fa.per_rank) * iteration_s)
+
+    def dedicated_s(rf) -> float:
+        prof = rf.profile
+        if prof.iteration_s <= 0 or prof.flops_per_iteration <= 0:
+            return 0.0
+        return rf.packing.flops_per_cycle / (prof.flops_per_iteration / prof.iteration_s)
+
+    return fa.per_cycle(dedicated_s) / iteration_s
 
 
 def boundaries_cost(options: list[JointChoice]) -> bool:
     """Whether any chosen packing charges for where a chunk ends (state swapped at its boundaries): the one case
     where a packer can beat greedy."""
     return any(rf.packing.params.state_swap_bw is not None
-               for o in options for rf in o.fill.per_rank if rf is not None)
+               for o in options for q in o.fill.per_rank for rf in q)
 
 
 def greedy_proven_optimal(packer: str) -> str:
@@ -117,7 +120,7 @@ def _admitted(items: list, main_slack: float, time_of=lambda e: e.iteration_s) -
 
 
 def _options(ev: Evaluator, candidates: list[Evaluation], jobs: dict[str, list[FillProfile]], *, main_slack: float,
-             offload: str, safety_margin: float, solver: str) -> list[JointChoice]:
+             offload: str, safety_margin: float, solver: str, policy: str) -> list[JointChoice]:
     """Every candidate within main_slack of the best (by the time it comes with), simulated, with and without
     offload as `offload` allows, its fill packed; score not set."""
     out = []
@@ -130,7 +133,8 @@ def _options(ev: Evaluator, candidates: list[Evaluation], jobs: dict[str, list[F
                 extras = [moved] if offload == "on" else [None, moved]
         for extra in extras:
             fa = assign_fill(bubble_cycles(sim, e.config.pp, extra), e.iteration_s, jobs, ev.hw,
-                             safety_margin=safety_margin, solver=solver, hold_free=hold_free(sim, ev.capacity))
+                             safety_margin=safety_margin, solver=solver, hold_free=hold_free(sim, ev.capacity),
+                             replicas=e.config.dp * e.config.cp * e.config.tp, policy=policy)
             out.append(JointChoice(evaluation=e, simulation=sim, fill=fa, offload=extra is not None,
                                    main_useful_per_gpu=_main_useful(ev, e), considered=0,
                                    recovered=recovered_gpu_s_per_s(fa, e.iteration_s), solver=solver))
@@ -167,9 +171,9 @@ def _score(o: JointChoice, reference_s: float, fill_value: float) -> float:
 
 
 def _solve(ev: Evaluator, groups: list[list[Evaluation]], jobs: dict[str, list[FillProfile]], *, main_slack: float,
-           offload: str, safety_margin: float, solver: str) -> list[list[JointChoice]]:
+           offload: str, safety_margin: float, solver: str, policy: str) -> list[list[JointChoice]]:
     """Each group's options, screened with greedy; re-packed with `solver` only where it can beat greedy."""
-    kw = dict(main_slack=main_slack, offload=offload, safety_margin=safety_margin)
+    kw = dict(main_slack=main_slack, offload=offload, safety_margin=safety_margin, policy=policy)
     out = [_options(ev, g, jobs, solver="greedy", **kw) if g else [] for g in groups]
     if solver != "greedy" and boundaries_cost([o for g in out for o in g]):
         out = [_options(ev, g, jobs, solver=solver, **kw) if g else [] for g in groups]
@@ -178,10 +182,10 @@ def _solve(ev: Evaluator, groups: list[list[Evaluation]], jobs: dict[str, list[F
 
 def choose_joint(ev: Evaluator, candidates: list[Evaluation], jobs: dict[str, list[FillProfile]], *,
                  main_slack: float = 0.0, offload: str = "auto", safety_margin: float = DEFAULT_SAFETY_MARGIN,
-                 solver: str = "greedy", fill_value: float = 0.0) -> JointChoice:
+                 solver: str = "greedy", fill_value: float = 0.0, policy: str = "sjf") -> JointChoice:
     """The main configuration (and offload) with the highest score among `candidates` (see the module)."""
     (options,) = _solve(ev, [candidates], jobs, main_slack=main_slack, offload=offload, safety_margin=safety_margin,
-                        solver=solver)
+                        solver=solver, policy=policy)
     reference = min(o.evaluation.iteration_s for o in options)
     return _pick(options, reference_s=reference, main_slack=main_slack, fill_value=fill_value)
 
@@ -189,14 +193,14 @@ def choose_joint(ev: Evaluator, candidates: list[Evaluation], jobs: dict[str, li
 def choose_shrink_or_fill(ev: Evaluator, shrink: list[Evaluation], keep: list[Evaluation],
                           jobs: dict[str, list[FillProfile]], *, main_slack: float = 0.0, offload: str = "auto",
                           safety_margin: float = DEFAULT_SAFETY_MARGIN, solver: str = "greedy", fill_value: float = 0.0,
-                          no_shrink: str = "", no_keep: str = "") -> JointChoice:
+                          no_shrink: str = "", no_keep: str = "", policy: str = "sjf") -> JointChoice:
     """The best of the configurations that shrink the bubbles (zero-bubble schedules: `shrink`) and those that
     keep them and fill them (`keep`), scored together, with `choice` saying which won and why, both figures
     given. `no_shrink` / `no_keep`: why a side has no candidate (when it has none)."""
     if not shrink and not keep:
         raise ValueError("choose_shrink_or_fill needs at least one candidate")
     opts_s, opts_k = _solve(ev, [shrink, keep], jobs, main_slack=main_slack, offload=offload,
-                            safety_margin=safety_margin, solver=solver)
+                            safety_margin=safety_margin, solver=solver, policy=policy)
     everything = opts_s + opts_k
     reference = min(o.evaluation.iteration_s for o in everything)
     kw = dict(reference_s=reference, main_slack=main_slack, fill_value=fill_value)

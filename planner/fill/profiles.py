@@ -36,6 +36,11 @@ class FillProfile:
     layers: tuple[Layer, ...]  # for pipelined loading when not resident (PipeSwitch)
     params: int
     sha256: str
+    batches: int = 1
+    """The job's amount of work: batches of batch_size (iterations on one GPU), done once over all its GPUs."""
+    arrival_s: float = 0.0
+    deadline_s: float | None = None
+    priority: int = 0
 
     @property
     def iteration_s(self) -> float:
@@ -105,5 +110,6 @@ def profile_job(job: FillJobSpec, hw: Hardware, precision: str) -> list[FillProf
                                  exec_time_s=f) for u, f in zip(prof.units, fwd))
             out.append(FillProfile(job=job.name, kind=job.kind, batch_size=b, config=config, units=tuple(units),
                                    resident_bytes=resident, layers=layers, params=prof.total_params,
-                                   sha256=prof.sha256))
+                                   sha256=prof.sha256, batches=job.iterations(b), arrival_s=job.arrival_s,
+                                   deadline_s=job.deadline_s, priority=job.priority))
     return out

@@ -14,8 +14,8 @@ work already assigned to the rank (seconds), decides. Jobs no rank can run are r
 :class:`Unplaceable` with the reason instead of raising.
 
 Built-in policies (``POLICIES``): 'fifo' (earliest arrival), 'sjf' (PipeFill's
-``1 / min(proc_times)``), 'makespan' (longest processing time first, on the idle rank that finishes
-it earliest: list scheduling's LPT rule, our reading of PipeFill's makespan score), 'edf' (earliest
+``1 / min(proc_times)``), 'makespan' (PipeFill's ``1 / max(proc_times[i], s.rem_times)``: the pair that
+leaves the least time until every Executor is idle again), 'edf' (earliest
 deadline; jobs without one after all jobs with one). Built-ins return tuples compared
 lexicographically; user functions return a float.
 """
@@ -43,6 +43,7 @@ __all__ = [
     "ScoreFn",
     "Unplaceable",
     "choose",
+    "next_on_rank",
     "job_info",
     "load_score_function",
     "placement",
@@ -293,7 +294,9 @@ def sjf_score(job: JobInfo, state: SchedulerState, rank: int) -> tuple:
 
 
 def makespan_score(job: JobInfo, state: SchedulerState, rank: int) -> tuple:
-    return (min(job.proc_times), -job.proc_times[rank], _least_loaded(state, rank))
+    """PipeFill 4.4 (001 l.169-172): 1 / max(j.proc_times[i], s.rem_times), the longest any Executor stays busy
+    once the job starts on executor i; higher is better, so the key is its negation."""
+    return (-max((job.proc_times[rank], *state.rem_times)), _least_loaded(state, rank))
 
 
 def edf_score(job: JobInfo, state: SchedulerState, rank: int) -> tuple:
@@ -372,3 +375,13 @@ def choose(
             if best_key is None or key > best_key:
                 best, best_key = (job, rank), key
     return best
+
+
+def next_on_rank(pending: Sequence[JobInfo], rank: int, ranks: int, now_s: float, score: ScoreFn) -> JobInfo | None:
+    """The job one rank's executor runs next when its job ends: the pull model with that rank the idle Executor.
+    It cannot see the other ranks (they run their own queues), so their state reads idle. The planner predicts
+    each rank's turns and the runtime's fill executor picks them with this same function."""
+    state = SchedulerState(now_s=now_s, executors=tuple(
+        ExecutorState(rank=r, busy_until_s=now_s, running=None, assigned_s=0.0) for r in range(ranks)))
+    got = choose(pending, [rank], state, score, {j.name: (rank,) for j in pending})
+    return None if got is None else got[0]

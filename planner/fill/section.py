@@ -1,7 +1,7 @@
 """The plan file's fill section, from a fill assignment."""
 from __future__ import annotations
 
-from planner.plan import Fill, FillChunk, FillJob, FillPredictions
+from planner.plan import Fill, FillChunk, FillJob, FillPredictions, FillShard
 
 from .assign import FillAssignment
 from .spec import FillSpec
@@ -9,28 +9,32 @@ from .spec import FillSpec
 __all__ = ["fill_section"]
 
 
+def job_key(prof) -> str:
+    """A fill job's name in the plan: the spec's name with the batch size and configuration it runs at."""
+    return f"{prof.job}@b{prof.batch_size}-{prof.config}"
+
+
 def fill_section(fa: FillAssignment, spec: FillSpec, *, offload: bool, main_useful_per_gpu: float) -> Fill:
     """`main_useful_per_gpu`: the main job's useful FLOP/s per GPU, to which the fill's are added."""
     specs = {j.name: j for j in spec.jobs}
     jobs: dict[str, FillJob] = {}
     chunks: list[FillChunk] = []
-    for rf in fa.per_rank:
-        if rf is None:
-            continue
-        prof = rf.profile
-        key = f"{prof.job}@b{prof.batch_size}-{prof.config}"
+    for turn in fa.turns:
+        rf, prof = turn.fill, turn.fill.profile
+        key = job_key(prof)
         if key not in jobs:
             js = specs[prof.job]
             jobs[key] = FillJob(name=key, model_file=js.model, model_sha256=prof.sha256, model_args=js.model_args,
                                 kind=prof.kind, batch_size=prof.batch_size, config=prof.config,
                                 units=[u.name for u in prof.units], unit_time_s=[u.time_s for u in prof.units],
-                                resident=rf.resident, leaves=list(js.leaves),
-                                iterations=js.iterations(prof.batch_size))
-        first_cycle = [ch for ch in rf.packing.chunks if ch.cycle == 0]
+                                resident=rf.resident, leaves=list(js.leaves), iterations=prof.batches,
+                                arrival_s=js.arrival_s, deadline_s=js.deadline_s, priority=js.priority)
+        jobs[key].shards.append(FillShard(rank=turn.rank, first_batch=turn.first_batch, batches=turn.batches,
+                                          start_s=turn.start_s, end_s=turn.end_s))
         chunks.extend(FillChunk(job=key, rank=rf.rank, bubble_id=ch.bubble_id, first_unit=ch.first_unit,
                                 units=ch.num_units, expected_s=ch.time_s, memory_bytes=ch.mem_bytes)
-                      for ch in first_cycle)
-    return Fill(safety_margin=spec.safety_margin, jobs=list(jobs.values()), chunks=chunks,
+                      for ch in rf.packing.chunks if ch.cycle == 0)
+    return Fill(safety_margin=spec.safety_margin, policy=spec.policy, jobs=list(jobs.values()), chunks=chunks,
                 predictions=FillPredictions(fill_tflops_per_gpu=fa.fill_flops_per_gpu_s / 1e12,
                                             bubble_time_used=fa.bubble_time_used,
                                             total_useful_tflops_per_gpu=(main_useful_per_gpu +

@@ -12,6 +12,10 @@
         priority: 1                     # optional, higher first
     safety_margin: 0.32                 # optional: share of every bubble left unused (default: PipeFill's
                                         # 68% filled, where it measured < 2% main-job overhead)
+    policy: sjf                         # optional: which of a rank's jobs runs next (fifo | sjf | makespan | edf)
+
+A job's work is done once: an inference job's batches are divided among every GPU that runs it, a training
+job runs data parallel over the GPUs of one pipeline stage (planner/fill/assign.py).
 """
 from __future__ import annotations
 
@@ -72,6 +76,8 @@ class FillSpec(_Strict):
     jobs: list[FillJobSpec] = Field(min_length=1)
     safety_margin: float = Field(DEFAULT_SAFETY_MARGIN, ge=0, lt=1,
                                  description="share of every bubble left unused (planner/fill/physics.py)")
+    policy: Literal["fifo", "sjf", "makespan", "edf"] = Field(
+        "sjf", description="which of a rank's jobs runs next when one ends (planner/fill/scheduler.py)")
 
     @model_validator(mode="after")
     def _unique(self) -> "FillSpec":

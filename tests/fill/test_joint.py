@@ -99,8 +99,8 @@ def test_fill_breaks_only_exact_ties_at_fill_value_zero(pipelined):
 def test_recovered_gpu_seconds_are_dedicated_gpu_time_per_wall_second(pipelined):
     ev, cands, jobs = pipelined
     j = choose_joint(ev, cands, jobs, main_slack=1.0, fill_value=1000)
-    ranks = [rf for rf in j.fill.per_rank if rf is not None]
-    assert ranks
+    ranks = [rf for q in j.fill.per_rank for rf in q]  # one job: each rank's queue holds it alone
+    assert ranks and all(len(q) <= 1 for q in j.fill.per_rank)
     by_hand = sum(rf.packing.flops_per_cycle * rf.profile.iteration_s / rf.profile.flops_per_iteration
                   for rf in ranks) / (len(j.fill.per_rank) * j.evaluation.iteration_s)
     assert j.recovered == pytest.approx(by_hand) and 0 < j.recovered < 1
@@ -115,9 +115,9 @@ def test_cpsat_runs_only_where_chunk_boundaries_cost(pipelined):
     assert budget.solves == 0 and budget.skipped == 0  # greedy is proven optimal: CP-SAT never started
     assert asked.solver == "greedy" and asked.recovered == greedy.recovered
     assert not boundaries_cost([asked])
-    rf = next(rf for rf in asked.fill.per_rank if rf is not None)
+    rf = next(rf for q in asked.fill.per_rank for rf in q)
     swapping = replace(rf, packing=replace(rf.packing, params=replace(rf.packing.params, state_swap_bw=10e9)))
-    costly = replace(asked, fill=replace(asked.fill, per_rank=(swapping,)))
+    costly = replace(asked, fill=replace(asked.fill, per_rank=((swapping,),)))
     assert boundaries_cost([asked, costly])
     assert greedy_proven_optimal("cpsat") == ("greedy (proven optimal: chunk boundaries cost nothing here; "
                                               "CP-SAT not needed)")

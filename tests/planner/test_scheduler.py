@@ -67,13 +67,18 @@ def test_sjf_lowers_mean_jct_against_fifo():
     assert started(sjf, "long") > max(started(sjf, f"short{i}") for i in range(5))
 
 
-def test_makespan_policy_lowers_makespan_against_fifo():
-    # Classic list scheduling: FIFO leaves the long job for last; LPT starts it first.
-    jobs = [job(f"s{i}", 2, 2) for i in range(4)] + [job("long", 8, 2)]
+def test_makespan_score_is_pipefills_formula():
+    # PipeFill 4.4: score = 1 / max(proc_times[i], s.rem_times). Rank 1 is busy for 5 s more; a 3 s job on rank 0
+    # leaves 5 s until all are idle, an 8 s job 8 s: the 3 s job wins, and rank 0 over rank 1 for it.
     ranks = [rank(0), rank(1)]
-    fifo, lpt = simulate(jobs, ranks, "fifo"), simulate(jobs, ranks, "makespan")
-    assert lpt.makespan_s < fifo.makespan_s
-    assert started(lpt, "long") == 0.0
+    short, long_ = job("short", 3, 2), job("long", 8, 2)
+    infos = [job_info(j, ranks, i) for i, j in enumerate((long_, short))]
+    state = SchedulerState(now_s=0.0, executors=(ExecutorState(rank=0, busy_until_s=0.0, running=None, assigned_s=0),
+                                                 ExecutorState(rank=1, busy_until_s=5.0, running="x", assigned_s=5)))
+    picked, at = choose(infos, [0], state, POLICIES["makespan"], {i.name: (0, 1) for i in infos})
+    assert (picked.name, at) == ("short", 0)
+    key = POLICIES["makespan"](infos[0], state, 0)
+    assert key[0] == -max(infos[0].proc_times[0], 5.0)
 
 
 def test_makespan_policy_takes_the_rank_that_finishes_earliest():
