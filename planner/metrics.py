@@ -51,6 +51,9 @@ class FillStep(_Model):
     start: float = Field(description="wall clock when the unit started (s since the epoch)")
     end: float = Field(description="wall clock when the unit ended (s since the epoch)")
     interface: Interface = Field(description="side-task interface that ran it")
+    batch: Optional[int] = Field(None, description="the job's batch the iteration this unit completed ran on "
+                                 "(its index among the job's batches); absent for the other units")
+    checksum: Optional[float] = Field(None, description="sum of the weights after it (data-parallel jobs)")
 
 
 class FillOverrun(_Model):
@@ -100,6 +103,14 @@ class FillTransition(_Model):
     reason: str = Field(description="why, in words (the unit run, the bubble, the stop cause)")
 
 
+class FillTurn(_Model):
+    """A fill job picked to run on the rank (it keeps the bubbles until it stops)."""
+
+    job: str = Field(description="fill job name")
+    at: float = Field(description="wall clock of the pick (s since the epoch)")
+    elapsed_s: float = Field(description="seconds since the main job started (arrivals count from there)")
+
+
 class FillOccurrence(_Model):
     """One occurrence of a bubble on the rank and what the fill jobs did in it."""
 
@@ -137,6 +148,14 @@ class FillJobReport(_Model):
     units_done: int = Field(description="units run in all")
     iterations_done: int = Field(description="iterations completed")
     samples_done: int = Field(description="samples of the iterations completed")
+    batch_first: int = Field(0, description="its share: iteration i runs on the job's batch batch_first + i x "
+                             "batch_stride")
+    batch_stride: int = Field(1, description="see batch_first (the GPUs of its pipeline rank)")
+    planned_iterations: Optional[int] = Field(None, description="iterations of its share (null: until shutdown)")
+    dp_size: int = Field(1, description="data-parallel replicas of a training job (this rank's stage GPUs)")
+    dp_rank: int = Field(0, description="this replica's index among them")
+    checksum: Optional[float] = Field(None, description="sum of its weights after its last iteration (data-parallel "
+                                      "jobs: equal on every replica)")
     units: list[str] = Field(description="the job's linearized units, as the task traced them")
     profile_s: Optional[dict[str, float]] = Field(description="unit -> seconds timed by InitSideTask; null if never")
     observed_s: dict[str, float] = Field(description="unit -> recently observed seconds (moving average)")
@@ -160,6 +179,10 @@ class FillReport(_Model):
     kills: list[FillKill] = Field(description="every SIGKILL, also those outside a bubble")
     errors: list[FillError] = Field(description="every fill-job failure, also those outside a bubble")
     transitions: list[FillTransition] = Field(description="the state-machine log, in order")
+    policy: Optional[str] = Field(None, description="how the next job is picked when one ends")
+    replica: Optional[int] = Field(None, description="this GPU's index among its pipeline rank's GPUs")
+    replicas: Optional[int] = Field(None, description="GPUs of its pipeline rank (they divide each job)")
+    turns: list[FillTurn] = Field(default_factory=list, description="each job's turn start, in order")
     error: Optional[str] = Field(None, description="why the executor gave no report")
 
 

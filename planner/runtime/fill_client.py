@@ -14,6 +14,7 @@ planner.runtime` is fine).
 from __future__ import annotations
 
 import atexit
+import hashlib
 import multiprocessing as mp
 import queue
 import sys
@@ -28,6 +29,7 @@ from .fill_executor import BubbleBegin, BubbleEnd, ExecutorOptions, Request, exe
 __all__ = ["FillClient"]
 
 _REPORT_LISTS = ("jobs", "bubbles", "overruns", "kills", "errors", "transitions")
+_STARTS = 0  # executors started by this process: with the plan, names the run for the fill jobs' replicas
 
 
 class FillClient:
@@ -66,13 +68,16 @@ class FillClient:
             raise ValueError(f"fill chunks of pipeline rank {pipeline_rank} name jobs {unknown} that the plan's "
                              "fill section does not list")
         device = _explicit_device(str(device))
+        global _STARTS
+        _STARTS += 1  # every rank of a stage starts the same plans in the same order: the same key
+        run_key = f"{hashlib.sha1(plan.model_dump_json().encode()).hexdigest()[:12]}-{_STARTS}"
         ctx = mp.get_context("spawn")
         cmd_r, cmd_w = ctx.Pipe(duplex=False)
         res_r, res_w = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=executor_main, name=f"fxp-fill-executor-{global_rank}",
                            args=(plan.model_dump_json(by_alias=True), pipeline_rank, global_rank, device,
                                  dict(measured_bubbles or {}), float(grace_s), options or ExecutorOptions(),
-                                 cmd_r, res_w))
+                                 cmd_r, res_w, run_key))
         proc.start()
         cmd_r.close()
         res_w.close()

@@ -33,7 +33,16 @@ never leaves half a message):
   executor -> client: ("ready", {job: state}), ("report", dict), ("closed", None), ("crashed", text)
   executor -> task:   ("init", free_bytes), ("step", pos, free_bytes), ("run", free_bytes), ("stop",)
   task -> executor:   ("created", info), ("inited", [unit seconds] | None), ("failed", text),
-                      ("step" | "unit", pos, start, end, start_mono, end_mono, iteration_done), ("done",)
+                      ("step" | "unit", pos, start, end, start_mono, end_mono, iteration_done, checksum), ("done",),
+                      ("wait", pos): the unit (a data-parallel optimizer step) waits on the replicas' gradients
+
+Work and turns (planner/fill/assign.py). A rank's jobs run one at a time: the current one keeps the bubbles until
+it stops, then the plan's policy picks the next among those that have arrived (planner.fill.scheduler.next_on_rank,
+the function the planner predicted the turns with). A bubble the current job has no chunk in (too short for its
+units, or too little memory) goes to the first arrived job the plan packed into it. This GPU runs only its share of each job: replica k of the
+stage's R GPUs takes batches first + k, first + k + R, ... of the rank's shard (FillShard); a training job's R
+replicas are data parallel, averaging gradients in host memory over gloo while the main job runs, so no
+collective ever waits inside a bubble: the optimizer step is only started once the average has arrived.
 
 This module never imports torch: the manager stays light and starts fast.
 """
@@ -51,6 +60,7 @@ from multiprocessing import connection
 from typing import Any, Literal
 
 from planner.fill.physics import STEP_ALLOWANCE_S, STEP_SAFETY
+from planner.fill.scheduler import JobInfo, next_on_rank, resolve_policy
 from planner.plan import FillJob, Plan
 
 __all__ = ["State", "Transition", "TRANSITIONS", "IllegalTransition", "SideTaskState", "ExecutorOptions",
@@ -58,6 +68,8 @@ __all__ = ["State", "Transition", "TRANSITIONS", "IllegalTransition", "SideTaskS
            "executor_main"]
 
 Interface = Literal["iterative", "imperative"]
+WAIT_POLL_S = 2e-3
+"""How soon a task whose optimizer step waits on its data-parallel replicas' gradients is asked again."""
 
 
 class State(str, enum.Enum):
@@ -166,6 +178,13 @@ class TaskSpec:
     profile_reps: int = 2
     cpu_threads: int = 1
     seed: int = 0
+    batch_first: int = 0
+    batch_stride: int = 1
+    """Iteration i trains or infers on batch batch_first + i * batch_stride of the job (its share: FillShard)."""
+    dp_size: int = 1
+    dp_rank: int = 0
+    dp_key: str = ""
+    """A training job's data-parallel replicas (the GPUs of one pipeline stage) meet under this store prefix."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -299,6 +318,8 @@ class TaskHandle:
         self.linearized: list[str] = list(spec.units)
         self.stop_reason: str | None = None
         self.error: str | None = None
+        self.retry_at: float | None = None  # the next unit waits on the replicas' gradients: ask again then
+        self.checksum: float | None = None  # sum of the weights after the last step (data-parallel jobs)
 
     @property
     def name(self) -> str:
@@ -357,7 +378,10 @@ class TaskHandle:
         return {"name": self.name, "kind": self.spec.kind, "interface": self.spec.interface,
                 "batch_size": self.spec.batch_size, "state": self.sm.state.value, "stop_reason": self.stop_reason,
                 "error": self.error, "units_done": self.pos, "iterations_done": self.iterations,
-                "samples_done": self.samples, "units": self.linearized,
+                "samples_done": self.samples, "batch_first": self.spec.batch_first,
+                "batch_stride": self.spec.batch_stride, "planned_iterations": self.spec.iterations,
+                "dp_size": self.spec.dp_size, "dp_rank": self.spec.dp_rank, "checksum": self.checksum,
+                "units": self.linearized,
                 "profile_s": dict(zip(self.linearized, self.profile)) if self.profile else None,
                 "observed_s": {self.linearized[k]: v for k, v in sorted(self.observed.items())},
                 "predicted_s": dict(zip(self.job.units, self.job.unit_time_s))}
@@ -368,12 +392,17 @@ class Executor:
 
     def __init__(self, plan: Plan, pipeline_rank: int, global_rank: int, device: str,
                  measured_bubbles: dict[int, float] | None, grace_s: float, options: ExecutorOptions,
-                 cmd: Any, out: Any) -> None:
+                 cmd: Any, out: Any, run_key: str = "") -> None:
         if plan.fill is None:
             raise ValueError("the plan has no fill section")
         self.rank, self.global_rank, self.device = pipeline_rank, global_rank, device
         self.grace_s, self.options, self.cmd, self.out = grace_s, options, cmd, out
         self.margin = plan.fill.safety_margin
+        self.pp = plan.config.pp
+        self.replicas = plan.config.dp * plan.config.cp * plan.config.tp  # this stage's GPUs (pp is outermost)
+        self.replica = global_rank % self.replicas
+        self.run_key = run_key
+        self.policy_name, self.policy = plan.fill.policy, resolve_policy(plan.fill.policy)
         self.measured = {int(k): float(v) for k, v in (measured_bubbles or {}).items()}
         self.bubble_jobs: dict[int, list[str]] = {}  # bubble id -> its fill jobs, in the plan's order
         units: dict[int, dict[str, list[int]]] = {}
@@ -388,11 +417,21 @@ class Executor:
         self.log: list[dict[str, Any]] = []
         self.tasks: dict[str, TaskHandle] = {}
         self.job_free: dict[str, int] = {}
-        for job in plan.fill.jobs:
+        self.info: dict[str, JobInfo] = {}
+        for index, job in enumerate(plan.fill.jobs):
             bubbles = [b for b, names in self.bubble_jobs.items() if job.name in names]
-            if bubbles:
-                self.tasks[job.name] = TaskHandle(self._spec(job), job, self.log)
+            spec = self._spec(job)
+            if bubbles and (spec.iterations is None or spec.iterations > 0):
+                self.tasks[job.name] = TaskHandle(spec, job, self.log)
                 self.job_free[job.name] = min((free[b] for b in bubbles if b in free), default=2**62)
+                proc = {s.rank: s.end_s - s.start_s for s in job.shards}
+                self.info[job.name] = JobInfo(
+                    name=job.name, kind=job.kind, arrival_s=job.arrival_s, deadline_s=job.deadline_s,
+                    priority=job.priority, work=spec.iterations or 0, index=index,
+                    proc_times=tuple(proc.get(r, math.inf) for r in range(self.pp)))
+        self.current: TaskHandle | None = None
+        self.turns: list[dict[str, Any]] = []
+        self.t0: float | None = None  # monotonic time the main job was told 'ready': arrivals count from it
         self.occs: list[Occurrence] = []
         self.cur: Occurrence | None = None
         self.errors: list[dict[str, Any]] = []
@@ -403,13 +442,23 @@ class Executor:
         self.offset = time.time() - time.monotonic()
 
     def _spec(self, job: FillJob) -> TaskSpec:
+        """The task of this GPU's share of the job (FillShard): replica k of the stage's R GPUs takes the
+        shard's batches k, k + R, ...; a training job's replicas are data parallel. A plan without shards (made
+        by hand) runs the whole job here."""
         o = self.options
+        shard = next((s for s in job.shards if s.rank == self.rank), None)
+        first, stride, count, dp = 0, 1, job.iterations, 1
+        if shard is not None:
+            first, stride = shard.first_batch + self.replica, self.replicas
+            count = len(range(first, shard.first_batch + shard.batches, stride))
+            dp = self.replicas if job.kind == "train" else 1
         return TaskSpec(job=job.name, model_file=job.model_file, model_sha256=job.model_sha256,
                         model_args=dict(job.model_args), kind=job.kind, batch_size=job.batch_size,
                         units=tuple(job.units), device=self.device, interface=o.interface_of(job.name),
-                        iterations=o.iterations.get(job.name, job.iterations), leaves=tuple(job.leaves),
-                        profile_reps=o.profile_reps,
-                        cpu_threads=o.cpu_threads, seed=o.seed)
+                        iterations=o.iterations.get(job.name, count), leaves=tuple(job.leaves),
+                        profile_reps=o.profile_reps, cpu_threads=o.cpu_threads, seed=o.seed, batch_first=first,
+                        batch_stride=stride, dp_size=dp, dp_rank=self.replica if dp > 1 else 0,
+                        dp_key=f"{self.run_key}/{job.name}/pp{self.rank}" if dp > 1 else "")
 
     def wall(self, mono: float) -> float:
         return mono + self.offset
@@ -447,6 +496,8 @@ class Executor:
             if cur.sigstop_mono() > now:
                 wake.append(cur.sigstop_mono() - now)
         for t in self.tasks.values():
+            if t.live and t.retry_at is not None:
+                wake.append(t.retry_at - now)
             if t.live and t.kill_at is not None:
                 wake.append(t.kill_at - now)
                 if not t.iterative:
@@ -537,10 +588,33 @@ class Executor:
                 occ.end_mono = msg.mono if occ.end_mono is None else min(occ.end_mono, msg.mono)
                 return
 
+    def _elapsed(self, now: float) -> float:
+        return now - (self.t0 if self.t0 is not None else now)
+
+    def _arrived(self, job: str, now: float) -> bool:
+        return self.info[job].arrival_s <= self._elapsed(now)
+
+    def _current(self, now: float) -> TaskHandle | None:
+        """The job this rank runs now: it keeps its turn until it stops; then the policy picks among the jobs that
+        have arrived (planner.fill.scheduler.next_on_rank, as the planner predicted the turns)."""
+        if self.current is not None and self.current.live:
+            return self.current
+        pending = [self.info[t.name] for t in self.tasks.values() if t.live and t.loaded and self._arrived(t.name, now)]
+        elapsed = self._elapsed(now)
+        job = next_on_rank(pending, self.rank, self.pp, elapsed, self.policy) if pending else None
+        self.current = None if job is None else self.tasks[job.name]
+        if self.current is not None:
+            self.turns.append({"job": job.name, "at": self.wall(now), "elapsed_s": elapsed})
+        return self.current
+
     def _serve(self, cur: Occurrence, now: float) -> None:
         """A.2: a new bubble inits the current task if it is CREATED, else starts it; then steps."""
-        t = next((self.tasks[n] for n in cur.jobs if self.tasks[n].live and self.tasks[n].loaded), None)
-        if t is None or t.busy is not None or t.kill_at is not None or now >= cur.usable_mono:
+        t = self._current(now)
+        if t is None or t.name not in cur.jobs:  # a bubble the current job has no chunk in: the next one's
+            t = next((self.tasks[n] for n in cur.jobs if n in self.tasks and self.tasks[n].live
+                      and self.tasks[n].loaded and self._arrived(n, now)), None)
+        if (t is None or t.busy is not None or t.kill_at is not None or now >= cur.usable_mono
+                or (t.retry_at is not None and now < t.retry_at)):
             return
         if t.sm.state is State.CREATED:
             if not cur.acted and t.send(("init", cur.free_bytes)):
@@ -630,6 +704,11 @@ class Executor:
             self._inited(t, msg[1])
         elif kind in ("step", "unit"):
             self._progress(t, *msg[1:])
+        elif kind == "wait":  # the optimizer step waits on the other replicas' gradients: nothing ran
+            t.busy, t.retry_at = None, time.monotonic() + WAIT_POLL_S
+            if t.kill_at is not None:
+                self._late_finished(t)
+                t.sm.apply(Transition.PAUSE, reason="waiting on the replicas' gradients")
         elif kind == "done":
             self._stop(t, "done", f"{t.iterations} iterations done")
         elif kind == "failed":
@@ -654,14 +733,18 @@ class Executor:
         self._maybe_ready()
 
     def _progress(self, t: TaskHandle, pos: int, start: float, end: float, start_mono: float, end_mono: float,
-                  iteration_done: bool) -> None:
+                  iteration_done: bool, checksum: float | None = None) -> None:
         occ = t.busy["occ"] if t.busy else self.cur
         if t.busy is not None:
             k, dt = pos % len(t.linearized), time.monotonic() - t.busy["sent"]
             t.observed[k] = dt if k not in t.observed else 0.7 * t.observed[k] + 0.3 * dt
-        t.busy = None
+        t.busy, t.retry_at = None, None
         rec = {"job": t.name, "unit": t.unit_name(pos), "pos": pos, "iteration": pos // len(t.linearized),
                "start": start, "end": end, "interface": t.spec.interface}
+        if iteration_done:
+            rec["batch"] = t.spec.batch_first + t.spec.batch_stride * t.iterations
+        if checksum is not None:
+            t.checksum = rec["checksum"] = checksum
         t.pos = pos + 1
         if occ is not None:
             occ.steps.append(rec)
@@ -731,7 +814,7 @@ class Executor:
     def _maybe_ready(self) -> None:
         """'ready' once every live task is built and initialized (or its setup init failed to send)."""
         if not self.ready_sent and all(not t.live or (t.loaded and t.busy is None) for t in self.tasks.values()):
-            self.ready_sent = True
+            self.ready_sent, self.t0 = True, time.monotonic()
             self._send(("ready", {t.name: t.sm.state.value for t in self.tasks.values()}))
 
     def _send(self, msg: tuple) -> None:
@@ -746,17 +829,19 @@ class Executor:
                 "started_at": self.started_at, "jobs": [t.to_dict() for t in self.tasks.values()],
                 "bubbles": [o.to_dict() for o in self.occs],
                 "overruns": [r for o in self.occs for r in o.overruns], "kills": self.kills,
-                "errors": self.errors, "transitions": self.log}
+                "errors": self.errors, "transitions": self.log, "policy": self.policy_name,
+                "replica": self.replica, "replicas": self.replicas, "turns": self.turns}
 
 
 def executor_main(plan_json: str, pipeline_rank: int, global_rank: int, device: str,
                   measured_bubbles: dict[int, float] | None, grace_s: float, options: ExecutorOptions,
-                  cmd: Any, out: Any) -> None:
+                  cmd: Any, out: Any, run_key: str = "") -> None:
     """Entry point of the executor process (started by FillClient.start with the spawn context)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main job's to handle; it closes us
     try:
         plan = Plan.model_validate_json(plan_json)
-        Executor(plan, pipeline_rank, global_rank, device, measured_bubbles, grace_s, options, cmd, out).run()
+        Executor(plan, pipeline_rank, global_rank, device, measured_bubbles, grace_s, options, cmd, out,
+                 run_key).run()
     except BaseException:  # noqa: BLE001 - tell the main job why, then leave
         try:
             out.send(("crashed", traceback.format_exc()))

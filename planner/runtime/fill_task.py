@@ -8,7 +8,9 @@ an infer job's is the forward units. Between units the runner keeps each unit's 
 every value a unit takes from an earlier one, a detached leaf that collects its gradient; a
 backward unit calls torch.autograd.backward on its outputs with the summed gradients of their
 consumers' leaves (and on the loss for the last unit). Data come from the model file's
-`sample_batch(batch_size, step, **model_args)`, the loss from its `loss_fn(output, targets)`.
+`sample_batch(batch_size, step, **model_args)`, the loss from its `loss_fn(output, targets)`; iteration i takes
+batch `batch_first + i * batch_stride` (this GPU's share of the job). A training job run data parallel over a stage's
+GPUs averages its gradients over gloo in host memory (UnitRunner._send_grads).
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ from passes.units import group_nodes
 from .fill_executor import TaskSpec
 
 __all__ = ["linearize", "UnitRunner", "cap_memory", "task_main"]
+
+REPLICA_TIMEOUT_S = 120.0
+"""How long a data-parallel fill job's replicas wait for one another (to meet, and for a gradient average)."""
 
 
 def linearize(unit_names: list[str], kind: str) -> list[str]:
@@ -71,6 +76,9 @@ class UnitRunner:
         self.optimizer = self._make_optimizer() if self.train else None
         self.pos = 0
         self.iterations = 0
+        self.profiling = False
+        self.dp = _join_replicas(spec) if self.train and spec.dp_size > 1 else None
+        self.reduced: tuple[Any, torch.Tensor] | None = None  # (gloo work, host buffer) of this iteration's grads
         self._reset()
 
     def _index(self, names: list[str]) -> None:
@@ -125,6 +133,18 @@ class UnitRunner:
             torch.cuda.set_device(self.device)
         self.module.to(self.device)
 
+    def ready(self) -> bool:
+        """Whether the next unit can start without waiting: false only for a data-parallel optimizer step whose
+        replicas' gradients have not all arrived."""
+        return self.reduced is None or self.pos % len(self.linearized) != 2 * len(self.calls) \
+            or self.reduced[0].is_completed()
+
+    def checksum(self) -> float | None:
+        """Sum of the weights (data-parallel jobs: equal on every replica when their steps agree)."""
+        if self.dp is None:
+            return None
+        return float(sum(p.detach().double().sum() for p in self.module.parameters()))
+
     def step(self) -> bool:
         """Run the next linearized unit; True when it completed an iteration."""
         n, k = len(self.calls), self.pos % len(self.linearized)
@@ -132,7 +152,11 @@ class UnitRunner:
             self._forward(k)
         elif k < 2 * n:
             self._backward(2 * n - 1 - k)
+            if k == 2 * n - 1 and self.dp is not None:
+                self._send_grads()
         else:
+            if self.reduced is not None:
+                self._take_grads()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
@@ -144,9 +168,33 @@ class UnitRunner:
             self._reset()
         return done
 
+    def _send_grads(self) -> None:
+        """The iteration's gradients to host memory, and their sum over the replicas started on gloo: it runs in
+        gloo's threads while this process waits for its next bubble, never on the device outside a bubble."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.module.parameters()]
+        flat = torch.cat([g.detach().reshape(-1).float() for g in grads]).cpu()
+        import torch.distributed as dist
+
+        work = None if self.profiling else dist.all_reduce(flat, group=self.dp, async_op=True)
+        self.reduced = (work, flat)
+
+    def _take_grads(self) -> None:
+        work, flat = self.reduced
+        if work is not None:
+            work.wait()
+            flat /= self.spec.dp_size
+        offset = 0
+        for p in self.module.parameters():
+            n = p.numel()
+            if p.grad is not None:
+                p.grad.copy_(flat[offset:offset + n].view_as(p))
+            offset += n
+        self.reduced = None
+
     def _batch(self, iteration: int) -> None:
+        index = self.spec.batch_first + self.spec.batch_stride * iteration  # this GPU's share of the job
         if self.mf.has("sample_batch"):
-            inputs, self.targets = self.mf.call("sample_batch", self.spec.batch_size, iteration)
+            inputs, self.targets = self.mf.call("sample_batch", self.spec.batch_size, index)
         else:
             inputs, self.targets = self.mf.inputs(self.spec.batch_size, "cpu"), None
         inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
@@ -215,6 +263,7 @@ class UnitRunner:
         saved = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         optimizer, pos, iterations = self.optimizer, self.pos, self.iterations
         self.optimizer = self._make_optimizer() if self.train else None
+        self.profiling = True  # the gradients' copy to the host is timed; the replicas do not meet
         times = [0.0] * len(self.linearized)
         try:
             for rep in range(reps + 1):
@@ -230,8 +279,26 @@ class UnitRunner:
             for p in self.module.parameters():
                 p.grad = None
             self.optimizer, self.pos, self.iterations = optimizer, pos, iterations
+            self.profiling, self.reduced = False, None
             self._reset()
         return times
+
+
+def _join_replicas(spec: TaskSpec) -> Any:
+    """A gloo group of the job's data-parallel replicas (one task process per GPU of the stage), met through the
+    launch's own store (torchrun's MASTER_ADDR / MASTER_PORT) under a prefix unique to the run, job and stage."""
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not host or not port:
+        raise RuntimeError(f"fill job {spec.job!r} trains data parallel over {spec.dp_size} GPUs, which needs the "
+                           "launch's store (MASTER_ADDR and MASTER_PORT): run it under torchrun")
+    timeout = timedelta(seconds=REPLICA_TIMEOUT_S)
+    store = dist.PrefixStore(f"fxp-fill/{spec.dp_key}/", dist.TCPStore(host, int(port), is_master=False,
+                                                                        timeout=timeout))
+    dist.init_process_group("gloo", store=store, rank=spec.dp_rank, world_size=spec.dp_size, timeout=timeout)
+    return dist.distributed_c10d._get_default_group()
 
 
 def _fetch(module: torch.nn.Module, target: str) -> Any:
@@ -290,7 +357,8 @@ def task_main(spec: TaskSpec, rx: Any, tx: Any) -> None:
 def _timed_step(runner: UnitRunner, kind: str) -> tuple:
     pos, start, start_mono = runner.pos, time.time(), time.monotonic()
     done = runner.step()
-    return (kind, pos, start, time.time(), start_mono, time.monotonic(), done)
+    end, end_mono = time.time(), time.monotonic()
+    return (kind, pos, start, end, start_mono, end_mono, done, runner.checksum() if done else None)
 
 
 def _iterative(runner: UnitRunner, rx: Any, tx: Any) -> None:
@@ -310,7 +378,7 @@ def _iterative(runner: UnitRunner, rx: Any, tx: Any) -> None:
         elif msg[0] == "step":
             if msg[1] != runner.pos:
                 raise RuntimeError(f"asked for unit {msg[1]} of the stream, next is {runner.pos}")
-            tx.send(_timed_step(runner, "step"))
+            tx.send(_timed_step(runner, "step") if runner.ready() else ("wait", runner.pos))
 
 
 def _imperative(runner: UnitRunner, rx: Any, tx: Any) -> None:

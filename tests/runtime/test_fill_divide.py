@@ -1,0 +1,137 @@
+"""A fill job's work divided, not repeated, and a rank's jobs run in their turns, under real torchrun on CPU.
+
+One launch of 4 ranks (p=2, d=2, GPipe, a tiny GPT) runs three plans in turn, each with the planner's own fill
+section:
+- an inference job: its batches are split between the two pipeline ranks (by their rates) and, on each, between
+  the two replicas; the batches the four GPUs ran are disjoint and together are the job's batches, each once;
+- a training job: the planner places it on one stage, data parallel over that stage's two GPUs; the replicas ran
+  disjoint batches, took the same steps (equal weights) and end where one process training on both batches of
+  every step ends;
+- three inference jobs of 12, 4 and 8 batches on every rank, SJF: each GPU runs them shortest first, one at a time.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from passes.load import load_model_file
+from planner.api import make_plan
+from planner.fill.spec import FillJobSpec, FillSpec, Work
+from planner.metrics import FillReport, RunEntry, load_metrics
+from planner.plan import Plan, save_plan
+from planner.search import Pins
+
+from ._util import GPT, ROOT, gpt_args, torchrun
+
+pytestmark = pytest.mark.multiprocess
+
+STEPS = 10
+MLP = ROOT / "examples" / "mlp.py"
+MLP_ARGS = {"features": 32, "width": 64, "depth": 2}
+CPU_TARGET = ROOT / "examples" / "targets" / "cpu-core.yaml"
+BATCH = 8
+PLANS = ("infer", "train", "three")
+
+
+def _job(name: str, kind: str, batches: int) -> FillJobSpec:
+    return FillJobSpec(name=name, model=str(MLP), model_args=MLP_ARGS, kind=kind, batch_sizes=[BATCH],
+                       work=Work(iterations=batches))
+
+
+def _plan(*jobs: FillJobSpec) -> Plan:
+    plan, _ = make_plan(str(GPT), gpus=4, global_batch=16, target=str(CPU_TARGET), gpus_per_node=4,
+                        model_args=gpt_args(), fill=FillSpec(jobs=list(jobs), policy="sjf"),
+                        pins=Pins(tp=1, pp=2, dp=2, b=2, v=1, schedule="gpipe", recompute="none", precision="fp32"))
+    return plan
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("fill_divide")
+    plans = {"infer": _plan(_job("infer", "infer", 12)),
+             "train": _plan(_job("train", "train", 8)),
+             "three": _plan(_job("big", "infer", 12), _job("small", "infer", 4), _job("mid", "infer", 8))}
+    for name, plan in plans.items():
+        save_plan(plan, tmp / f"{name}.json")
+    proc = torchrun(4, [*(str(tmp / f"{n}.json") for n in PLANS), "--steps", str(STEPS), "--metrics",
+                        str(tmp / "metrics.json")], cwd=tmp, timeout=420)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    return {"plans": plans, "runs": dict(zip(PLANS, load_metrics(tmp / "metrics.json").runs))}
+
+
+def _reports(entry: RunEntry) -> list[tuple[int, FillReport]]:
+    return [(r.rank, r.fill_report) for r in entry.ranks if r.fill_report is not None]
+
+
+def _batches(report: FillReport, job: str) -> list[int]:
+    """The job's batches this GPU completed, from its steps."""
+    return [s.batch for b in report.bubbles for s in b.steps if s.job == job and s.batch is not None]
+
+
+def test_the_plan_counts_each_batch_once(run: dict) -> None:
+    infer = run["plans"]["infer"].fill.jobs[0]
+    assert {s.rank for s in infer.shards} == {0, 1}
+    covered = [i for s in infer.shards for i in range(s.first_batch, s.first_batch + s.batches)]
+    assert sorted(covered) == list(range(infer.iterations)) == list(range(12))
+    (train,) = run["plans"]["train"].fill.jobs[0].shards
+    assert (train.first_batch, train.batches) == (0, 8)  # one stage, its 2 GPUs each take 4 steps
+
+
+def test_inference_replicas_did_disjoint_work_summing_to_the_job(run: dict) -> None:
+    reports = _reports(run["runs"]["infer"])
+    assert len(reports) == 4, "every GPU of both stages runs a share"
+    done = {rank: _batches(rep, rep.jobs[0].name) for rank, rep in reports}
+    every = [b for batches in done.values() for b in batches]
+    assert len(every) == len(set(every)), f"a batch ran twice: {done}"
+    assert sorted(every) == list(range(12)), done
+    for _, rep in reports:
+        (job,) = rep.jobs
+        assert job.stop_reason == "done" and job.samples_done == BATCH * job.planned_iterations
+        assert job.batch_stride == rep.replicas == 2
+        assert all((b - job.batch_first) % job.batch_stride == 0 for b in _batches(rep, job.name))
+
+
+def _reference_checksum(steps: int, replicas: int) -> float:
+    """One process, each step on the replicas' batches with their gradients averaged, AdamW(lr=1e-4) as the
+    fill task builds it for a model file without build_optimizer."""
+    mf = load_model_file(MLP, MLP_ARGS)
+    torch.manual_seed(0)
+    net = mf.build("cpu")
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        for k in range(replicas):
+            inputs, targets = mf.call("sample_batch", BATCH, step * replicas + k)
+            (mf.module.loss_fn(net(*inputs), targets) / replicas).backward()
+        opt.step()
+    return float(sum(p.detach().double().sum() for p in net.parameters()))
+
+
+def test_training_replicas_are_data_parallel(run: dict) -> None:
+    reports = [rep for _, rep in _reports(run["runs"]["train"])]
+    assert len(reports) == 2, "one stage's two GPUs run the training job"
+    jobs = [rep.jobs[0] for rep in reports]
+    assert all(j.stop_reason == "done" and j.iterations_done == 4 and j.dp_size == 2 for j in jobs), jobs
+    done = [_batches(rep, jobs[0].name) for rep in reports]
+    assert sorted(done[0] + done[1]) == list(range(8)) and not set(done[0]) & set(done[1])
+    assert jobs[0].checksum == pytest.approx(jobs[1].checksum, rel=1e-9)
+    assert jobs[0].checksum == pytest.approx(_reference_checksum(4, 2), rel=1e-5)
+
+
+def test_three_jobs_run_in_their_sjf_turns(run: dict) -> None:
+    plan = run["plans"]["three"]
+    order = {r: [j.name for j in sorted((j for j in plan.fill.jobs for s in j.shards if s.rank == r),
+                                         key=lambda j: next(s.start_s for s in j.shards if s.rank == r))]
+             for r in range(2)}
+    assert all([n.split("@")[0] for n in names] == ["small", "mid", "big"] for names in order.values()), order
+    for rank, rep in _reports(run["runs"]["three"]):
+        expected = order[rep.pipeline_rank]
+        assert [t.job for t in rep.turns] == expected, (rank, rep.turns)
+        stops = {t.job: t.t for t in rep.transitions if t.transition == "StopSideTask"}
+        steps = {j: [s for b in rep.bubbles for s in b.steps if s.job == j] for j in expected}
+        for before, after in zip(expected, expected[1:]):  # each ran only after the one before it was done
+            assert all(s.start >= stops[before] for s in steps[after]), (rank, before, after)
+        assert all(j.stop_reason == "done" for j in rep.jobs), [(j.name, j.stop_reason, j.error) for j in rep.jobs]
