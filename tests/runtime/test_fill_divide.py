@@ -24,15 +24,17 @@ from planner.metrics import FillReport, RunEntry, load_metrics
 from planner.plan import Plan, save_plan
 from planner.search import Pins
 
-from ._util import GPT, ROOT, gpt_args, torchrun
+from ._util import GPT, ROOT, torchrun
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 10
+STEPS = 12
 MLP = ROOT / "examples" / "mlp.py"
 MLP_ARGS = {"features": 32, "width": 64, "depth": 2}
 CPU_TARGET = ROOT / "examples" / "targets" / "cpu-core.yaml"
 BATCH = 8
+MAIN_ARGS = {"preset": "tiny", "layers": 4, "hidden": 256, "seq": 64, "dropout": 0}
+"""Stages of ~10 ms per microbatch on a CPU core: bubbles long enough for a few MLP units each."""
 PLANS = ("infer", "train", "three")
 
 
@@ -43,7 +45,7 @@ def _job(name: str, kind: str, batches: int) -> FillJobSpec:
 
 def _plan(*jobs: FillJobSpec) -> Plan:
     plan, _ = make_plan(str(GPT), gpus=4, global_batch=16, target=str(CPU_TARGET), gpus_per_node=4,
-                        model_args=gpt_args(), fill=FillSpec(jobs=list(jobs), policy="sjf"),
+                        model_args=MAIN_ARGS, fill=FillSpec(jobs=list(jobs), policy="sjf"),
                         pins=Pins(tp=1, pp=2, dp=2, b=2, v=1, schedule="gpipe", recompute="none", precision="fp32"))
     return plan
 
@@ -52,14 +54,19 @@ def _plan(*jobs: FillJobSpec) -> Plan:
 def run(tmp_path_factory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("fill_divide")
     plans = {"infer": _plan(_job("infer", "infer", 12)),
-             "train": _plan(_job("train", "train", 8)),
+             "train": _plan(_job("train", "train", 4)),
              "three": _plan(_job("big", "infer", 12), _job("small", "infer", 4), _job("mid", "infer", 8))}
     for name, plan in plans.items():
         save_plan(plan, tmp / f"{name}.json")
-    proc = torchrun(4, [*(str(tmp / f"{n}.json") for n in PLANS), "--steps", str(STEPS), "--metrics",
-                        str(tmp / "metrics.json")], cwd=tmp, timeout=420)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    return {"plans": plans, "runs": dict(zip(PLANS, load_metrics(tmp / "metrics.json").runs))}
+    for _ in range(3):  # again when a loaded 2-core machine measured a GPU's bubbles too short for any unit,
+        # or descheduled a step past its grace period (a killed replica ends its data-parallel job)
+        proc = torchrun(4, [*(str(tmp / f"{n}.json") for n in PLANS), "--steps", str(STEPS), "--metrics",
+                            str(tmp / "metrics.json")], cwd=tmp, timeout=420)
+        assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+        runs = dict(zip(PLANS, load_metrics(tmp / "metrics.json").runs))
+        if all(j.stop_reason == "done" for entry in runs.values() for _, rep in _reports(entry) for j in rep.jobs):
+            break
+    return {"plans": plans, "runs": runs}
 
 
 def _reports(entry: RunEntry) -> list[tuple[int, FillReport]]:
@@ -77,7 +84,7 @@ def test_the_plan_counts_each_batch_once(run: dict) -> None:
     covered = [i for s in infer.shards for i in range(s.first_batch, s.first_batch + s.batches)]
     assert sorted(covered) == list(range(infer.iterations)) == list(range(12))
     (train,) = run["plans"]["train"].fill.jobs[0].shards
-    assert (train.first_batch, train.batches) == (0, 8)  # one stage, its 2 GPUs each take 4 steps
+    assert (train.first_batch, train.batches) == (0, 4)  # one stage, its 2 GPUs each take 2 steps
 
 
 def test_inference_replicas_did_disjoint_work_summing_to_the_job(run: dict) -> None:
@@ -114,11 +121,12 @@ def test_training_replicas_are_data_parallel(run: dict) -> None:
     reports = [rep for _, rep in _reports(run["runs"]["train"])]
     assert len(reports) == 2, "one stage's two GPUs run the training job"
     jobs = [rep.jobs[0] for rep in reports]
-    assert all(j.stop_reason == "done" and j.iterations_done == 4 and j.dp_size == 2 for j in jobs), jobs
+    assert all(j.dp_size == 2 for j in jobs), jobs
+    assert [(j.stop_reason, j.iterations_done) for j in jobs] == [("done", 2)] * 2, jobs
     done = [_batches(rep, jobs[0].name) for rep in reports]
-    assert sorted(done[0] + done[1]) == list(range(8)) and not set(done[0]) & set(done[1])
+    assert sorted(done[0] + done[1]) == list(range(4)) and not set(done[0]) & set(done[1])
     assert jobs[0].checksum == pytest.approx(jobs[1].checksum, rel=1e-9)
-    assert jobs[0].checksum == pytest.approx(_reference_checksum(4, 2), rel=1e-5)
+    assert jobs[0].checksum == pytest.approx(_reference_checksum(2, 2), rel=1e-5)
 
 
 def test_three_jobs_run_in_their_sjf_turns(run: dict) -> None:
@@ -128,10 +136,22 @@ def test_three_jobs_run_in_their_sjf_turns(run: dict) -> None:
              for r in range(2)}
     assert all([n.split("@")[0] for n in names] == ["small", "mid", "big"] for names in order.values()), order
     for rank, rep in _reports(run["runs"]["three"]):
-        expected = order[rep.pipeline_rank]
+        here = {j.name for j in rep.jobs}  # a GPU whose share of a job is empty has no task for it
+        expected = [n for n in order[rep.pipeline_rank] if n in here]
         assert [t.job for t in rep.turns] == expected, (rank, rep.turns)
         stops = {t.job: t.t for t in rep.transitions if t.transition == "StopSideTask"}
         steps = {j: [s for b in rep.bubbles for s in b.steps if s.job == j] for j in expected}
         for before, after in zip(expected, expected[1:]):  # each ran only after the one before it was done
             assert all(s.start >= stops[before] for s in steps[after]), (rank, before, after)
         assert all(j.stop_reason == "done" for j in rep.jobs), [(j.name, j.stop_reason, j.error) for j in rep.jobs]
+
+
+@pytest.mark.parametrize("name", PLANS)
+def test_no_step_runs_past_its_bubble_by_more_than_the_grace_period(run: dict, name: str) -> None:
+    """From the metrics: every unit a fill job ran started inside its bubble and ended before the main job's
+    resume plus the grace period (a later one would have been killed, and a kill is recorded)."""
+    for rank, rep in _reports(run["runs"][name]):
+        assert rep.kills == [] and rep.errors == [], (rank, rep.kills, rep.errors)
+        for occ in rep.bubbles:
+            for s in occ.steps:
+                assert occ.gpu_idle <= s.start <= s.end <= occ.main_end + rep.grace_s, (rank, occ.bubble_id, s)
