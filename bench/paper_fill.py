@@ -2,21 +2,69 @@
 
     python bench/paper_fill.py [--json out.json] [--ipc]
 
+The ratio printed is predicted / measured; a range is printed where the paper gives one. Nothing here is fitted to
+the papers' results: the fill's compute is priced by the same cost models as the main job, the bubble costs are
+planner/fill/physics.py's constants with their sources, and each paper's own rules (margin, admission) are used.
+
 PipeFill section 6.1 (../shared/seeds/001_…, l.197-231): a 5B LLM trained on 16 V100-16GB, one per machine
 (25 Gb/s between them), 16 pipeline stages, no tensor parallelism, microbatch 2 of 2048 tokens, 8 microbatches
 per replica, GPipe, Adam; its Executor fills 68% of each bubble. Measured: bubble ratio 65%, 4.5 GB free in
 the bubbles, main job 60 TFLOP/s while executing, main-job overhead < 2% at 68% filled, and 7.39 TFLOP/s per GPU
-recovered (averaged over all GPUs and the run's wall-clock time) with the paper's full fill-job trace.
+recovered (averaged over all GPUs and the run's wall-clock time, l.219) with the paper's full fill-job trace (l.229).
 
-What we assume because the paper does not say it: the 5B model's shape (GPT, 24 layers, hidden 4096, 32 heads,
-vocabulary 50257: 4.8B in the blocks + 0.2B embedding), fp16 mixed precision, the fill job (BERT-base inference,
-sequence 128, batch 8-64: the issue's choice; the paper's 7.39 is for its trace mix, of which BERT inference is
-one of the more favourable jobs, 001 l.223, 243). Nothing here is fitted to the paper's results: the fill's
-compute is priced by the same cost models as the main job, the bubble costs are planner/fill/physics.py's
-constants with their sources, and the margin is PipeFill's 68%.
+The trace's composition is not stated, so it is not planned here. The paper gives its ingredients only (l.183-187,
+209-211): five models (EfficientNet 117M, BERT-base 109M, BERT-large 334M, Swin-large 779M, XLM-RoBERTa-XL 2.8B),
+sampled "to match the distribution of model sizes and types from the HuggingFace Model Hub" (the probabilities are
+not given; only that 10.4% of the Hub's models are CNNs), training or batch inference with equal probability below
+700M parameters and inference above, job sizes from the Alibaba trace (under 9 GPU-minutes) converted to samples
+at each job's isolated throughput. We keep the issue's fill, BERT-base inference (sequence 128, batch 8-64), one of
+the more favourable jobs (l.223, 243), and compare it twice: against the trace mix's 7.39, and against what the
+paper says inference alone gains over the mix, 1.4x (l.27: +45% -> +63% GPU utilization at 8K GPUs) to 1.5x (l.33:
+"increases the gains by ~50%"), i.e. 10.3-11.1 TFLOP/s: a range derived from stated figures, not a measurement.
+The fill's relative performance P (GPUs saved ~ C*B*P, l.253: fill work in dedicated-GPU time per bubble time) is
+compared with "around 30% of exclusive execution" for most of the jobs (l.251).
 
-The ratio printed is predicted / measured. `--ipc` measures the per-unit request/reply round trip of the fill
-executor's pipes on this machine (planner/fill/physics.py: STEP_IPC_S).
+What we assume because PipeFill does not say it: the 5B model's shape (GPT, 24 layers, hidden 4096, 32 heads,
+vocabulary 50257: 4.8B in the blocks + 0.2B embedding) and fp16 mixed precision.
+
+FreeRide section 4 (../shared/seeds/000_…): a 3.6B LLM adapted from GPT2-XL trained by DeepSpeed 0.12.2 in a
+4-stage pipeline, one stage per GPU of one server (l.96-97, 277) of four RTX 6000 Ada 48 GB (Server-I, l.269), 4
+microbatches (l.151, the setup of Figure 1), the microbatch "maximized until just before OOM" (l.277), 128 epochs
+(l.306). Side tasks
+(l.279, 306): ResNet18, ResNet50 and VGG19 training (PyTorch's out-of-the-box models) at batch 64, "the same side
+task in all workers if they have enough GPU memory"; PageRank, Graph SGD and image processing are not DNNs and
+are not planned. A side task runs whole steps (read a batch, forward, loss, backward, optimizer: l.207), the next
+one only if the bubble's remaining time exceeds the step's profiled duration (l.249), in the GPU memory its worker's
+bubbles have free, which is the same for every bubble of a stage (l.132-137: the main job's consumption stays at its
+peak). Metrics (l.294-300, A.3 l.505-526): time increase I = (T_with - T_no) / T_no and cost savings
+S = (C_sideTasks - (C_with - C_no)) / C_no with C = P_Server-I x T and C_sideTasks = P_Server-II x W / Th_Server-II,
+Th the side task's throughput alone on Server-II, one RTX 3080 10 GB; P_Server-I = $3.96/h, P_Server-II = $0.18/h
+(l.269). With W a fixed amount of work per main iteration, S = (P_II / P_I) x W_iter / (Th_II x t_iter) - I.
+Measured (l.82, 308): with the iterative interface, 1.1% average time increase and 7.8% average cost savings over
+the six side tasks (the mixed workload: 10.1% and 1.1%). Table 1 (l.281-292) has I and S per side task, but its
+cells are not in the text we have: the per-task rows below have no paper figure, and the averages over our three
+DNN side tasks are compared with the paper's six-task averages (a different mix: say so when reading them).
+Also stated: bubble rate 42.4% (1.2B) to 40.4% (6B) at 4 microbatches (l.147-151), bubbles of 0.22-1.04 s
+(l.128), free memory from under 3 GB (stage 0) to over 20 GB (stage 3) (l.132-137), VGG19 too large for the
+bubbles of stages 0 and 1 (l.314).
+
+What FreeRide does not say and we take from the authors' artifact (github.com/jiashu-z/freeride: ae/side_task_
+deepspeed/experiment_config.py "xxxlarge", config/simplegpt2_template.json, side_task/model_training/): the 3.6B
+model is 72 blocks of hidden 2048, 16 heads, sequence 1024 (12 x 72 x 2048^2 = 3.62B), microbatch 3 (our memory
+model agrees that it is the largest: at b = 3 the stage of the embedding and 18 blocks holds 45.1 of 48 GiB, 9 GiB
+of it per microbatch of activations), fp32 Adam (no fp16 section), no activation checkpointing, flash attention,
+dropout 0; side tasks train on 224x224 images with torchvision's 1000-class heads (examples/vision.py). We add
+GPT-2's 50257-token tied embedding (examples/gpt.py needs one: +0.1B parameters, +2.6% FLOPs) and assume
+DeepSpeed's schedule is 1F1B (its TrainSchedule). The artifact's measured side-task profiles
+(iterative_summary_ada6000.json: step time on the RTX 6000 Ada at batch 64; ae/collect_experiment_data/
+analyze_cost.ipynb: throughput on the RTX 3080) are printed as a cross-check of the inputs to S, not as targets.
+
+Two predictions of S per side task: the plan's (make_plan with one fill job per worker: the planner's packing of
+layer-sized units, an iteration may span bubbles, its admission slack and its memory ledger, margin 0 as FreeRide
+uses none) and FreeRide's (whole steps per bubble by l.249, the free memory of a stage's peak by l.134, through the
+planner's greedy packer and per-step costs). I is the plan's: its iteration time with the side tasks against
+without. `--ipc` measures the per-unit request/reply round trip of the fill executor's pipes on this machine
+(planner/fill/physics.py: STEP_IPC_S).
 """
 from __future__ import annotations
 
@@ -24,45 +72,237 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
+from typing import Any, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from costmodels.hardware import Hardware  # noqa: E402
 from planner.api import make_plan  # noqa: E402
+from planner.fill.packing import BubbleSlot, FillUnit, greedy_pack  # noqa: E402
+from planner.fill.physics import FILL_CONTEXT_BYTES, STEP_ALLOWANCE_S, unit_overhead_s  # noqa: E402
+from planner.fill.profiles import FillProfile, profile_job  # noqa: E402
 from planner.fill.spec import FillJobSpec, FillSpec, Work  # noqa: E402
+from planner.plan import Plan  # noqa: E402
 from planner.search import Pins  # noqa: E402
+from targets.registry import get_target  # noqa: E402
 
 GB = 1e9
+EXAMPLES = ROOT / "examples"
 PIPEFILL = {"recovered_tflops_per_gpu": 7.39, "main_tflops_executing": 60.0, "bubble_ratio": 0.652,
-            "free_bytes": 4.5 * GB, "main_overhead_below": 0.02}
-"""PipeFill 6.1 measured (001 l.229, 231, 243); the bubble ratio is (p-1)/(m+p-1) = 15/23."""
+            "free_bytes": 4.5 * GB, "main_overhead_below": 0.02, "inference_gain_over_mix": (1.4, 1.5),
+            "relative_performance": 0.30}
+"""PipeFill 6.1 measured (001 l.229, 231, 243); the bubble ratio is (p-1)/(m+p-1) = 15/23; inference alone gains
+1.4x (l.27: 45% -> 63%) to 1.5x (l.33) over the trace mix; most fill jobs run at about 30% of exclusive (l.251)."""
+
+FREERIDE = {"time_increase_avg": 0.011, "cost_savings_avg": 0.078, "bubble_rate": (0.404, 0.424),
+            "longest_bubble_s": 1.04, "price_server_i": 3.96, "price_server_ii": 0.18}
+"""FreeRide measured (000 l.82, 308: iterative interface, averaged over its six side tasks; l.147-151: bubble rate
+of the 6B and 1.2B models at 4 microbatches, the 3.6B's is between; l.128) and its prices (l.269, $ per hour)."""
+FR_TASKS = ("resnet18", "resnet50", "vgg19")
+FR_BATCH = 64  # 000 l.306
+FR_WORKERS = 4  # one per GPU of Server-I, the same side task in each (l.306)
+FR_GPT = {"layers": 72, "hidden": 2048, "heads": 16, "seq": 1024, "vocab": 50257, "dropout": 0.0, "flash": True}
+FR_PINS = Pins(tp=1, pp=4, dp=1, b=3, schedule="1f1b", precision="fp32", recompute="none")
+FR_MICROBATCHES = 4  # 000 l.151
+ARTIFACT = {"ada_step_s": {"resnet18": 0.031112, "resnet50": 0.086666, "vgg19": 0.160252},
+            "ada_max_allocated_gb": {"resnet18": 3.897, "resnet50": 8.064, "vgg19": 12.361},
+            "rtx3080_samples_per_s": {"resnet18": 998.7, "resnet50": 393.4, "vgg19": 161.8},
+            "free_gb_per_stage": (3, 9, 16, 24)}
+"""The authors' artifact, not the paper: avg_step_time and max_allocated_memory at batch 64 on the RTX 6000 Ada
+(iterative_summary_ada6000.json), side_task_throughputs_3080 (analyze_cost.ipynb), the per-stage GPU memory limits
+of the 3.6B run (experiment_config.py stage_id_gpu_memory_map, GB)."""
+
+
+def _row(name: str, predicted: float, paper: float | tuple[float, float] | None) -> dict[str, Any]:
+    """A figure against the paper's: ratio predicted / paper, a (low, high) pair against a range, None without."""
+    if paper is None:
+        ratio: float | list[float] | None = None
+    elif isinstance(paper, tuple):
+        ratio = [predicted / paper[1], predicted / paper[0]]
+    else:
+        ratio = predicted / paper if paper else None
+    return {"figure": name, "predicted": predicted, "paper": list(paper) if isinstance(paper, tuple) else paper,
+            "ratio": ratio}
+
+
+# --- PipeFill ------------------------------------------------------------------------------------------------------
 
 
 def pipefill() -> dict:
-    job = FillJobSpec(name="bert-base-infer", model=str(ROOT / "examples" / "bert.py"),
+    job = FillJobSpec(name="bert-base-infer", model=str(EXAMPLES / "bert.py"),
                       model_args={"preset": "base", "seq": 128}, kind="infer", batch_sizes=[8, 16, 32, 64],
                       work=Work(samples=10_000_000))
-    plan, _ = make_plan(str(ROOT / "examples" / "gpt.py"), gpus=16, global_batch=16, target="v100-16gb",
-                        gpus_per_node=1, model_args={"layers": 24, "hidden": 4096, "heads": 32, "seq": 2048},
-                        pins=Pins(tp=1, pp=16, dp=1, b=2, schedule="gpipe", precision="fp16"),
-                        fill=FillSpec(jobs=[job]))
+    pins = Pins(tp=1, pp=16, dp=1, b=2, schedule="gpipe", precision="fp16")
+    kw = dict(gpus=16, global_batch=16, target="v100-16gb", gpus_per_node=1, pins=pins,
+              model_args={"layers": 24, "hidden": 4096, "heads": 32, "seq": 2048})
+    plan, _ = make_plan(str(EXAMPLES / "gpt.py"), fill=FillSpec(jobs=[job]), **kw)
+    alone, _ = make_plan(str(EXAMPLES / "gpt.py"), **kw)
+    overhead = time_increase(plan.predictions.iteration_s, alone.predictions.iteration_s)
     pr, fp = plan.predictions, plan.fill.predictions
     executing = pr.hardware_tflops_per_gpu / (1 - pr.bubble_fraction)
     free = sorted(b.free_bytes for b in plan.bubbles if b.duration_s > 0.5)
+    chosen = plan.fill.jobs[0]
+    prof = _profile(job, "v100-16gb", pins.precision, chosen.batch_size, chosen.config)
+    isolated = prof.flops_per_iteration / prof.iteration_s  # FLOP/s of the job alone on one GPU
+    relative = fp.fill_tflops_per_gpu * 1e12 / isolated / pr.bubble_fraction
+    lo, hi = PIPEFILL["inference_gain_over_mix"]
     rows = [
-        ("bubble ratio", pr.bubble_fraction, PIPEFILL["bubble_ratio"]),
-        ("main job TFLOP/s while executing", executing, PIPEFILL["main_tflops_executing"]),
-        ("free GB in the long bubbles (median)", free[len(free) // 2] / GB, PIPEFILL["free_bytes"] / GB),
-        ("recovered TFLOP/s per GPU at 68% of each bubble", fp.fill_tflops_per_gpu,
-         PIPEFILL["recovered_tflops_per_gpu"]),
+        _row("bubble ratio", pr.bubble_fraction, PIPEFILL["bubble_ratio"]),
+        _row("main job TFLOP/s while executing", executing, PIPEFILL["main_tflops_executing"]),
+        _row("free GB in the long bubbles (median)", free[len(free) // 2] / GB, PIPEFILL["free_bytes"] / GB),
+        _row("recovered TFLOP/s/GPU at 68%: BERT vs the trace mix", fp.fill_tflops_per_gpu,
+             PIPEFILL["recovered_tflops_per_gpu"]),
+        _row("recovered TFLOP/s/GPU at 68%: BERT vs inference (derived)", fp.fill_tflops_per_gpu,
+             (lo * PIPEFILL["recovered_tflops_per_gpu"], hi * PIPEFILL["recovered_tflops_per_gpu"])),
+        _row("fill relative performance P (C*B*P)", relative, PIPEFILL["relative_performance"]),
     ]
-    job = plan.fill.jobs[0]
-    return {"setup": f"{plan.config.to_config()} on 16 x v100-16gb; fill {job.name} "
-                     f"({'resident' if job.resident else 'loaded per bubble'}), margin {plan.fill.safety_margin:.2f}",
-            "rows": [{"figure": n, "predicted": p, "paper": m, "ratio": p / m} for n, p, m in rows],
-            "main_overhead": "predicted 0 (no chunk may pass 68% of its bubble; the runtime kills one past the "
-                             "grace period) against the paper's < 2%"}
+    where = "resident" if chosen.resident else "loaded per bubble"
+    return {"setup": f"{plan.config.to_config()} on 16 x v100-16gb; fill {chosen.name} ({where}), "
+                     f"margin {plan.fill.safety_margin:.2f}",
+            "rows": rows,
+            "main_overhead": overhead,
+            "main_overhead_text": f"predicted {overhead:.4f} (the plan's iteration with the fill against without: no "
+                                  f"chunk may pass 68% of its bubble, the runtime kills one past the grace period) "
+                                  f"against the paper's < {PIPEFILL['main_overhead_below']:.0%}"}
+
+
+def _profile(job: FillJobSpec, target: str, precision: str, batch: int, config: str = "plain") -> FillProfile:
+    """The job's profile at one batch size and configuration, priced on `target` by the planner's cost models."""
+    hw = Hardware(target=get_target(target))
+    return next(p for p in profile_job(job.model_copy(update={"batch_sizes": [batch]}), hw, precision)
+                if p.config == config)
+
+
+# --- FreeRide ------------------------------------------------------------------------------------------------------
+
+
+def time_increase(t_with: float, t_no: float) -> float:
+    """FreeRide A.3: I = (T_withSideTasks - T_noSideTask) / T_noSideTask."""
+    return (t_with - t_no) / t_no
+
+
+def cost_savings(samples_per_iteration: float, iteration_s: float, dedicated_samples_per_s: float,
+                 increase: float, price_ratio: float) -> float:
+    """FreeRide A.3's S for side tasks that do `samples_per_iteration` (all workers) per main iteration of
+    `iteration_s` without side tasks: C_sideTasks = P_II x W / Th_II, C_with - C_no = P_I x T_no x I and
+    C_no = P_I x T_no, so with W = N x samples_per_iteration and T_no = N x iteration_s,
+    S = (P_II / P_I) x samples_per_iteration / (Th_II x iteration_s) - I. `price_ratio` is P_II / P_I."""
+    return price_ratio * samples_per_iteration / (dedicated_samples_per_s * iteration_s) - increase
+
+
+def step_packing(prof: FillProfile, cycles: Sequence[Sequence[BubbleSlot]], hold_free: Sequence[int],
+                 launch_s: float) -> list[float]:
+    """Side-task steps per main iteration on each pipeline rank, as FreeRide runs them: a step is one whole
+    iteration of `prof` (l.207), started only if the bubble's time left covers it (l.249: no margin; our
+    per-chunk signal allowance and per-step launch, planner/fill/physics.py), on a worker whose memory, the same in
+    every bubble of the rank (l.134: the main job stays at its peak), holds the task's context, weights, optimizer
+    state and the step's activations (Algorithm 1 l.4: a worker without enough is not given the task)."""
+    step = FillUnit(name="step", time_s=prof.iteration_s, flops=prof.flops_per_iteration,
+                    mem_bytes=max(u.mem_bytes for u in prof.units))
+    held = prof.resident_bytes + FILL_CONTEXT_BYTES
+    out = []
+    for cycle, free in zip(cycles, hold_free):
+        if not cycle or held + step.mem_bytes > free:
+            out.append(0.0)
+            continue
+        slots = [replace(s, free_bytes=free) for s in cycle]
+        pk = greedy_pack([step], slots, safety_margin=0.0, launch_overhead_s=STEP_ALLOWANCE_S,
+                         resident_bytes=held, unit_overhead_s=unit_overhead_s(launch_s))
+        out.append(pk.iterations_per_cycle)
+    return out
+
+
+def bubble_cycles(plan: Plan) -> list[list[BubbleSlot]]:
+    cycles: list[list[BubbleSlot]] = [[] for _ in range(plan.config.pp)]
+    for b in plan.bubbles:
+        cycles[b.rank].append(BubbleSlot(id=b.id, duration_s=b.duration_s, free_bytes=b.free_bytes))
+    return cycles
+
+
+def peak_free(plan: Plan) -> list[int]:
+    """Per pipeline rank, the bytes free beside the main job's predicted peak (capacity - its memory total)."""
+    free = {m.rank: max(0, int(m.capacity - m.total)) for m in plan.predictions.memory}
+    return [free.get(r, 0) for r in range(plan.config.pp)]
+
+
+def side_task(arch: str, worker: int = 0) -> FillJobSpec:
+    return FillJobSpec(name=f"{arch}-w{worker}", model=str(EXAMPLES / "vision.py"), model_args={"arch": arch},
+                       kind="train", batch_sizes=[FR_BATCH], work=Work(iterations=10_000_000))
+
+
+def freeride_plan(fill: FillSpec | None = None) -> Plan:
+    plan, _ = make_plan(str(EXAMPLES / "gpt.py"), gpus=FR_WORKERS, global_batch=FR_MICROBATCHES * FR_PINS.b,
+                        target="rtx6000-ada", gpus_per_node=FR_WORKERS, model_args=FR_GPT, pins=FR_PINS, fill=fill)
+    return plan
+
+
+def freeride_task(arch: str, main: Plan, price_ratio: float) -> dict[str, Any]:
+    """I and S of one side task run in every worker: from the plan with the side tasks, and with FreeRide's steps."""
+    plan = freeride_plan(FillSpec(jobs=[side_task(arch, w) for w in range(FR_WORKERS)], safety_margin=0.0))
+    t_no = main.predictions.iteration_s
+    increase = time_increase(plan.predictions.iteration_s, t_no)
+    ada = _profile(side_task(arch), "rtx6000-ada", FR_PINS.precision, FR_BATCH)
+    ded = _profile(side_task(arch), "rtx3080", FR_PINS.precision, FR_BATCH)
+    th_ii = FR_BATCH / ded.iteration_s
+    # the plan's fill FLOP/s per GPU x GPUs x iteration = FLOPs of side-task work per main iteration
+    plan_samples = (plan.fill.predictions.fill_tflops_per_gpu * 1e12 * plan.config.pp * plan.predictions.iteration_s
+                    / ada.flops_per_iteration * FR_BATCH)
+    launch_s = Hardware(target=get_target("rtx6000-ada")).eff.launch_s
+    steps = step_packing(ada, bubble_cycles(main), peak_free(main), launch_s)
+    step_samples = sum(steps) * FR_BATCH
+    dedicated_mem = ded.resident_bytes + FILL_CONTEXT_BYTES + max(u.mem_bytes for u in ded.units)
+    return {
+        "side_task": arch, "time_increase": increase,
+        "cost_savings_plan": cost_savings(plan_samples, t_no, th_ii, increase, price_ratio),
+        "cost_savings_steps": cost_savings(step_samples, t_no, th_ii, increase, price_ratio),
+        "samples_per_s_plan": plan_samples / t_no, "samples_per_s_steps": step_samples / t_no,
+        "workers_plan": sorted({c.rank for c in plan.fill.chunks}),
+        "workers_steps": [r for r, s in enumerate(steps) if s > 0],
+        "step_s_ada": ada.iteration_s, "samples_per_s_rtx3080": th_ii,
+        "steps_per_rank": steps,
+        "allocated_gb_ada": (ada.resident_bytes + max(u.mem_bytes for u in ada.units)) / GB,  # no CUDA context
+        "fits_rtx3080": dedicated_mem + Hardware(target=get_target("rtx3080")).reserve_bytes
+                        <= get_target("rtx3080").gpu.hbm_bytes,
+    }
+
+
+def freeride() -> dict:
+    price_ratio = FREERIDE["price_server_ii"] / FREERIDE["price_server_i"]
+    main = freeride_plan()
+    tasks = [freeride_task(arch, main, price_ratio) for arch in FR_TASKS]
+    free = peak_free(main)
+    rows = [
+        _row("bubble rate (paper: 6B .. 1.2B)", main.predictions.bubble_fraction, FREERIDE["bubble_rate"]),
+        _row("longest bubble s", max(b.duration_s for b in main.bubbles), FREERIDE["longest_bubble_s"]),
+    ]
+    for t in tasks:
+        rows += [_row(f"I {t['side_task']}", t["time_increase"], None),
+                 _row(f"S {t['side_task']} (plan's packing)", t["cost_savings_plan"], None),
+                 _row(f"S {t['side_task']} (FreeRide's whole steps)", t["cost_savings_steps"], None)]
+    avg = lambda key: sum(t[key] for t in tasks) / len(tasks)  # noqa: E731
+    rows += [_row("I, mean of the 3 DNN tasks (paper: of 6)", avg("time_increase"), FREERIDE["time_increase_avg"]),
+             _row("S, mean of 3, plan's packing (paper: of 6)", avg("cost_savings_plan"),
+                  FREERIDE["cost_savings_avg"]),
+             _row("S, mean of 3, FreeRide's steps (paper: of 6)", avg("cost_savings_steps"),
+                  FREERIDE["cost_savings_avg"])]
+    check = [_row(f"{t['side_task']} step s on RTX 6000 Ada", t["step_s_ada"], ARTIFACT["ada_step_s"][t["side_task"]])
+             for t in tasks]
+    check += [_row(f"{t['side_task']} samples/s on RTX 3080", t["samples_per_s_rtx3080"],
+                   ARTIFACT["rtx3080_samples_per_s"][t["side_task"]]) for t in tasks]
+    check += [_row(f"{t['side_task']} GB allocated at its peak (no context)", t["allocated_gb_ada"],
+                   ARTIFACT["ada_max_allocated_gb"][t["side_task"]]) for t in tasks]
+    check += [_row(f"free GB beside the peak, stage {r}", f / GB, float(g))
+              for r, (f, g) in enumerate(zip(free, ARTIFACT["free_gb_per_stage"]))]
+    return {"setup": f"{main.config.to_config()} on 4 x rtx6000-ada, 3.6B GPT (72 x 2048), iteration "
+                     f"{main.predictions.iteration_s:.3f} s; side tasks at batch {FR_BATCH}, price ratio "
+                     f"{price_ratio:.4f}",
+            "rows": rows, "tasks": tasks, "artifact_check": check}
+
+
+# --- IPC, printing -------------------------------------------------------------------------------------------------
 
 
 def measure_ipc(n: int = 2000) -> float:
@@ -92,18 +332,39 @@ def _echo(rx, tx) -> None:
         tx.send(("step", msg[1], time.time(), time.time(), time.monotonic(), time.monotonic(), False))
 
 
+def _fmt(value: Any, width: int) -> str:
+    if value is None:
+        return f"{'-':>{width}s}"
+    if isinstance(value, list):
+        return f"{f'{value[0]:.3g}-{value[1]:.3g}':>{width}s}"
+    return f"{value:{width}.3f}"
+
+
+def print_rows(rows: list[dict[str, Any]], against: str = "paper") -> None:
+    print(f"  {'figure':58s} {'predicted':>10s} {against:>11s} {'ratio':>10s}")
+    for r in rows:
+        print(f"  {r['figure']:58s} {_fmt(r['predicted'], 10)} {_fmt(r['paper'], 11)} {_fmt(r['ratio'], 10)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--ipc", action="store_true", help="also measure the fill executor's per-unit round trip")
     args = ap.parse_args()
-    out = {"pipefill_6_1": pipefill()}
-    pf = out["pipefill_6_1"]
+    out = {"pipefill_6_1": pipefill(), "freeride_4_2": freeride()}
+    pf, fr = out["pipefill_6_1"], out["freeride_4_2"]
     print(f"PipeFill 6.1: {pf['setup']}")
-    print(f"  {'figure':52s} {'predicted':>10s} {'paper':>8s} {'ratio':>6s}")
-    for r in pf["rows"]:
-        print(f"  {r['figure']:52s} {r['predicted']:10.3f} {r['paper']:8.3f} {r['ratio']:6.2f}")
-    print(f"  main-job overhead: {pf['main_overhead']}")
+    print_rows(pf["rows"])
+    print(f"  main-job overhead: {pf['main_overhead_text']}")
+    print(f"FreeRide 4.2: {fr['setup']}")
+    print_rows(fr["rows"])
+    for t in fr["tasks"]:
+        print(f"  {t['side_task']}: workers (pipeline ranks) {t['workers_plan']} in the plan, {t['workers_steps']} "
+              f"with FreeRide's steps; {t['samples_per_s_plan']:.0f} / {t['samples_per_s_steps']:.0f} samples/s; "
+              f"steps per main iteration by rank {[round(s, 2) for s in t['steps_per_rank']]}"
+              f"{'' if t['fits_rtx3080'] else '; over the RTX 3080 beside its 3 GiB reserve (priced anyway)'}")
+    print("  cross-check of S's inputs against the authors' artifact (measured, not the paper's text):")
+    print_rows(fr["artifact_check"], against="artifact")
     if args.ipc:
         out["ipc_s"] = measure_ipc()
         print(f"fill executor request/reply per unit: {out['ipc_s'] * 1e6:.1f} us")

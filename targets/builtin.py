@@ -26,6 +26,8 @@ Conventions (applied to every entry below):
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from targets.specs import ClusterSpec, GPUSpec, Target
 
 __all__ = ["BUILTIN_TARGETS", "DEFAULT_TARGET"]
@@ -119,6 +121,17 @@ RTX6000_ADA = GPUSpec(
                 "fp16": 364.2 * TFLOPS, "fp8": 728.5 * TFLOPS},
     hbm_bytes=48 * GiB, hbm_bw=960 * GB, pcie_bw=32 * GB)
 
+# NVIDIA Ampere GA102 GPU Architecture whitepaper (V2.0), table "GeForce RTX 3080" (comparison with the RTX 2080
+# Super): peak FP32 (non-tensor) 29.8 TFLOPS; FP16 tensor with FP32 accumulate 59.5 | 119* TFLOPS (GeForce parts run
+# it at half the FP16-accumulate rate, 119 | 238*: frameworks accumulate in fp32, so 59.5 is the figure); BF16 tensor
+# with FP32 accumulate 59.5 | 119*; TF32 tensor 29.8 | 59.5* (* with sparsity, halved here); 10 GB GDDR6X (binary, as
+# above) on a 320-bit bus at 19 Gbps = 760 GB/s; PCIe Gen4 x16 (64 GB/s bidirectional). No FP8. FreeRide's
+# Server-II, the lower-tier GPU its cost savings price side tasks on (../shared/seeds/000_..., l.269).
+RTX3080 = GPUSpec(
+    name="GeForce RTX 3080 10GB",
+    peak_flops={"fp32": 29.8 * TFLOPS, "tf32": 29.8 * TFLOPS, "bf16": 59.5 * TFLOPS, "fp16": 59.5 * TFLOPS},
+    hbm_bytes=10 * GiB, hbm_bw=760 * GB, pcie_bw=32 * GB)
+
 # PCIe servers: the datasheet PCIe figure is the intra-node link (GPU peer-to-peer through PCIe
 # switches). The node layout is an ASSUMPTION, not a datasheet figure: 8 GPUs per node and one NIC
 # per two GPUs (400 Gb/s NDR for the Gen5 part, 200 Gb/s HDR for the Gen4 part). Override with a
@@ -145,6 +158,9 @@ BUILTIN_TARGETS: tuple[Target, ...] = (
            description="H200 SXM 141GB in DGX H200 nodes (8 GPUs, NVLink4 450 GB/s, 8x NDR 400 Gb/s IB)"),
     Target(name="rtx6000-ada", gpu=RTX6000_ADA, cluster=PCIE4_SERVER,
            description="RTX 6000 Ada 48GB, 8 per server over PCIe Gen4, one HDR 200 Gb/s NIC per 2 GPUs"),
+    # One GPU per machine (FreeRide's Server-II); the Gen4 server's links are an ASSUMPTION no one-GPU job crosses.
+    Target(name="rtx3080", gpu=RTX3080, cluster=replace(PCIE4_SERVER, gpus_per_node=1),
+           description="GeForce RTX 3080 10GB, one per machine (PCIe Gen4)"),
 )
 
 #: The target used when none is named.

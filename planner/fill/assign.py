@@ -1,5 +1,5 @@
-"""Pack fill jobs into a main plan's bubbles: per pipeline rank, the job configuration and
-residency that recover the most useful FLOPs per iteration.
+"""Pack fill jobs into a main plan's bubbles and divide their work: which ranks run which jobs, at which
+configuration and residency, each rank's share of each job, and the turns its executor runs them in.
 
 The default solver is PipeFill's greedy: with costs that do not depend on where a chunk ends (our
 model: activations stay on the device between bubbles, inside the chunk's memory), greedy is never

@@ -1,0 +1,111 @@
+"""bench/paper_fill.py's FreeRide computation: A.3's metrics in closed form, FreeRide's whole-step packing on
+made-up bubbles, one side task end to end (invariants only, not the 0.5-1.6x band), and examples/vision.py's
+torchvision shapes."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from planner.fill.packing import BubbleSlot, FillUnit
+from planner.fill.physics import FILL_CONTEXT_BYTES, STEP_ALLOWANCE_S
+from planner.fill.profiles import FillProfile
+
+ROOT = Path(__file__).resolve().parents[2]
+_spec = importlib.util.spec_from_file_location("bench_paper_fill", ROOT / "bench" / "paper_fill.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules[_spec.name] = bench
+_spec.loader.exec_module(bench)
+
+GiB = 1 << 30
+
+
+def test_time_increase_is_relative_extra_time():
+    assert bench.time_increase(2.2, 2.0) == pytest.approx(0.1)
+    assert bench.time_increase(2.0, 2.0) == 0.0
+
+
+def test_cost_savings_equals_a3_from_its_dollar_costs():
+    """S from A.3's definitions, in dollars over N main iterations, equals the per-iteration closed form."""
+    p_i, p_ii = 3.96, 0.18  # $/h, 000 l.269
+    n, t_iter, samples, th_ii, inc = 1000, 2.0, 1500.0, 800.0, 0.01
+    t_no = n * t_iter / 3600  # hours
+    c_no, c_with = p_i * t_no, p_i * t_no * (1 + inc)
+    c_side = p_ii * (n * samples / th_ii) / 3600
+    expected = (c_side - (c_with - c_no)) / c_no
+    assert bench.cost_savings(samples, t_iter, th_ii, inc, p_ii / p_i) == pytest.approx(expected, rel=1e-12)
+    assert bench.cost_savings(0.0, t_iter, th_ii, inc, p_ii / p_i) == pytest.approx(-inc)
+
+
+def test_row_ratio_is_predicted_over_paper():
+    assert bench._row("x", 3.0, 2.0)["ratio"] == pytest.approx(1.5)
+    assert bench._row("x", 3.0, (2.0, 4.0))["ratio"] == pytest.approx([0.75, 1.5])
+    assert bench._row("x", 3.0, None)["ratio"] is None
+
+
+def _profile(step_s: float, act_bytes: int, resident_bytes: int) -> FillProfile:
+    units = (FillUnit(name="F:a", time_s=step_s / 3, flops=1e9, mem_bytes=act_bytes // 2),
+             FillUnit(name="B:a", time_s=2 * step_s / 3, flops=2e9, mem_bytes=act_bytes),
+             FillUnit(name="OPT", time_s=0.0, flops=0.0, mem_bytes=0))
+    return FillProfile(job="t", kind="train", batch_size=64, config="plain", units=units,
+                       resident_bytes=resident_bytes, layers=(), params=1, sha256="")
+
+
+def test_step_packing_runs_whole_steps_that_fit_time_and_memory():
+    prof = _profile(0.2, 1 * GiB, 1 * GiB)
+    need = prof.resident_bytes + FILL_CONTEXT_BYTES + 1 * GiB
+    cycles = [[BubbleSlot(id=0, duration_s=1.0, free_bytes=0), BubbleSlot(id=1, duration_s=0.19, free_bytes=0)],
+              [BubbleSlot(id=0, duration_s=1.0, free_bytes=0)],
+              [BubbleSlot(id=0, duration_s=0.2 + STEP_ALLOWANCE_S + 1e-3, free_bytes=0)],
+              []]
+    steps = bench.step_packing(prof, cycles, [need, need - 1, need, need], launch_s=4e-6)
+    # 1 s holds four 0.2 s steps (five would need the allowance too), 0.19 s none; rank 1 lacks one byte of memory;
+    # rank 2's bubble holds exactly one step; rank 3 has no bubble
+    assert steps == [4.0, 0.0, 1.0, 0.0]
+
+
+@pytest.fixture(scope="module")
+def freeride_resnet18():
+    main = bench.freeride_plan()
+    ratio = bench.FREERIDE["price_server_ii"] / bench.FREERIDE["price_server_i"]
+    return main, ratio, bench.freeride_task("resnet18", main, ratio)
+
+
+def test_freeride_task_invariants(freeride_resnet18):
+    main, ratio, t = freeride_resnet18
+    assert main.config.pp == 4 and main.config.microbatches == 4 and main.config.microbatch == 3
+    assert t["time_increase"] >= 0
+    assert len(t["steps_per_rank"]) == 4 and all(s >= 0 for s in t["steps_per_rank"])
+    assert set(t["workers_plan"]) <= {0, 1, 2, 3} and set(t["workers_steps"]) <= {0, 1, 2, 3}
+    t_no = main.predictions.iteration_s
+    for which in ("plan", "steps"):
+        s = bench.cost_savings(t[f"samples_per_s_{which}"] * t_no, t_no, t["samples_per_s_rtx3080"],
+                               t["time_increase"], ratio)
+        assert t[f"cost_savings_{which}"] == pytest.approx(s, rel=1e-9)
+        assert t[f"cost_savings_{which}"] + t["time_increase"] >= 0
+    # no more side-task work than all the bubble time at the side task's own rate on the RTX 6000 Ada
+    bubble_s = sum(b.duration_s for b in main.bubbles)
+    ceiling = bubble_s / t["step_s_ada"] * bench.FR_BATCH / t_no
+    assert 0 < t["samples_per_s_steps"] <= ceiling
+    assert 0 < t["samples_per_s_plan"] <= ceiling * (1 + 1e-9)
+    assert t["samples_per_s_steps"] == pytest.approx(sum(t["steps_per_rank"]) * bench.FR_BATCH / t_no)
+
+
+def test_freeride_free_memory_grows_along_the_pipeline(freeride_resnet18):
+    """000 l.132-137: the later stages hold fewer activations, so their bubbles have more memory free."""
+    main, _, _ = freeride_resnet18
+    free = bench.peak_free(main)
+    assert free == sorted(free) and free[0] > 0
+
+
+@pytest.mark.parametrize(("arch", "params", "gmacs"), [("resnet18", 11_689_512, 1.814), ("resnet50", 25_557_032, 4.089),
+                                                       ("vgg19", 143_667_240, 19.632)])
+def test_vision_models_have_torchvision_shapes(arch, params, gmacs):
+    """Parameter counts and forward FLOPs (2 x torchvision's GMACs at 224x224) of the traced models."""
+    from passes.pipeline import analyze
+
+    prof, _ = analyze(str(ROOT / "examples" / "vision.py"), {"arch": arch}, dtype="fp32")
+    assert prof.total_params == params
+    assert sum(u.fwd_flops(1) for u in prof.units) == pytest.approx(2 * gmacs * 1e9, rel=0.02)
