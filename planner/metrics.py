@@ -156,6 +156,16 @@ class FillJobReport(_Model):
     dp_rank: int = Field(0, description="this replica's index among them")
     checksum: Optional[float] = Field(None, description="sum of its weights after its last iteration (data-parallel "
                                       "jobs: equal on every replica)")
+    config: str = Field("plain", description="fill-job configuration it ran (plain, checkpoint, offload)")
+    saved_bytes: dict[str, int] = Field(default_factory=dict, description="training: forward unit -> bytes it left "
+                                        "for the backward, measured with saved-tensor hooks (checkpointed units: "
+                                        "the inputs they recompute from)")
+    optimizer_on: Optional[str] = Field(None, description="training: where the optimizer's state lives (host "
+                                        "under offload, else the job's device)")
+    optimizer_state_bytes: Optional[int] = Field(None, description="training: bytes of the optimizer's state")
+    optimizer_steps_module_weights: Optional[bool] = Field(None, description="training: whether the optimizer "
+                                                           "steps the device weights themselves (false under "
+                                                           "offload: it steps host copies)")
     units: list[str] = Field(description="the job's linearized units, as the task traced them")
     profile_s: Optional[dict[str, float]] = Field(description="unit -> seconds timed by InitSideTask; null if never")
     observed_s: dict[str, float] = Field(description="unit -> recently observed seconds (moving average)")

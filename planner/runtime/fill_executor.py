@@ -33,7 +33,7 @@ never leaves half a message):
   executor -> client: ("ready", {job: state}), ("report", dict), ("closed", None), ("crashed", text)
   executor -> task:   ("init", free_bytes), ("step", pos, free_bytes), ("run", free_bytes), ("stop",)
   task -> executor:   ("created", info), ("inited", [unit seconds] | None), ("failed", text),
-                      ("step" | "unit", pos, start, end, start_mono, end_mono, iteration_done, checksum), ("done",),
+                      ("step" | "unit", pos, start, end, start_mono, end_mono, iteration_done, info), ("done",),
                       ("wait", pos): the unit (a data-parallel optimizer step) waits on the replicas' gradients
 
 Work and turns (planner/fill/assign.py). A rank's jobs run one at a time: the current one keeps the bubbles until
@@ -185,6 +185,9 @@ class TaskSpec:
     dp_rank: int = 0
     dp_key: str = ""
     """A training job's data-parallel replicas (the GPUs of one pipeline stage) meet under this store prefix."""
+    config: str = "plain"
+    """PipeFill 4.3's fill-job configuration: plain, checkpoint (block units recomputed) or offload (the
+    optimizer's state and step on the host)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -319,7 +322,7 @@ class TaskHandle:
         self.stop_reason: str | None = None
         self.error: str | None = None
         self.retry_at: float | None = None  # the next unit waits on the replicas' gradients: ask again then
-        self.checksum: float | None = None  # sum of the weights after the last step (data-parallel jobs)
+        self.info: dict[str, Any] = {}  # the task's last report at an iteration's end (UnitRunner.progress)
 
     @property
     def name(self) -> str:
@@ -380,7 +383,8 @@ class TaskHandle:
                 "error": self.error, "units_done": self.pos, "iterations_done": self.iterations,
                 "samples_done": self.samples, "batch_first": self.spec.batch_first,
                 "batch_stride": self.spec.batch_stride, "planned_iterations": self.spec.iterations,
-                "dp_size": self.spec.dp_size, "dp_rank": self.spec.dp_rank, "checksum": self.checksum,
+                "dp_size": self.spec.dp_size, "dp_rank": self.spec.dp_rank, "config": self.spec.config,
+                **self.info,
                 "units": self.linearized,
                 "profile_s": dict(zip(self.linearized, self.profile)) if self.profile else None,
                 "observed_s": {self.linearized[k]: v for k, v in sorted(self.observed.items())},
@@ -458,7 +462,7 @@ class Executor:
                         iterations=o.iterations.get(job.name, count), leaves=tuple(job.leaves),
                         profile_reps=o.profile_reps, cpu_threads=o.cpu_threads, seed=o.seed, batch_first=first,
                         batch_stride=stride, dp_size=dp, dp_rank=self.replica if dp > 1 else 0,
-                        dp_key=f"{self.run_key}/{job.name}/pp{self.rank}" if dp > 1 else "")
+                        dp_key=f"{self.run_key}/{job.name}/pp{self.rank}" if dp > 1 else "", config=job.config)
 
     def wall(self, mono: float) -> float:
         return mono + self.offset
@@ -733,7 +737,7 @@ class Executor:
         self._maybe_ready()
 
     def _progress(self, t: TaskHandle, pos: int, start: float, end: float, start_mono: float, end_mono: float,
-                  iteration_done: bool, checksum: float | None = None) -> None:
+                  iteration_done: bool, info: dict[str, Any] | None = None) -> None:
         occ = t.busy["occ"] if t.busy else self.cur
         if t.busy is not None:
             k, dt = pos % len(t.linearized), time.monotonic() - t.busy["sent"]
@@ -743,8 +747,10 @@ class Executor:
                "start": start, "end": end, "interface": t.spec.interface}
         if iteration_done:
             rec["batch"] = t.spec.batch_first + t.spec.batch_stride * t.iterations
-        if checksum is not None:
-            t.checksum = rec["checksum"] = checksum
+        if info:
+            t.info.update(info)
+            if "checksum" in info:
+                rec["checksum"] = info["checksum"]
         t.pos = pos + 1
         if occ is not None:
             occ.steps.append(rec)

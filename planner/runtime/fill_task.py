@@ -14,6 +14,7 @@ GPUs averages its gradients over gloo in host memory (UnitRunner._send_grads).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import operator
@@ -26,6 +27,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils.checkpoint import checkpoint
 
 from passes.errors import ModelFileError
 from passes.load import file_sha256, load_model_file, user_frame
@@ -34,6 +36,7 @@ from passes.trace import trace_model
 from passes.units import group_nodes
 
 from .fill_executor import TaskSpec
+from .optim import SavedBytes
 
 __all__ = ["linearize", "UnitRunner", "cap_memory", "task_main"]
 
@@ -62,7 +65,9 @@ class UnitRunner:
         root = self.mf.build("cpu")
         gm = trace_model(root, spec.leaves)
         part = unit_of_nodes(gm, root)
-        names = [name for name, _, _ in group_nodes(gm, root)]
+        groups = group_nodes(gm, root)
+        names = [name for name, _, _ in groups]
+        self.blocks = {name for name, kind, _ in groups if kind == "block"}
         self.module = split_by(gm, root, part.__getitem__)
         self.module.train(self.train)
         self._index(names)
@@ -73,7 +78,11 @@ class UnitRunner:
                 f"into {len(self.unit_names)} units, i.e. {len(self.linearized)} for a {spec.kind} job "
                 f"({self.linearized[0]} ... {self.linearized[-1]}); re-plan with this model file")
         self.device = torch.device("cpu")
+        self.checkpointed = {k for k, name in enumerate(self.unit_names)
+                             if self.train and spec.config == "checkpoint" and name in self.blocks}
+        self.host: list[torch.Tensor] | None = None  # offload: fp32 host copies of the weights the optimizer steps
         self.optimizer = self._make_optimizer() if self.train else None
+        self.saved_bytes: dict[str, int] = {}  # forward unit -> bytes it leaves for the backward (measured once)
         self.pos = 0
         self.iterations = 0
         self.profiling = False
@@ -111,9 +120,23 @@ class UnitRunner:
         self.unit_names = [names[i] if i < len(names) else str(c.target) for i, c in zip(index, self.calls)]
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
+        """The model file's build_optimizer, else AdamW(lr=1e-4). Configuration "offload" (PipeFill 4.3): over
+        fp32 host copies of the weights, so its state lives in host memory and it steps there."""
         build = getattr(self.mf.module, "build_optimizer", None)
         params = list(self.module.parameters())
+        if self.spec.config == "offload":
+            self.host = [p.detach().to("cpu", torch.float32, copy=True).requires_grad_(True) for p in params]
+            params = self.host
         return build(params) if callable(build) else torch.optim.AdamW(params, lr=1e-4)
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """Where the optimizer's state lives and how many bytes it holds (what "offload" promises)."""
+        state = [t for st in self.optimizer.state.values() for t in st.values() if isinstance(t, torch.Tensor)]
+        module = {p.untyped_storage().data_ptr() for p in self.module.parameters()}
+        stepped = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return {"optimizer_on": "host" if self.host is not None else str(self.device),
+                "optimizer_state_bytes": sum(t.nbytes for t in state),
+                "optimizer_steps_module_weights": any(p.untyped_storage().data_ptr() in module for p in stepped)}
 
     def _reset(self) -> None:
         self.env: dict[str, Any] = {}
@@ -139,11 +162,15 @@ class UnitRunner:
         return self.reduced is None or self.pos % len(self.linearized) != 2 * len(self.calls) \
             or self.reduced[0].is_completed()
 
-    def checksum(self) -> float | None:
-        """Sum of the weights (data-parallel jobs: equal on every replica when their steps agree)."""
-        if self.dp is None:
-            return None
-        return float(sum(p.detach().double().sum() for p in self.module.parameters()))
+    def progress(self) -> dict[str, Any]:
+        """What an iteration's end reports beside its timing: a training job's measured saved bytes and optimizer
+        state, and (data-parallel jobs, whose replicas must agree) the sum of its weights."""
+        if not self.train:
+            return {}
+        out = {"saved_bytes": dict(self.saved_bytes), **self.optimizer_state()}
+        if self.dp is not None:
+            out["checksum"] = float(sum(p.detach().double().sum() for p in self.module.parameters()))
+        return out
 
     def step(self) -> bool:
         """Run the next linearized unit; True when it completed an iteration."""
@@ -157,7 +184,10 @@ class UnitRunner:
         else:
             if self.reduced is not None:
                 self._take_grads()
-            self.optimizer.step()
+            if self.host is not None:
+                self._host_step()
+            else:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's time is its GPU time, and ends inside the bubble
@@ -191,6 +221,16 @@ class UnitRunner:
             offset += n
         self.reduced = None
 
+    def _host_step(self) -> None:
+        """Offload: gradients down over PCIe, the optimizer steps the host copies, the weights go back up."""
+        for p, h in zip(self.module.parameters(), self.host):
+            h.grad = None if p.grad is None else p.grad.detach().to("cpu", torch.float32)
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, h in zip(self.module.parameters(), self.host):
+                p.copy_(h)
+                p.grad = None
+
     def _batch(self, iteration: int) -> None:
         index = self.spec.batch_first + self.spec.batch_stride * iteration  # this GPU's share of the job
         if self.mf.has("sample_batch"):
@@ -220,7 +260,12 @@ class UnitRunner:
             node = self.calls[k]
             args = fx.node.map_arg(node.args, lambda a: self._arg(a, k))
             kwargs = fx.node.map_arg(node.kwargs, lambda a: self._arg(a, k))
-            self.env[node.name] = self.module.get_submodule(str(node.target))(*args, **kwargs)
+            name = self.linearized[k]
+            measure = self.train and name not in self.saved_bytes
+            with SavedBytes(self.module.parameters()) if measure else contextlib.nullcontext() as probe:
+                self.env[node.name] = self._call(k, args, kwargs, probe)
+            if measure:
+                self.saved_bytes[name] = probe.total
             self.producer[node.name] = k
             for g in self.after[k]:
                 self.env[g.name] = self.env[g.args[0].name][g.args[1]]
@@ -229,6 +274,16 @@ class UnitRunner:
                 output = fx.node.map_arg(self.output.args[0], lambda a: self.env[a.name])
                 if self.train:
                     self.loss = self._loss(output)
+
+    def _call(self, k: int, args: tuple, kwargs: dict, probe: SavedBytes | None) -> Any:
+        """Unit k's forward; configuration "checkpoint" runs each block unit under torch.utils.checkpoint, which
+        keeps only its inputs and recomputes the rest in the backward (full recomputation, as priced)."""
+        fn = self.module.get_submodule(str(self.calls[k].target))
+        if k in self.checkpointed and torch.is_grad_enabled():
+            if probe is not None:
+                probe.keep(args)
+            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+        return fn(*args, **kwargs)
 
     def _loss(self, output: Any) -> torch.Tensor:
         fn = getattr(self.mf.module, "loss_fn", None)
@@ -261,7 +316,7 @@ class UnitRunner:
         Runs iteration 0's batch with a throw-away optimizer, then restores the weights, so the job's
         own trajectory is unchanged by profiling."""
         saved = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
-        optimizer, pos, iterations = self.optimizer, self.pos, self.iterations
+        optimizer, host, pos, iterations = self.optimizer, self.host, self.pos, self.iterations
         self.optimizer = self._make_optimizer() if self.train else None
         self.profiling = True  # the gradients' copy to the host is timed; the replicas do not meet
         times = [0.0] * len(self.linearized)
@@ -278,7 +333,7 @@ class UnitRunner:
             self.module.load_state_dict(saved)
             for p in self.module.parameters():
                 p.grad = None
-            self.optimizer, self.pos, self.iterations = optimizer, pos, iterations
+            self.optimizer, self.host, self.pos, self.iterations = optimizer, host, pos, iterations
             self.profiling, self.reduced = False, None
             self._reset()
         return times
@@ -358,7 +413,7 @@ def _timed_step(runner: UnitRunner, kind: str) -> tuple:
     pos, start, start_mono = runner.pos, time.time(), time.monotonic()
     done = runner.step()
     end, end_mono = time.time(), time.monotonic()
-    return (kind, pos, start, end, start_mono, end_mono, done, runner.checksum() if done else None)
+    return (kind, pos, start, end, start_mono, end_mono, done, runner.progress() if done else None)
 
 
 def _iterative(runner: UnitRunner, rx: Any, tx: Any) -> None:

@@ -7,7 +7,9 @@ section:
 - a training job: the planner places it on one stage, data parallel over that stage's two GPUs; the replicas ran
   disjoint batches, took the same steps (equal weights) and end where one process training on both batches of
   every step ends;
-- three inference jobs of 12, 4 and 8 batches on every rank, SJF: each GPU runs them shortest first, one at a time.
+- three inference jobs of 12, 4 and 8 batches on every rank, SJF: each GPU runs them shortest first, one at a time;
+- the training job again under each fill configuration (plain, activation checkpointing, optimizer offload): the
+  same weights every time, checkpointing keeps fewer bytes for the backward, offload steps host copies.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ CPU_TARGET = ROOT / "examples" / "targets" / "cpu-core.yaml"
 BATCH = 8
 MAIN_ARGS = {"preset": "tiny", "layers": 4, "hidden": 256, "seq": 64, "dropout": 0}
 """Stages of ~10 ms per microbatch on a CPU core: bubbles long enough for a few MLP units each."""
-PLANS = ("infer", "train", "three")
+PLANS = ("infer", "train", "three", "train-plain", "train-checkpoint")
+CONFIGS = {"train": "offload", "train-plain": "plain", "train-checkpoint": "checkpoint"}
 
 
 def _job(name: str, kind: str, batches: int) -> FillJobSpec:
@@ -56,6 +59,9 @@ def run(tmp_path_factory) -> dict[str, Any]:
     plans = {"infer": _plan(_job("infer", "infer", 12)),
              "train": _plan(_job("train", "train", 4)),
              "three": _plan(_job("big", "infer", 12), _job("small", "infer", 4), _job("mid", "infer", 8))}
+    for name, config in CONFIGS.items():  # the planned training job, run under each configuration (PipeFill 4.3)
+        job = plans["train"].fill.jobs[0].model_copy(update={"config": config})
+        plans[name] = plans["train"].model_copy(update={"fill": plans["train"].fill.model_copy(update={"jobs": [job]})})
     for name, plan in plans.items():
         save_plan(plan, tmp / f"{name}.json")
     for _ in range(3):  # again when a loaded 2-core machine measured a GPU's bubbles too short for any unit,
@@ -117,8 +123,9 @@ def _reference_checksum(steps: int, replicas: int) -> float:
     return float(sum(p.detach().double().sum() for p in net.parameters()))
 
 
-def test_training_replicas_are_data_parallel(run: dict) -> None:
-    reports = [rep for _, rep in _reports(run["runs"]["train"])]
+@pytest.mark.parametrize("name", CONFIGS)
+def test_training_replicas_are_data_parallel(run: dict, name: str) -> None:
+    reports = [rep for _, rep in _reports(run["runs"][name])]
     assert len(reports) == 2, "one stage's two GPUs run the training job"
     jobs = [rep.jobs[0] for rep in reports]
     assert all(j.dp_size == 2 for j in jobs), jobs
@@ -155,3 +162,21 @@ def test_no_step_runs_past_its_bubble_by_more_than_the_grace_period(run: dict, n
         for occ in rep.bubbles:
             for s in occ.steps:
                 assert occ.gpu_idle <= s.start <= s.end <= occ.main_end + rep.grace_s, (rank, occ.bubble_id, s)
+
+
+def _train_job(run: dict, name: str):
+    return [rep.jobs[0] for _, rep in _reports(run["runs"][name])]
+
+
+def test_fill_configurations_run_as_priced(run: dict) -> None:
+    plain, ckpt, offload = (_train_job(run, n) for n in ("train-plain", "train-checkpoint", "train"))
+    assert {j.config for j in plain} == {"plain"} and {j.config for j in ckpt} == {"checkpoint"}
+    assert {j.config for j in offload} == {"offload"}
+    for p, c in zip(plain, ckpt):  # block units keep only their inputs; the others what they kept before
+        blocks = [u for u in p.saved_bytes if "blocks" in u]
+        assert blocks and all(c.saved_bytes[u] < p.saved_bytes[u] for u in blocks), (p.saved_bytes, c.saved_bytes)
+        assert all(c.saved_bytes[u] == p.saved_bytes[u] for u in p.saved_bytes if u not in blocks)
+    for j in plain + ckpt:
+        assert j.optimizer_on == "cpu" and j.optimizer_steps_module_weights and j.optimizer_state_bytes > 0
+    for j in offload:  # Adam's state in host memory, over host copies of the weights
+        assert j.optimizer_on == "host" and not j.optimizer_steps_module_weights and j.optimizer_state_bytes > 0

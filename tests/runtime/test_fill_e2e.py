@@ -28,7 +28,7 @@ from ._util import GPT, ROOT, gpt_args, torchrun
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 6  # step 0 measures the bubbles without fill; steps 1-5 fill them
+STEPS = 8  # step 0 measures the bubbles without fill; steps 1-7 fill them (one rank runs the training job)
 LOSS_TOL = 1e-7
 MLP = ROOT / "examples" / "mlp.py"
 FAULTY = ROOT / "tests" / "runtime_fill" / "fixtures" / "faulty.py"
@@ -76,7 +76,8 @@ def run(tmp_path_factory) -> dict[str, Any]:
         runs = dict(zip(PLANS, load_metrics(tmp / "fill.json").runs))
         progressed = sum(_job(rep).units_done for _, rep in _reports(runs["planned"])) > 0
         raised = any(rep.errors for _, rep in _reports(runs["raise"]))  # its job reached the step that raises
-        if progressed and raised:
+        killed = any(rep.kills for _, rep in _reports(runs["stall"]))  # and the one that stalls
+        if progressed and raised and killed:
             break
     base = torchrun(2, [str(tmp / "planned.json"), *common, "--no-fill", "--metrics", str(tmp / "nofill.json")],
                     cwd=tmp)
