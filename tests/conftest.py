@@ -16,3 +16,11 @@ def pytest_addoption(parser):
 @pytest.fixture
 def regen(request) -> bool:
     return request.config.getoption("--regen-golden")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under xdist (--dist loadgroup, pyproject.toml) the tests of a module that launches torchrun stay on one
+    worker: its module-scoped launch then runs once, not once per worker."""
+    for item in items:
+        if item.get_closest_marker("multiprocess") is not None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

@@ -31,6 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("plans", nargs="+", metavar="PLAN", help="plan.json; several run in turn (same world size)")
     ap.add_argument("--steps", type=int, default=3, help="training iterations (default 3)")
     ap.add_argument("--no-fill", action="store_true", help="never hand bubbles to fill jobs")
+    ap.add_argument("--fill-grace", type=float, default=0.05, metavar="SECONDS",
+                    help="how long past a bubble's end a fill job may take to pause before it is killed (FreeRide's "
+                         "grace period; default 0.05)")
     ap.add_argument("--metrics", metavar="OUT", help="write per-rank, per-step metrics JSON here (rank 0)")
     ap.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="default adam")
     ap.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
@@ -155,7 +158,8 @@ def _run(args: argparse.Namespace, checked: list[CheckedPlan], files: list[Any],
     runs = []
     try:
         for i, (c, mf) in enumerate(zip(checked, files)):
-            opts = RunOptions(steps=args.steps, fill=not args.no_fill, optimizer=args.optimizer, lr=args.lr,
+            opts = RunOptions(steps=args.steps, fill=not args.no_fill, fill_grace_s=args.fill_grace,
+                              optimizer=args.optimizer, lr=args.lr,
                               seed=args.seed, device=device,
                               dump_dir=Path(args.dump_params) / str(i) if args.dump_params else None,
                               characterize=_rank_bubble(args.characterize))

@@ -21,8 +21,9 @@ own action strings run here, one at a time, in order:
 Every step ends with a barrier over all ranks, so that a step's wall time (and a trailing bubble)
 is measured the same way on every rank. A bubble lasts from its BUBBLE action to the start of the
 next F/B/ALLREDUCE/OPT (a RECV waited on in between is part of it) or the end of the step. Step 0
-runs without fill and measures every bubble; later steps hand the fill client that measured
-duration, not the plan's (which is for the target GPU).
+runs without fill and measures every bubble; later steps hand the fill client the median of the bubble's
+measured durations so far (one step's can be far off: the first step's warm-up, a descheduled process), not
+the plan's (which is for the target GPU).
 
 Precision: parameters and activations in the plan's dtype, fp32 master weights (planner/runtime/optim.py),
 the loss in fp32, dynamic loss scaling under fp16 (``LossScaler``). Context parallelism: each rank's
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -65,6 +67,8 @@ class RunOptions:
 
     steps: int = 3
     fill: bool = True
+    fill_grace_s: float = 0.05
+    """How long past a bubble's end a fill task may run before it is killed (FreeRide 3.2.3's grace period)."""
     optimizer: str = "adam"
     lr: float = 1e-3
     seed: int = 0
@@ -77,6 +81,8 @@ class RunOptions:
     def __post_init__(self) -> None:
         if self.steps < 1:
             raise ValueError(f"--steps must be at least 1, got {self.steps}")
+        if not self.fill_grace_s >= 0:
+            raise ValueError(f"--fill-grace must be a number of seconds >= 0, got {self.fill_grace_s}")
         if self.optimizer not in ("adam", "sgd"):
             raise ValueError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
 
@@ -186,6 +192,7 @@ class Executor:
         self._stage_params = {k: [p for _, p in st.named_parameters()] for k, st in self.stages.items()}
         self.bubble_info = {b.id: b for b in plan.bubbles if b.rank == self.c.pp}
         self.measured: dict[int, float] = {}
+        self.bubble_samples: dict[int, list[float]] = {}
         """Bubble id -> duration observed in step 0 (seconds, this rank)."""
         self.fill: Any = NullFill()
         self.tp = groups.coords.tp_size > 1
@@ -482,8 +489,9 @@ class Executor:
                 self.fill = self._start_fill(client)
                 dist.barrier()  # ranks with and without fill jobs start step 1 together
             record = self.run_step(index)
-            if index == 0:
-                self.measured = {b["id"]: b["duration_s"] for b in record["bubbles"]}
+            for b in record["bubbles"]:  # each bubble's duration: the median of every step's so far
+                self.bubble_samples.setdefault(b["id"], []).append(b["duration_s"])
+            self.measured = {i: statistics.median(d) for i, d in self.bubble_samples.items()}
             steps.append(record)
             if record["loss"] is not None and self.c.dp == 0 and self.c.tp == 0 and self.c.cp == 0:
                 log(f"step {index}: loss {record['loss']:.6f}, iteration {record['iteration_s'] * 1e3:.1f} ms")
@@ -533,7 +541,8 @@ class Executor:
 
     def _start_fill(self, client: Any) -> Any:
         try:
-            started = client.start(self.plan, self.c.pp, self.c.rank, self.options.device, dict(self.measured))
+            started = client.start(self.plan, self.c.pp, self.c.rank, self.options.device,
+                                   grace_s=self.options.fill_grace_s)  # durations come with each bubble_begin
         except Exception as exc:  # noqa: BLE001 - fill is best effort; the main job goes on
             print(f"warning: rank {self.c.rank}: fill client did not start ({type(exc).__name__}: {exc})",
                   file=sys.stderr, flush=True)

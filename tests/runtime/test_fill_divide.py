@@ -8,8 +8,9 @@ section:
   disjoint batches, took the same steps (equal weights) and end where one process training on both batches of
   every step ends;
 - three inference jobs of 12, 4 and 8 batches on every rank, SJF: each GPU runs them shortest first, one at a time;
-- the training job again under each fill configuration (plain, activation checkpointing, optimizer offload): the
-  same weights every time, checkpointing keeps fewer bytes for the backward, offload steps host copies.
+- the training job under the fill configurations (the planner's choice, optimizer offload, and activation
+  checkpointing): the same weights both times, checkpointing keeps fewer bytes for the backward than the plain
+  units do, offload steps host copies.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from planner.api import make_plan
 from planner.fill.spec import FillJobSpec, FillSpec, Work
 from planner.metrics import FillReport, RunEntry, load_metrics
 from planner.plan import Plan, save_plan
+from planner.runtime.fill_executor import TaskSpec
+from planner.runtime.fill_task import UnitRunner
 from planner.search import Pins
 
 from ._util import GPT, ROOT, torchrun
@@ -35,10 +38,12 @@ MLP = ROOT / "examples" / "mlp.py"
 MLP_ARGS = {"features": 32, "width": 64, "depth": 2}
 CPU_TARGET = ROOT / "examples" / "targets" / "cpu-core.yaml"
 BATCH = 8
+GRACE_S = 0.3
+"""12 processes on 2 cores: a unit may be descheduled for a while; a killed replica would end its DP job."""
 MAIN_ARGS = {"preset": "tiny", "layers": 4, "hidden": 256, "seq": 64, "dropout": 0}
 """Stages of ~10 ms per microbatch on a CPU core: bubbles long enough for a few MLP units each."""
-PLANS = ("infer", "train", "three", "train-plain", "train-checkpoint")
-CONFIGS = {"train": "offload", "train-plain": "plain", "train-checkpoint": "checkpoint"}
+PLANS = ("infer", "train", "three", "train-checkpoint")
+CONFIGS = {"train": "offload", "train-checkpoint": "checkpoint"}
 
 
 def _job(name: str, kind: str, batches: int) -> FillJobSpec:
@@ -66,8 +71,8 @@ def run(tmp_path_factory) -> dict[str, Any]:
         save_plan(plan, tmp / f"{name}.json")
     for _ in range(3):  # again when a loaded 2-core machine measured a GPU's bubbles too short for any unit,
         # or descheduled a step past its grace period (a killed replica ends its data-parallel job)
-        proc = torchrun(4, [*(str(tmp / f"{n}.json") for n in PLANS), "--steps", str(STEPS), "--metrics",
-                            str(tmp / "metrics.json")], cwd=tmp, timeout=420)
+        proc = torchrun(4, [*(str(tmp / f"{n}.json") for n in PLANS), "--steps", str(STEPS), "--fill-grace",
+                            str(GRACE_S), "--metrics", str(tmp / "metrics.json")], cwd=tmp, timeout=420)
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
         runs = dict(zip(PLANS, load_metrics(tmp / "metrics.json").runs))
         if all(j.stop_reason == "done" for entry in runs.values() for _, rep in _reports(entry) for j in rep.jobs):
@@ -168,15 +173,26 @@ def _train_job(run: dict, name: str):
     return [rep.jobs[0] for _, rep in _reports(run["runs"][name])]
 
 
+def _plain_run(job) -> UnitRunner:
+    """The job's units run plain in this process for one iteration: the baseline of what each keeps."""
+    runner = UnitRunner(TaskSpec(job=job.name, model_file=job.model_file, model_sha256=job.model_sha256,
+                                 model_args=dict(job.model_args), kind=job.kind, batch_size=job.batch_size,
+                                 units=tuple(job.units), device="cpu", interface="iterative", iterations=None))
+    while not runner.step():
+        pass
+    return runner
+
+
 def test_fill_configurations_run_as_priced(run: dict) -> None:
-    plain, ckpt, offload = (_train_job(run, n) for n in ("train-plain", "train-checkpoint", "train"))
-    assert {j.config for j in plain} == {"plain"} and {j.config for j in ckpt} == {"checkpoint"}
-    assert {j.config for j in offload} == {"offload"}
-    for p, c in zip(plain, ckpt):  # block units keep only their inputs; the others what they kept before
-        blocks = [u for u in p.saved_bytes if "blocks" in u]
-        assert blocks and all(c.saved_bytes[u] < p.saved_bytes[u] for u in blocks), (p.saved_bytes, c.saved_bytes)
-        assert all(c.saved_bytes[u] == p.saved_bytes[u] for u in p.saved_bytes if u not in blocks)
-    for j in plain + ckpt:
-        assert j.optimizer_on == "cpu" and j.optimizer_steps_module_weights and j.optimizer_state_bytes > 0
+    ckpt, offload = (_train_job(run, n) for n in ("train-checkpoint", "train"))
+    assert {j.config for j in ckpt} == {"checkpoint"} and {j.config for j in offload} == {"offload"}
+    plain = _plain_run(run["plans"]["train-checkpoint"].fill.jobs[0])
+    blocks = [u for u in plain.saved_bytes if "blocks" in u]
+    for c in ckpt:  # block units keep only their inputs; the others what they keep when run plain
+        assert blocks and all(c.saved_bytes[u] < plain.saved_bytes[u] for u in blocks), (plain.saved_bytes, c)
+        assert all(c.saved_bytes[u] == plain.saved_bytes[u] for u in plain.saved_bytes if u not in blocks)
+        assert c.optimizer_on == "cpu" and c.optimizer_steps_module_weights and c.optimizer_state_bytes > 0
+    state = plain.optimizer_state()
+    assert state["optimizer_steps_module_weights"] and state["optimizer_state_bytes"] > 0
     for j in offload:  # Adam's state in host memory, over host copies of the weights
         assert j.optimizer_on == "host" and not j.optimizer_steps_module_weights and j.optimizer_state_bytes > 0
