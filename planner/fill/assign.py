@@ -29,7 +29,7 @@ from .pipeswitch import TransferOverhead, dp_grouping
 from .profiles import FillProfile
 from .scheduler import JobInfo, next_on_rank, resolve_policy
 
-__all__ = ["RankFill", "Turn", "FillAssignment", "Packer", "PACKERS", "assign_fill", "best_fill", "load_overhead_s",
+__all__ = ["RankFill", "Turn", "FillAssignment", "data_parallel", "Packer", "PACKERS", "assign_fill", "best_fill", "load_overhead_s",
            "held_bytes", "plan_hold_free"]
 
 PCIE_CALL_S = 10e-6  # per transfer (PipeSwitch 4.2's fixed cost; assumption for the target)
@@ -206,6 +206,16 @@ def best_fill(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], h
     return best
 
 
+def data_parallel(prof: FillProfile, hw: Hardware) -> FillProfile:
+    """A training job run data parallel over a stage's GPUs (planner/runtime/fill_task.py): its gradients go to
+    host memory in fp32 after the last backward unit and, averaged over gloo between bubbles, come back for the
+    optimizer step (under offload they stay on the host, and the offloaded step's price already brings them
+    down). Both copies are charged to the optimizer unit; the host all-reduce runs outside the bubbles."""
+    extra = 0.0 if prof.config == "offload" else 2 * prof.params * 4 / hw.gpu.pcie_bw
+    units = tuple(replace(u, time_s=u.time_s + extra) if u.name == "OPT" else u for u in prof.units)
+    return replace(prof, units=units)
+
+
 def _held(rf: RankFill) -> int:
     """Bytes the job keeps on the device between bubbles (and so during the other jobs' chunks)."""
     return held_bytes(rf.profile) if rf.resident else FILL_CONTEXT_BYTES
@@ -260,6 +270,8 @@ def _place(cycles: list[list[BubbleSlot]], jobs: dict[str, list[FillProfile]], h
 
     best: dict[str, list[RankFill | None]] = {}
     for name, profiles in jobs.items():
+        if profiles and profiles[0].kind == "train" and replicas > 1:
+            profiles = [data_parallel(prof, hw) for prof in profiles]
         if profiles and profiles[0].kind == "infer":
             per = [alone([prof]) for prof in profiles]
             best[name] = max(per, key=lambda o: sum(rf.packing.flops_per_cycle for rf in o if rf), default=[None] * p)

@@ -209,22 +209,27 @@ class UnitRunner:
         self.reduced = (work, flat)
 
     def _take_grads(self) -> None:
+        """The averaged gradients into the device weights' .grad, or (offload) straight into the host copies'."""
         work, flat = self.reduced
         if work is not None:
             work.wait()
             flat /= self.spec.dp_size
         offset = 0
-        for p in self.module.parameters():
+        for k, p in enumerate(self.module.parameters()):
             n = p.numel()
             if p.grad is not None:
-                p.grad.copy_(flat[offset:offset + n].view_as(p))
+                if self.host is not None:
+                    self.host[k].grad, p.grad = flat[offset:offset + n].view_as(p).clone(), None
+                else:
+                    p.grad.copy_(flat[offset:offset + n].view_as(p))
             offset += n
         self.reduced = None
 
     def _host_step(self) -> None:
         """Offload: gradients down over PCIe, the optimizer steps the host copies, the weights go back up."""
         for p, h in zip(self.module.parameters(), self.host):
-            h.grad = None if p.grad is None else p.grad.detach().to("cpu", torch.float32)
+            if p.grad is not None:  # else already on the host (data parallel: the averaged gradients)
+                h.grad = p.grad.detach().to("cpu", torch.float32)
         self.optimizer.step()
         with torch.no_grad():
             for p, h in zip(self.module.parameters(), self.host):

@@ -95,3 +95,20 @@ def test_a_bubble_without_room_for_the_fill_processs_context_runs_nothing():
     assert best_fill(0, tight, [prof], HW, hold_free=10 * GiB) is None
     roomy = [BubbleSlot(id=0, duration_s=0.5, free_bytes=2 * GiB + FILL_CONTEXT_BYTES)]
     assert best_fill(0, roomy, [prof], HW, hold_free=10 * GiB) is not None
+
+
+def test_data_parallel_training_pays_its_gradient_copies_in_the_optimizer_unit():
+    """A training job's stage replicas average gradients in host memory: fp32 down after the backward and back
+    up for the step (2 x 4 bytes per parameter over PCIe); under offload they stay on the host."""
+    from dataclasses import replace
+
+    from planner.fill.assign import data_parallel
+
+    hw = Hardware(target=get_target("a100-80gb"))
+    plain = replace(_profile("train", [1.0, 2.0, 0.5]), params=110_000_000)
+    plain = replace(plain, units=plain.units[:-1] + (replace(plain.units[-1], name="OPT"),))
+    dp = data_parallel(plain, hw)
+    extra = [b.time_s - a.time_s for a, b in zip(plain.units, dp.units)]
+    assert extra[:-1] == [0.0] * (len(extra) - 1)
+    assert extra[-1] == pytest.approx(2 * plain.params * 4 / hw.gpu.pcie_bw)
+    assert data_parallel(replace(plain, config="offload"), hw).units == plain.units
