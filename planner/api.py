@@ -106,7 +106,8 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     runners = [e for e in (result.best, *result.runners_up) if e.config != best.config]
     plan = _to_plan(profile, ev, best, sim, runners, result, seconds, pins, plan_path, leaves)
     if joint is not None:
-        section = fill_section(joint.fill, fill, offload=joint.offload, main_useful_per_gpu=joint.main_useful_per_gpu)
+        section = fill_section(joint.fill, fill, offload=joint.offload, main_useful_per_gpu=joint.main_useful_per_gpu,
+                               offload_bytes=joint.offloaded)
         if fill_solver != "greedy":
             section.predictions.solver = (budget.summary() if joint.solver == fill_solver
                                           else greedy_proven_optimal(fill_solver))

@@ -231,6 +231,8 @@ class StepRecord(_Model):
     loss_scale: Optional[float] = Field(None, description="fp16: the loss scale the step's gradients carry, else null")
     skipped: bool = Field(False, description="fp16: the gradients overflowed, the optimizer step was skipped and the "
                                              "scale halved")
+    optimizer_offloaded_bytes: int = Field(0, description="optimizer state bytes held in host memory from the step's "
+                                           "start to its gradient reduction (the plan's main-job offload)")
 
 
 class Characterization(_Model):

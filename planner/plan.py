@@ -214,6 +214,9 @@ class FillPredictions(_Model):
     bubble_time_used: float = Field(description="fraction of all bubble time that fill chunks occupy")
     total_useful_tflops_per_gpu: float
     offload_optimizer: bool
+    offload_bytes: list[int] = Field(default_factory=list, description="per pipeline rank, the main job's optimizer "
+                                     "bytes held in host memory from the step's start to its gradient reduction "
+                                     "(PipeFill 4.2), freeing them for the bubbles")
     unplaceable: dict[str, str] = Field(default_factory=dict, description="job -> why it fits no bubble")
     not_chosen: dict[str, str] = Field(default_factory=dict, description="job -> why it fits but runs nowhere "
                                        "(every job of the spec is placed, unplaceable, or here)")

@@ -201,7 +201,7 @@ def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy") -> Plan:
                      hold_free=plan_hold_free(plan), replicas=plan.config.dp * plan.config.cp * plan.config.tp,
                      policy=spec.policy)
     old = plan.fill.predictions
-    fill = fill_section(fa, spec, offload=old.offload_optimizer,
+    fill = fill_section(fa, spec, offload=old.offload_optimizer, offload_bytes=old.offload_bytes,
                         main_useful_per_gpu=(old.total_useful_tflops_per_gpu - old.fill_tflops_per_gpu) * 1e12)
     return plan.model_copy(update={"fill": fill})
 

@@ -43,6 +43,8 @@ class JointChoice:
     simulation: SimResult
     fill: FillAssignment
     offload: bool
+    offloaded: tuple[int, ...] = ()
+    """Per pipeline rank, the optimizer bytes the main job moves to the host for the bubbles (offload_bytes)."""
     main_useful_per_gpu: float  # FLOP/s
     considered: int  # main configurations admitted by main_slack
     recovered: float = 0.0  # fill GPU-seconds (dedicated-GPU equivalent) per wall second per GPU
@@ -135,7 +137,7 @@ def _options(ev: Evaluator, candidates: list[Evaluation], jobs: dict[str, list[F
             fa = assign_fill(bubble_cycles(sim, e.config.pp, extra), e.iteration_s, jobs, ev.hw,
                              safety_margin=safety_margin, solver=solver, hold_free=hold_free(sim, ev.capacity),
                              replicas=e.config.dp * e.config.cp * e.config.tp, policy=policy)
-            out.append(JointChoice(evaluation=e, simulation=sim, fill=fa, offload=extra is not None,
+            out.append(JointChoice(evaluation=e, simulation=sim, fill=fa, offload=extra is not None, offloaded=extra or (),
                                    main_useful_per_gpu=_main_useful(ev, e), considered=0,
                                    recovered=recovered_gpu_s_per_s(fa, e.iteration_s), solver=solver))
     return out

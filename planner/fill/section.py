@@ -14,7 +14,8 @@ def job_key(prof) -> str:
     return f"{prof.job}@b{prof.batch_size}-{prof.config}"
 
 
-def fill_section(fa: FillAssignment, spec: FillSpec, *, offload: bool, main_useful_per_gpu: float) -> Fill:
+def fill_section(fa: FillAssignment, spec: FillSpec, *, offload: bool, main_useful_per_gpu: float,
+                 offload_bytes: tuple[int, ...] | list[int] = ()) -> Fill:
     """`main_useful_per_gpu`: the main job's useful FLOP/s per GPU, to which the fill's are added."""
     specs = {j.name: j for j in spec.jobs}
     jobs: dict[str, FillJob] = {}
@@ -39,5 +40,7 @@ def fill_section(fa: FillAssignment, spec: FillSpec, *, offload: bool, main_usef
                                             bubble_time_used=fa.bubble_time_used,
                                             total_useful_tflops_per_gpu=(main_useful_per_gpu +
                                                                          fa.fill_flops_per_gpu_s) / 1e12,
-                                            offload_optimizer=offload, unplaceable=fa.unplaceable,
+                                            offload_optimizer=offload,
+                                            offload_bytes=list(offload_bytes) if offload else [],
+                                            unplaceable=fa.unplaceable,
                                             not_chosen=fa.not_chosen))

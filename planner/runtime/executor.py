@@ -202,6 +202,9 @@ class Executor:
         self._mail: dict[int, torch.Tensor] = {}
         self.hold: tuple[tuple[int, int], float] | None = None  # ((pp rank, bubble id), seconds) to occupy
         self.saved_bytes: dict[int, int] = {}  # stage -> bytes one microbatch saves for the backward (step 0)
+        fp = plan.fill.predictions if plan.fill is not None else None
+        self.offload_bytes = fp.offload_bytes[self.c.pp] if fp and fp.offload_optimizer and fp.offload_bytes else 0
+        """PipeFill 4.2: optimizer bytes this rank keeps on the host from a step's start to its gradient reduction."""
         self.dtype = DTYPES[self.cfg.precision]
         self.scaler = LossScaler() if self.dtype == torch.float16 else None
         self._skipped = False  # this step's gradients overflowed (fp16)
@@ -210,6 +213,7 @@ class Executor:
 
     def run_step(self, index: int) -> dict[str, Any]:
         self.sync.zero_grad()
+        offloaded = self.sync.offload(self.offload_bytes) if self.options.fill else 0
         self._skipped = False
         inputs, targets = self._microbatches(index)
         if self.cuda:
@@ -229,7 +233,8 @@ class Executor:
                 "stages": {str(k): {"forward_s": v[0], "backward_s": v[1]} for k, v in sorted(st.times.items())},
                 "peak_memory_bytes": torch.cuda.max_memory_allocated() if self.cuda else None,
                 "fill": self.options.fill and not isinstance(self.fill, NullFill),
-                "loss_scale": self.scaler.applied if self.scaler else None, "skipped": self._skipped}
+                "loss_scale": self.scaler.applied if self.scaler else None, "skipped": self._skipped,
+                "optimizer_offloaded_bytes": offloaded}
 
     def _do(self, st: _Step, a: Action) -> None:
         _ACTIONS[a.op](self, st, a)
@@ -251,6 +256,7 @@ class Executor:
 
     def _allreduce(self, st: _Step, a: Action) -> None:
         self._end_bubble(st)
+        self.sync.restore()  # the offloaded optimizer state comes back during the reduction
         for work in st.pending:
             work.wait()
         st.pending.clear()

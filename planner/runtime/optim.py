@@ -63,6 +63,8 @@ class GradSync:
                  dp_rank: int, zero: bool, overlap: bool, optimizer: str, lr: float, grad_fp32: bool = False,
                  tp_partial: Iterable[tuple[torch.nn.Parameter, int]] = (), tp_group: Any = None) -> None:
         self.group, self.d, self.rank = dp_group, dp_size, dp_rank
+        self._away: list[tuple[dict, str, torch.device]] = []  # optimizer state offloaded to the host
+        self._stream: Any = None  # CUDA: the side stream of the offload's copies
         unique: dict[int, tuple[str, torch.nn.Parameter]] = {}
         for name, p in params.items():
             unique.setdefault(id(p), (name, p))
@@ -191,10 +193,61 @@ class GradSync:
                 g.copy_(b.flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
 
+    def offload(self, limit: int) -> int:
+        """PipeFill 4.2's main-job offload: move optimizer state tensors, in order, to host memory while their bytes
+        stay within `limit` (pinned buffers filled on a side stream on CUDA, so the copies overlap the forward
+        passes); they stay there until `restore`. Returns the bytes moved. DTensor state (tensor parallelism)
+        stays on the device."""
+        from torch.distributed.tensor import DTensor
+
+        self._away = []
+        if self.optimizer is None or limit <= 0:
+            return 0
+        moved, cuda = 0, None
+        for st in self.optimizer.state.values():
+            for key, t in st.items():
+                if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.dim() == 0:
+                    continue
+                if moved + t.nbytes > limit:
+                    return moved
+                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+                if t.is_cuda:
+                    if cuda is None:
+                        cuda = self._side_stream(t.device)
+                        cuda.wait_stream(torch.cuda.current_stream())  # after the last step's writes
+                    with torch.cuda.stream(cuda):
+                        host.copy_(t, non_blocking=True)
+                    t.record_stream(cuda)  # the allocator reuses its memory only after the copy
+                else:
+                    host.copy_(t)
+                self._away.append((st, key, t.device))
+                st[key] = host
+                moved += t.nbytes
+        return moved
+
+    def restore(self) -> None:
+        """The offloaded state back on the device (on CUDA on the side stream; `step` waits for it)."""
+        for st, key, device in self._away:
+            if device.type == "cuda":
+                with torch.cuda.stream(self._side_stream(device)):
+                    st[key] = st[key].to(device, non_blocking=True)
+            else:
+                st[key] = st[key].clone()
+        self._away = []
+
+    def _side_stream(self, device: torch.device) -> Any:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        return self._stream
+
     def step(self, scale: float = 1.0) -> None:
         """The OPT action; gradients are divided by `scale` first (fp16 loss scaling)."""
         if self.optimizer is None:
             return
+        if self._away:  # a plan without an ALLREDUCE action: bring it back now
+            self.restore()
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)  # the offloaded state is back
         if self.masters:  # fp32 master weights of bf16/fp16 parameters: step them, copy back rounded
             with torch.no_grad():
                 for (_, p), m in zip(self.named, self.masters):

@@ -34,7 +34,8 @@ MLP = ROOT / "examples" / "mlp.py"
 FAULTY = ROOT / "tests" / "runtime_fill" / "fixtures" / "faulty.py"
 STALL_S = 30.0  # the stalling unit's sleep: far longer than any bubble, so only a kill ends it
 CPU_TARGET = ROOT / "examples" / "targets" / "cpu-core.yaml"
-PLANS = ("planned", "stall", "raise")
+PLANS = ("planned", "stall", "raise", "offload")
+OFFLOAD_BYTES = 1 << 40  # every optimizer state tensor (PipeFill 4.2 offloads it all)
 
 
 def _planned(tmp: Path) -> Plan:
@@ -44,6 +45,13 @@ def _planned(tmp: Path) -> Plan:
                         model_args=gpt_args(), fill=FillSpec(jobs=[job]),
                         pins=Pins(tp=1, pp=2, dp=1, b=2, v=1, schedule="gpipe", recompute="none", precision="fp32"))
     return plan
+
+
+def _offloading(plan: Plan) -> Plan:
+    """The plan with the main job's optimizer state offloaded to the host for the bubbles on every rank."""
+    fp = plan.fill.predictions.model_copy(update={"offload_optimizer": True,
+                                                  "offload_bytes": [OFFLOAD_BYTES] * plan.config.pp})
+    return plan.model_copy(update={"fill": plan.fill.model_copy(update={"predictions": fp})})
 
 
 def _faulty(plan: Plan, args: dict[str, Any]) -> Plan:
@@ -65,7 +73,8 @@ def run(tmp_path_factory) -> dict[str, Any]:
     planned = _planned(tmp)
     plans = {"planned": planned,
              "stall": _faulty(planned, {"mode": "slow", "after": 1, "seconds": STALL_S}),
-             "raise": _faulty(planned, {"mode": "raise", "after": 1})}
+             "raise": _faulty(planned, {"mode": "raise", "after": 1}),
+             "offload": _offloading(planned)}
     for name, plan in plans.items():
         save_plan(plan, tmp / f"{name}.json")
     common = ["--steps", str(STEPS), "--optimizer", "adam"]
@@ -193,3 +202,13 @@ def test_raising_fill_job_is_recorded(run: dict) -> None:
         assert "exploded" in job.error
     for pp, rep in reports:
         assert rep.kills == [], (pp, rep.kills)
+
+
+def test_main_job_offloads_its_optimizer_state_as_planned(run: dict) -> None:
+    """PipeFill 4.2: from the step after the first optimizer step (Adam's state exists), every rank holds all its
+    optimizer state on the host from the step's start to the gradient reduction; the losses are unchanged
+    (test_main_job_unchanged_by_fill[offload]), and without the plan's offload nothing moves."""
+    for rank in run["fill"]["offload"].ranks:
+        moved = [s.optimizer_offloaded_bytes for s in rank.steps]
+        assert moved[0] == 0 and all(m == rank.holds.optimizer_state_bytes > 0 for m in moved[1:]), (rank.rank, moved)
+    assert all(s.optimizer_offloaded_bytes == 0 for r in run["fill"]["planned"].ranks for s in r.steps)
