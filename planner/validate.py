@@ -203,6 +203,8 @@ def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy") -> Plan:
     old = plan.fill.predictions
     fill = fill_section(fa, spec, offload=old.offload_optimizer, offload_bytes=old.offload_bytes,
                         main_useful_per_gpu=(old.total_useful_tflops_per_gpu - old.fill_tflops_per_gpu) * 1e12)
+    if old.choice:  # the main configuration is the plan's: its shrink-or-fill reasoning still stands
+        fill.predictions.choice = f"{old.choice} (as planned; the fill was re-packed since)"
     return plan.model_copy(update={"fill": fill})
 
 

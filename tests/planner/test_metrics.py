@@ -315,3 +315,5 @@ def test_refit_repacks_the_fill_into_the_measured_bubbles(plan):
     assert units(after) > units(before) > 0
     assert after.fill.predictions.fill_tflops_per_gpu > before.fill.predictions.fill_tflops_per_gpu > 0
     assert {j.name.split("@")[0] for j in after.fill.jobs} == {"mlp"}
+    if full.fill.predictions.choice:  # the plan's shrink-or-fill reasoning survives the re-pack
+        assert after.fill.predictions.choice.startswith(full.fill.predictions.choice)
