@@ -134,6 +134,19 @@ class FillOccurrence(_Model):
     errors: list[FillError]
 
 
+class FillLoad(_Model):
+    """One transfer group of a streamed (not resident) fill job's weights loaded onto the device (PipeSwitch)."""
+
+    group: int = Field(description="index of the plan's transfer group")
+    units: list[int] = Field(description="[start, stop) of the forward units whose weights it carries")
+    bytes: int = Field(description="weight bytes moved")
+    prefetched: bool = Field(description="started while the previous group computed (else exposed: the first "
+                             "group of a bubble)")
+    start: float = Field(description="wall clock when the transfer started (s since the epoch)")
+    end: float = Field(description="wall clock when it ended")
+    overlap_s: float = Field(description="seconds of the transfer during which the job computed")
+
+
 class FillJobReport(_Model):
     """One fill job's state and progress at shutdown."""
 
@@ -157,6 +170,9 @@ class FillJobReport(_Model):
     checksum: Optional[float] = Field(None, description="sum of its weights after its last iteration (data-parallel "
                                       "jobs: equal on every replica)")
     config: str = Field("plain", description="fill-job configuration it ran (plain, checkpoint, offload)")
+    resident: bool = Field(True, description="weights kept on the device between bubbles (else streamed per bubble)")
+    loads: list[FillLoad] = Field(default_factory=list, description="a streamed job's weight loads (the first 200)")
+    loads_total: int = Field(0, description="weight loads in all")
     saved_bytes: dict[str, int] = Field(default_factory=dict, description="training: forward unit -> bytes it left "
                                         "for the backward, measured with saved-tensor hooks (checkpointed units: "
                                         "the inputs they recompute from)")

@@ -186,6 +186,9 @@ class FillJob(_Model):
     units: list[str] = Field(description="the job's linearized units: forward units, then backward, then optimizer")
     unit_time_s: list[float] = Field(description="predicted time of each linearized unit on the target")
     resident: bool = Field(description="kept on the device between bubbles, else loaded per bubble")
+    load_groups: list[list[int]] = Field(default_factory=list, description="not resident: PipeSwitch's transfer "
+                                         "groups, [start, stop) ranges of its forward units, loaded in order in each "
+                                         "bubble (the next group's transfer overlapping the current group's compute)")
     leaves: list[str] = Field(default_factory=list, description="modules traced as leaves")
     notes: list[str] = Field(default_factory=list, description="how the model was priced: unpriced ops, unused "
                              "parameters, layers priced without a parallelism they need")

@@ -29,7 +29,7 @@ from .pipeswitch import TransferOverhead, dp_grouping
 from .profiles import FillProfile
 from .scheduler import JobInfo, next_on_rank, resolve_policy
 
-__all__ = ["RankFill", "Turn", "FillAssignment", "data_parallel", "Packer", "PACKERS", "assign_fill", "best_fill", "load_overhead_s",
+__all__ = ["RankFill", "Turn", "FillAssignment", "data_parallel", "Packer", "PACKERS", "assign_fill", "best_fill", "load_grouping",
            "held_bytes", "plan_hold_free"]
 
 PCIE_CALL_S = 10e-6  # per transfer (PipeSwitch 4.2's fixed cost; assumption for the target)
@@ -65,6 +65,8 @@ class RankFill:
     profile: FillProfile
     resident: bool
     packing: Packing
+    load_groups: tuple[tuple[int, int], ...] = ()
+    """Not resident: PipeSwitch's transfer groups, half-open ranges of its forward units, loaded in order per bubble."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -116,10 +118,9 @@ class FillAssignment:
         return total / len(self.per_rank)
 
 
-def load_overhead_s(profile: FillProfile, hw: Hardware) -> float:
-    """Transmission time PipeSwitch's optimal grouping cannot hide behind execution."""
-    g = dp_grouping(list(profile.layers), hw.gpu.pcie_bw, TransferOverhead(pcie_call_s=PCIE_CALL_S, sync_s=SYNC_S))
-    return max(g.latency_s - sum(layer.exec_time_s for layer in profile.layers), 0.0)
+def load_grouping(profile: FillProfile, hw: Hardware):
+    """PipeSwitch's optimal grouping of the job's layers (its forward units) for pipelined transmission."""
+    return dp_grouping(list(profile.layers), hw.gpu.pcie_bw, TransferOverhead(pcie_call_s=PCIE_CALL_S, sync_s=SYNC_S))
 
 
 def plan_hold_free(plan) -> list[int]:
@@ -140,6 +141,7 @@ class _Option:
     resident: bool
     overhead_s: float  # per chunk
     resident_bytes: int  # counted beside every unit inside a bubble
+    load_groups: tuple[tuple[int, int], ...] = ()
 
 
 def _options(profiles: list[FillProfile], hold_free: int, hw: Hardware):
@@ -152,8 +154,11 @@ def _options(profiles: list[FillProfile], hold_free: int, hw: Hardware):
         elif prof.kind == "infer" and FILL_CONTEXT_BYTES <= hold_free:
             # weights streamed in per bubble; they take memory only while the chunk runs
             units = tuple(replace(u, mem_bytes=u.mem_bytes + prof.resident_bytes) for u in prof.units)
+            g = load_grouping(prof, hw)  # the transmission its grouping cannot hide behind execution is charged
+            hidden = sum(layer.exec_time_s for layer in prof.layers)
             yield _Option(profile=replace(prof, units=units), resident=False,
-                          overhead_s=overhead + load_overhead_s(prof, hw), resident_bytes=FILL_CONTEXT_BYTES)
+                          overhead_s=overhead + max(g.latency_s - hidden, 0.0), resident_bytes=FILL_CONTEXT_BYTES,
+                          load_groups=tuple(g.groups))
 
 
 def _stuck_unit(opt: _Option, cycle: list[BubbleSlot], margin: float, per_unit: float):
@@ -199,7 +204,8 @@ def best_fill(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], h
         pk = greedy_pack(opt.profile.units, cycle, safety_margin=safety_margin, launch_overhead_s=opt.overhead_s,
                          resident_bytes=opt.resident_bytes, cycles=2, unit_overhead_s=per_unit)
         if pk.units_completed and (best is None or pk.flops_per_cycle > best.packing.flops_per_cycle):
-            best = RankFill(rank=rank, profile=opt.profile, resident=opt.resident, packing=pk)
+            best = RankFill(rank=rank, profile=opt.profile, resident=opt.resident, packing=pk,
+                            load_groups=opt.load_groups)
     if best is not None:
         best = replace(best, packing=PACKERS[solver].repack(best.profile.units, cycle, greedy=best.packing,
                                                             time_limit_s=time_limit_s))

@@ -28,7 +28,8 @@ def fill_section(fa: FillAssignment, spec: FillSpec, *, offload: bool, main_usef
             jobs[key] = FillJob(name=key, model_file=js.model, model_sha256=prof.sha256, model_args=js.model_args,
                                 kind=prof.kind, batch_size=prof.batch_size, config=prof.config,
                                 units=[u.name for u in prof.units], unit_time_s=[u.time_s for u in prof.units],
-                                resident=rf.resident, leaves=list(js.leaves), iterations=prof.batches,
+                                resident=rf.resident, load_groups=[list(g) for g in rf.load_groups],
+                                leaves=list(js.leaves), iterations=prof.batches,
                                 arrival_s=js.arrival_s, deadline_s=js.deadline_s, priority=js.priority)
         jobs[key].shards.append(FillShard(rank=turn.rank, first_batch=turn.first_batch, batches=turn.batches,
                                           start_s=turn.start_s, end_s=turn.end_s))

@@ -31,7 +31,8 @@ Protocols (all over one-way pipes; writes below PIPE_BUF are atomic, so a stoppe
 never leaves half a message):
   client -> executor: BubbleBegin, BubbleEnd, Request("report" | "close")
   executor -> client: ("ready", {job: state}), ("report", dict), ("closed", None), ("crashed", text)
-  executor -> task:   ("init", free_bytes), ("step", pos, free_bytes), ("run", free_bytes), ("stop",)
+  executor -> task:   ("init", free_bytes), ("step", pos, free_bytes), ("run", free_bytes), ("stop",),
+                      ("unload",): a streamed job's weights leave the device (the bubble ended)
   task -> executor:   ("created", info), ("inited", [unit seconds] | None), ("failed", text),
                       ("step" | "unit", pos, start, end, start_mono, end_mono, iteration_done, info), ("done",),
                       ("wait", pos): the unit (a data-parallel optimizer step) waits on the replicas' gradients
@@ -68,6 +69,8 @@ __all__ = ["State", "Transition", "TRANSITIONS", "IllegalTransition", "SideTaskS
            "executor_main"]
 
 Interface = Literal["iterative", "imperative"]
+LOADS_KEPT = 200
+"""Weight loads of a streamed job kept for the report (the count goes on)."""
 WAIT_POLL_S = 2e-3
 """How soon a task whose optimizer step waits on its data-parallel replicas' gradients is asked again."""
 
@@ -185,6 +188,9 @@ class TaskSpec:
     dp_rank: int = 0
     dp_key: str = ""
     """A training job's data-parallel replicas (the GPUs of one pipeline stage) meet under this store prefix."""
+    resident: bool = True
+    load_groups: tuple[tuple[int, int], ...] = ()
+    """Not resident (an inference job): its weights are streamed in per bubble by these groups of forward units."""
     config: str = "plain"
     """PipeFill 4.3's fill-job configuration: plain, checkpoint (block units recomputed) or offload (the
     optimizer's state and step on the host)."""
@@ -323,6 +329,8 @@ class TaskHandle:
         self.error: str | None = None
         self.retry_at: float | None = None  # the next unit waits on the replicas' gradients: ask again then
         self.info: dict[str, Any] = {}  # the task's last report at an iteration's end (UnitRunner.progress)
+        self.loads: list[dict[str, Any]] = []  # a streamed job's first LOADS_KEPT weight loads (Streamer)
+        self.loads_total = 0
 
     @property
     def name(self) -> str:
@@ -384,6 +392,7 @@ class TaskHandle:
                 "samples_done": self.samples, "batch_first": self.spec.batch_first,
                 "batch_stride": self.spec.batch_stride, "planned_iterations": self.spec.iterations,
                 "dp_size": self.spec.dp_size, "dp_rank": self.spec.dp_rank, "config": self.spec.config,
+                "resident": self.spec.resident, "loads": self.loads, "loads_total": self.loads_total,
                 **self.info,
                 "units": self.linearized,
                 "profile_s": dict(zip(self.linearized, self.profile)) if self.profile else None,
@@ -462,7 +471,8 @@ class Executor:
                         iterations=o.iterations.get(job.name, count), leaves=tuple(job.leaves),
                         profile_reps=o.profile_reps, cpu_threads=o.cpu_threads, seed=o.seed, batch_first=first,
                         batch_stride=stride, dp_size=dp, dp_rank=self.replica if dp > 1 else 0,
-                        dp_key=f"{self.run_key}/{job.name}/pp{self.rank}" if dp > 1 else "", config=job.config)
+                        dp_key=f"{self.run_key}/{job.name}/pp{self.rank}" if dp > 1 else "", config=job.config,
+                        resident=job.resident, load_groups=tuple(tuple(g) for g in job.load_groups))
 
     def wall(self, mono: float) -> float:
         return mono + self.offset
@@ -670,6 +680,8 @@ class Executor:
             elif t.iterative and t.sm.state is State.RUNNING:
                 t.relax(t.pos)
                 t.sm.apply(Transition.PAUSE, reason=f"bubble {cur.bubble_id} {cause}")
+            if t.iterative and not t.spec.resident and (t.busy or any(s["job"] == t.name for s in cur.steps)):
+                t.send(("unload",))  # a streamed job's weights leave the device with the bubble
 
     def _check_pending(self, now: float) -> None:
         for t in list(self.tasks.values()):
@@ -748,6 +760,9 @@ class Executor:
         if iteration_done:
             rec["batch"] = t.spec.batch_first + t.spec.batch_stride * t.iterations
         if info:
+            loads = info.pop("loads", [])
+            t.loads_total += len(loads)
+            t.loads.extend(loads[:max(0, LOADS_KEPT - len(t.loads))])
             t.info.update(info)
             if "checksum" in info:
                 rec["checksum"] = info["checksum"]

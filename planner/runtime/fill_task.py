@@ -21,6 +21,7 @@ import operator
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -83,6 +84,7 @@ class UnitRunner:
         self.host: list[torch.Tensor] | None = None  # offload: fp32 host copies of the weights the optimizer steps
         self.optimizer = self._make_optimizer() if self.train else None
         self.saved_bytes: dict[str, int] = {}  # forward unit -> bytes it leaves for the backward (measured once)
+        self.streamer: Streamer | None = None
         self.pos = 0
         self.iterations = 0
         self.profiling = False
@@ -150,11 +152,22 @@ class UnitRunner:
         return sum(p.numel() for p in self.module.parameters())
 
     def to_device(self) -> None:
-        """InitSideTask: move weights (and so the optimizer's parameters) to the job's device."""
+        """InitSideTask: move weights (and so the optimizer's parameters) to the job's device; a job that is not
+        resident moves only its buffers, its weights are streamed in per bubble (Streamer)."""
         self.device = torch.device(self.spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.module.to(self.device)
+        if self.spec.load_groups and not self.train and not self.spec.resident:
+            for b in self.module.buffers():
+                b.data = b.data.to(self.device)
+            self.streamer = Streamer(self.module, self.calls, self.spec.load_groups, self.device)
+        else:
+            self.module.to(self.device)
+
+    def unload(self) -> None:
+        """The bubble ended: a streamed job's weights leave the device (PipeSwitch loads them again next time)."""
+        if self.streamer is not None:
+            self.streamer.unload()
 
     def ready(self) -> bool:
         """Whether the next unit can start without waiting: false only for a data-parallel optimizer step whose
@@ -166,7 +179,7 @@ class UnitRunner:
         """What an iteration's end reports beside its timing: a training job's measured saved bytes and optimizer
         state, and (data-parallel jobs, whose replicas must agree) the sum of its weights."""
         if not self.train:
-            return {}
+            return {"loads": self.streamer.report()} if self.streamer is not None else {}
         out = {"saved_bytes": dict(self.saved_bytes), **self.optimizer_state()}
         if self.dp is not None:
             out["checksum"] = float(sum(p.detach().double().sum() for p in self.module.parameters()))
@@ -263,12 +276,17 @@ class UnitRunner:
             for node in self.before[k]:
                 self.env[node.name] = _fetch(self.module, str(node.target))  # buffers, tied weights
             node = self.calls[k]
+            if self.streamer is not None:
+                self.streamer.ensure(k)
             args = fx.node.map_arg(node.args, lambda a: self._arg(a, k))
             kwargs = fx.node.map_arg(node.kwargs, lambda a: self._arg(a, k))
             name = self.linearized[k]
             measure = self.train and name not in self.saved_bytes
             with SavedBytes(self.module.parameters()) if measure else contextlib.nullcontext() as probe:
+                start = time.time()
                 self.env[node.name] = self._call(k, args, kwargs, probe)
+                if self.streamer is not None:
+                    self.streamer.computed(start, time.time())
             if measure:
                 self.saved_bytes[name] = probe.total
             self.producer[node.name] = k
@@ -329,6 +347,7 @@ class UnitRunner:
             for rep in range(reps + 1):
                 self.pos = 0
                 self._reset()
+                self.unload()  # each pass loads a streamed job's weights, as a bubble does
                 for k in range(len(self.linearized)):
                     t0 = time.perf_counter()
                     self.step()
@@ -341,6 +360,8 @@ class UnitRunner:
             self.optimizer, self.host, self.pos, self.iterations = optimizer, host, pos, iterations
             self.profiling, self.reduced = False, None
             self._reset()
+            if self.streamer is not None:
+                self.streamer.reset()
         return times
 
 
@@ -359,6 +380,97 @@ def _join_replicas(spec: TaskSpec) -> Any:
                                                                         timeout=timeout))
     dist.init_process_group("gloo", store=store, rank=spec.dp_rank, world_size=spec.dp_size, timeout=timeout)
     return dist.distributed_c10d._get_default_group()
+
+
+class Streamer:
+    """PipeSwitch's pipelined model transmission (002, 4.2) for a job that is not resident: its weights live in
+    (pinned) host memory, and in a bubble they are loaded group by group (the plan's groups of forward units),
+    group g + 1's transfer running while group g computes (a side stream on CUDA, a thread on CPU), the first
+    group's exposed. At the bubble's end they leave the device. Every load is recorded: its group, bytes, start
+    and end (time.time()), whether it was a prefetch, and how much of it overlapped the job's own compute."""
+
+    def __init__(self, module: torch.nn.Module, calls: list[fx.Node], groups: tuple, device: torch.device) -> None:
+        self.device, self.groups = device, [tuple(g) for g in groups]
+        self.group_of = {k: i for i, (a, b) in enumerate(self.groups) for k in range(a, b)}
+        seen: set[int] = set()
+        self.params: list[list[torch.nn.Parameter]] = []
+        for a, b in self.groups:  # a weight shared by several units travels with the first group that uses it
+            own = []
+            for k in range(a, b):
+                for p in module.get_submodule(str(calls[k].target)).parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        own.append(p)
+            self.params.append(own)
+        cuda = device.type == "cuda"
+        self.host = {id(p): (p.data.pin_memory() if cuda else p.data) for g in self.params for p in g}
+        self.stream = torch.cuda.Stream(device) if cuda else None
+        self.loaded: set[int] = set()
+        self.pending: dict[int, Any] = {}  # group -> the thread (CPU) or event (CUDA) of its transfer
+        self.records: list[dict[str, Any]] = []
+        self.compute: list[tuple[float, float]] = []
+        self.reported = 0
+
+    def _load(self, g: int, prefetched: bool) -> None:
+        rec = {"group": g, "units": list(self.groups[g]), "bytes": sum(p.nbytes for p in self.params[g]),
+               "prefetched": prefetched, "start": time.time()}
+        if self.stream is not None:
+            with torch.cuda.stream(self.stream):
+                for p in self.params[g]:
+                    p.data = self.host[id(p)].to(self.device, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            self.pending[g] = event
+        else:
+            for p in self.params[g]:
+                p.data = self.host[id(p)].clone()  # the "device" copy: a transfer of the same bytes
+        rec["end"] = time.time()
+        self.records.append(rec)
+
+    def ensure(self, k: int) -> None:
+        """Before forward unit k: its group on the device, and the next group's transfer started."""
+        g = self.group_of.get(k)
+        if g is None:
+            return
+        waiting = self.pending.pop(g, None)
+        if waiting is not None:
+            waiting.join() if hasattr(waiting, "join") else torch.cuda.current_stream().wait_event(waiting)
+        elif g not in self.loaded:
+            self._load(g, prefetched=False)
+        self.loaded.add(g)
+        nxt = g + 1
+        if nxt < len(self.groups) and nxt not in self.loaded and nxt not in self.pending:
+            if self.stream is not None:
+                self._load(nxt, prefetched=True)
+            else:
+                self.pending[nxt] = threading.Thread(target=self._load, args=(nxt, True), daemon=True)
+                self.pending[nxt].start()
+
+    def computed(self, start: float, end: float) -> None:
+        self.compute.append((start, end))
+
+    def unload(self) -> None:
+        for waiting in self.pending.values():
+            waiting.join() if hasattr(waiting, "join") else waiting.synchronize()
+        self.pending.clear()
+        for g in self.loaded:
+            for p in self.params[g]:
+                p.data = self.host[id(p)]
+        self.loaded.clear()
+
+    def reset(self) -> None:
+        """Off the device, and no record kept (after InitSideTask's profiling passes)."""
+        self.unload()
+        self.records, self.compute, self.reported = [], [], 0
+
+    def report(self) -> list[dict[str, Any]]:
+        """The loads since the last report, each with the compute it overlapped."""
+        out = self.records[self.reported:]
+        self.reported = len(self.records)
+        for rec in out:
+            rec["overlap_s"] = sum(max(0.0, min(e, rec["end"]) - max(s, rec["start"])) for s, e in self.compute)
+        self.compute = [(s, e) for s, e in self.compute if e >= min((r["start"] for r in out), default=e)]
+        return out
 
 
 def _fetch(module: torch.nn.Module, target: str) -> Any:
@@ -428,6 +540,9 @@ def _iterative(runner: UnitRunner, rx: Any, tx: Any) -> None:
         msg = rx.recv()
         if msg[0] == "stop":
             return
+        if msg[0] == "unload":
+            runner.unload()
+            continue
         if msg[0] == "init":
             runner.to_device()
         if msg[-1] != free:

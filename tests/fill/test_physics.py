@@ -87,6 +87,17 @@ def test_what_a_job_holds_between_bubbles_must_fit_beside_the_main_jobs_peak():
     assert max(c.mem_bytes for c in streamed.packing.chunks) == GiB + 4 * GiB + FILL_CONTEXT_BYTES
     resident = best_fill(0, cycle, [infer], HW, hold_free=held_bytes(infer))
     assert resident is not None and resident.resident
+    # the streamed job carries PipeSwitch's transfer groups for the runtime: contiguous, covering its layers
+    from dataclasses import replace
+
+    from planner.fill.assign import load_grouping
+    from planner.fill.pipeswitch import Layer
+
+    layered = replace(infer, layers=tuple(Layer(name=f"u{i}", param_bytes=GiB, exec_time_s=5 * MS) for i in range(4)))
+    streamed = best_fill(0, cycle, [layered], HW, hold_free=FILL_CONTEXT_BYTES + GiB)
+    assert streamed.load_groups == tuple(load_grouping(layered, HW).groups)
+    assert [a for a, _ in streamed.load_groups] == [0] + [b for _, b in streamed.load_groups][:-1]
+    assert streamed.load_groups[-1][1] == 4 and resident.load_groups == ()
 
 
 def test_a_bubble_without_room_for_the_fill_processs_context_runs_nothing():

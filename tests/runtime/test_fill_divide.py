@@ -42,7 +42,7 @@ GRACE_S = 0.3
 """12 processes on 2 cores: a unit may be descheduled for a while; a killed replica would end its DP job."""
 MAIN_ARGS = {"preset": "tiny", "layers": 4, "hidden": 256, "seq": 64, "dropout": 0}
 """Stages of ~10 ms per microbatch on a CPU core: bubbles long enough for a few MLP units each."""
-PLANS = ("infer", "train", "three", "train-checkpoint")
+PLANS = ("infer", "train", "three", "train-checkpoint", "stream")
 CONFIGS = {"train": "offload", "train-checkpoint": "checkpoint"}
 
 
@@ -67,6 +67,10 @@ def run(tmp_path_factory) -> dict[str, Any]:
     for name, config in CONFIGS.items():  # the planned training job, run under each configuration (PipeFill 4.3)
         job = plans["train"].fill.jobs[0].model_copy(update={"config": config})
         plans[name] = plans["train"].model_copy(update={"fill": plans["train"].fill.model_copy(update={"jobs": [job]})})
+    infer = plans["infer"].fill.jobs[0]  # the inference job streamed in per bubble (PipeSwitch), two groups
+    streamed = infer.model_copy(update={"resident": False, "load_groups": [[0, 2], [2, len(infer.units)]]})
+    plans["stream"] = plans["infer"].model_copy(update={"fill": plans["infer"].fill.model_copy(
+        update={"jobs": [streamed]})})
     for name, plan in plans.items():
         save_plan(plan, tmp / f"{name}.json")
     for _ in range(3):  # again when a loaded 2-core machine measured a GPU's bubbles too short for any unit,
@@ -98,8 +102,9 @@ def test_the_plan_counts_each_batch_once(run: dict) -> None:
     assert (train.first_batch, train.batches) == (0, 4)  # one stage, its 2 GPUs each take 2 steps
 
 
-def test_inference_replicas_did_disjoint_work_summing_to_the_job(run: dict) -> None:
-    reports = _reports(run["runs"]["infer"])
+@pytest.mark.parametrize("name", ["infer", "stream"])
+def test_inference_replicas_did_disjoint_work_summing_to_the_job(run: dict, name: str) -> None:
+    reports = _reports(run["runs"][name])
     assert len(reports) == 4, "every GPU of both stages runs a share"
     done = {rank: _batches(rep, rep.jobs[0].name) for rank, rep in reports}
     every = [b for batches in done.values() for b in batches]
@@ -196,3 +201,24 @@ def test_fill_configurations_run_as_priced(run: dict) -> None:
     assert state["optimizer_steps_module_weights"] and state["optimizer_state_bytes"] > 0
     for j in offload:  # Adam's state in host memory, over host copies of the weights
         assert j.optimizer_on == "host" and not j.optimizer_steps_module_weights and j.optimizer_state_bytes > 0
+
+
+def test_streamed_inference_job_is_loaded_by_groups(run: dict) -> None:
+    """PipeSwitch: a job that is not resident loads its weights group by group in each bubble it runs in, the
+    second group's transfer started while the first computes; all its weights come in, each group's once per
+    load; the first group's load is exposed, never a prefetch."""
+    mf = load_model_file(MLP, MLP_ARGS)
+    total = sum(p.nbytes for p in mf.build("cpu").parameters())
+    prefetches = 0
+    for rank, rep in _reports(run["runs"]["stream"]):
+        (job,) = rep.jobs
+        assert not job.resident and job.loads and job.loads_total >= len(job.loads), (rank, job)
+        size = {ld.group: ld.bytes for ld in job.loads}
+        assert sorted(size) == [0, 1] and sum(size.values()) == total, (rank, size)
+        assert all(ld.bytes == size[ld.group] and ld.start <= ld.end for ld in job.loads)
+        assert not any(ld.prefetched for ld in job.loads if ld.group == 0)
+        for ld in job.loads:  # every transfer happened inside a bubble (bounded by its resume + grace)
+            assert any(o.gpu_idle <= ld.start and ld.end <= o.main_end + rep.grace_s for o in rep.bubbles), ld
+            assert 0 <= ld.overlap_s <= ld.end - ld.start + 1e-6
+        prefetches += sum(ld.prefetched for ld in job.loads)
+    assert prefetches > 0
