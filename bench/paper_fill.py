@@ -2,6 +2,10 @@
 
     python bench/paper_fill.py [--json out.json] [--ipc]
 
+PipeSwitch Table 3 (../shared/seeds/002_…): the switching overhead of a BERT-base inference job loaded from host
+memory by pipelined transmission, on a V100, against the transmission fxplanner charges a fill job that is not
+resident (see pipeswitch()).
+
 The ratio printed is predicted / measured; a range is printed where the paper gives one. Nothing here is fitted to
 the papers' results: the fill's compute is priced by the same cost models as the main job, the bubble costs are
 planner/fill/physics.py's constants with their sources, and each paper's own rules (margin, admission) are used.
@@ -81,6 +85,7 @@ sys.path.insert(0, str(ROOT))
 
 from costmodels.hardware import Hardware  # noqa: E402
 from planner.api import make_plan  # noqa: E402
+from planner.fill.assign import load_grouping  # noqa: E402
 from planner.fill.packing import BubbleSlot, FillUnit, greedy_pack  # noqa: E402
 from planner.fill.physics import FILL_CONTEXT_BYTES, STEP_ALLOWANCE_S, unit_overhead_s  # noqa: E402
 from planner.fill.profiles import FillProfile, profile_job  # noqa: E402
@@ -174,6 +179,31 @@ def _profile(job: FillJobSpec, target: str, precision: str, batch: int, config: 
     hw = Hardware(target=get_target(target))
     return next(p for p in profile_job(job.model_copy(update={"batch_sizes": [batch]}), hw, precision)
                 if p.config == config)
+
+
+# --- PipeSwitch ----------------------------------------------------------------------------------------------------
+
+PIPESWITCH_BERT_V100_S = 10.27e-3
+"""PipeSwitch Table 3 (002 l.326-328): total overhead over the ready model, Bert_base inference on p3.2xlarge (one
+V100, PCIe 3.0 x16), batch 8 (l.306), model in host memory: pipelined transmission by its optimal grouping."""
+
+
+def pipeswitch() -> dict:
+    """The overhead fxplanner charges a BERT-base inference fill job that is not resident: the transmission its
+    grouping (planner/fill/assign.py load_grouping, PipeSwitch's Algorithm 1 over our units) cannot hide behind the
+    forward. Assumed: fp32 (PipeSwitch's PyTorch default), sequence 128 (not stated). Our units are 14 (embedding,
+    12 blocks, head) where PipeSwitch groups 139 layers; coarser units hide less."""
+    job = FillJobSpec(name="bert-base", model=str(ROOT / "examples" / "bert.py"),
+                      model_args={"preset": "base", "seq": 128}, kind="infer", batch_sizes=[8], work=Work(samples=8))
+    hw = Hardware(target=get_target("v100-16gb"))
+    prof = _profile(job, "v100-16gb", "fp32", 8)
+    g = load_grouping(prof, hw)
+    forward = sum(layer.exec_time_s for layer in prof.layers)
+    overhead = max(g.latency_s - forward, 0.0)
+    return {"setup": f"BERT-base inference, batch 8, fp32, on one v100-16gb; {len(prof.layers)} units in "
+                     f"{len(g.groups)} transfer groups, {sum(layer.param_bytes for layer in prof.layers) / 1e6:.0f} MB",
+            "rows": [_row("switching overhead ms (pipelined transmission)", overhead * 1e3,
+                          PIPESWITCH_BERT_V100_S * 1e3)]}
 
 
 # --- FreeRide ------------------------------------------------------------------------------------------------------
@@ -351,7 +381,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--ipc", action="store_true", help="also measure the fill executor's per-unit round trip")
     args = ap.parse_args()
-    out = {"pipefill_6_1": pipefill(), "freeride_4_2": freeride()}
+    out = {"pipefill_6_1": pipefill(), "freeride_4_2": freeride(), "pipeswitch_table_3": pipeswitch()}
     pf, fr = out["pipefill_6_1"], out["freeride_4_2"]
     print(f"PipeFill 6.1: {pf['setup']}")
     print_rows(pf["rows"])
@@ -365,6 +395,9 @@ def main() -> None:
               f"{'' if t['fits_rtx3080'] else '; over the RTX 3080 beside its 3 GiB reserve (priced anyway)'}")
     print("  cross-check of S's inputs against the authors' artifact (measured, not the paper's text):")
     print_rows(fr["artifact_check"], against="artifact")
+    ps = out["pipeswitch_table_3"]
+    print(f"PipeSwitch Table 3: {ps['setup']}")
+    print_rows(ps["rows"])
     if args.ipc:
         out["ipc_s"] = measure_ipc()
         print(f"fill executor request/reply per unit: {out['ipc_s'] * 1e6:.1f} us")

@@ -109,3 +109,10 @@ def test_vision_models_have_torchvision_shapes(arch, params, gmacs):
     prof, _ = analyze(str(ROOT / "examples" / "vision.py"), {"arch": arch}, dtype="fp32")
     assert prof.total_params == params
     assert sum(u.fwd_flops(1) for u in prof.units) == pytest.approx(2 * gmacs * 1e9, rel=0.02)
+
+
+def test_pipeswitch_row_prices_the_transmission_its_grouping_cannot_hide():
+    out = bench.pipeswitch()
+    (row,) = out["rows"]
+    assert row["paper"] == pytest.approx(10.27) and 0 < row["predicted"]
+    assert row["ratio"] == pytest.approx(row["predicted"] / row["paper"])
