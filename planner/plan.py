@@ -232,7 +232,7 @@ class FillPredictions(_Model):
 
 class Fill(_Model):
     safety_margin: float
-    policy: str = Field("sjf", description="which of a rank's fill jobs runs next when one ends (planner/fill/"
+    policy: Literal["fifo", "sjf", "makespan", "edf"] = Field("sjf", description="which of a rank's fill jobs runs next when one ends (planner/fill/"
                         "scheduler.py POLICIES: fifo, sjf, makespan, edf)")
     jobs: list[FillJob]
     chunks: list[FillChunk]
