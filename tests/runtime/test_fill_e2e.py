@@ -34,7 +34,7 @@ MLP = ROOT / "examples" / "mlp.py"
 FAULTY = ROOT / "tests" / "runtime_fill" / "fixtures" / "faulty.py"
 STALL_S = 30.0  # the stalling unit's sleep: far longer than any bubble, so only a kill ends it
 CPU_TARGET = ROOT / "examples" / "targets" / "cpu-core.yaml"
-PLANS = ("planned", "stall", "raise", "offload")
+PLANS = ("planned", "stall", "raise", "offload", "all")
 OFFLOAD_BYTES = 1 << 40  # every optimizer state tensor (PipeFill 4.2 offloads it all)
 
 
@@ -45,6 +45,22 @@ def _planned(tmp: Path) -> Plan:
                         model_args=gpt_args(), fill=FillSpec(jobs=[job]),
                         pins=Pins(tp=1, pp=2, dp=1, b=2, v=1, schedule="gpipe", recompute="none", precision="fp32"))
     return plan
+
+
+def _everything() -> Plan:
+    """Issue 24's mechanisms at once: a checkpointed training job and an inference job streamed in by groups
+    (PipeSwitch) taking turns on the ranks, with the main job's optimizer state offloaded for the bubbles."""
+    args = {"features": 32, "width": 64, "depth": 2}
+    jobs = [FillJobSpec(name="mlp", model=str(MLP), model_args=args, kind="train", batch_sizes=[8],
+                        work=Work(iterations=100_000)),
+            FillJobSpec(name="mlp-infer", model=str(MLP), model_args=args, kind="infer", batch_sizes=[8],
+                        work=Work(iterations=6))]
+    plan, _ = make_plan(str(GPT), gpus=2, global_batch=16, target=str(CPU_TARGET), gpus_per_node=2,
+                        model_args=gpt_args(), fill=FillSpec(jobs=jobs),
+                        pins=Pins(tp=1, pp=2, dp=1, b=2, v=1, schedule="gpipe", recompute="none", precision="fp32"))
+    fill = [j.model_copy(update={"config": "checkpoint"} if j.kind == "train" else
+                         {"resident": False, "load_groups": [[0, 2], [2, len(j.units)]]}) for j in plan.fill.jobs]
+    return _offloading(plan.model_copy(update={"fill": plan.fill.model_copy(update={"jobs": fill})}))
 
 
 def _offloading(plan: Plan) -> Plan:
@@ -74,7 +90,7 @@ def run(tmp_path_factory) -> dict[str, Any]:
     plans = {"planned": planned,
              "stall": _faulty(planned, {"mode": "slow", "after": 1, "seconds": STALL_S}),
              "raise": _faulty(planned, {"mode": "raise", "after": 1}),
-             "offload": _offloading(planned)}
+             "offload": _offloading(planned), "all": _everything()}
     for name, plan in plans.items():
         save_plan(plan, tmp / f"{name}.json")
     common = ["--steps", str(STEPS), "--optimizer", "adam"]
@@ -212,3 +228,21 @@ def test_main_job_offloads_its_optimizer_state_as_planned(run: dict) -> None:
         moved = [s.optimizer_offloaded_bytes for s in rank.steps]
         assert moved[0] == 0 and all(m == rank.holds.optimizer_state_bytes > 0 for m in moved[1:]), (rank.rank, moved)
     assert all(s.optimizer_offloaded_bytes == 0 for r in run["fill"]["planned"].ranks for s in r.steps)
+
+
+def test_all_of_issue_24s_mechanisms_run_together(run: dict) -> None:
+    """The streamed inference job (short: SJF runs it first) loads by groups; the checkpointed training job takes
+    its turn after it; the main job offloads its optimizer state every step after the first; nothing is killed or
+    fails; the losses equal the no-fill run's (test_main_job_unchanged_by_fill[all]). How far the jobs get in 8
+    steps depends on this machine's load, so only that they ran is asserted here."""
+    entry = run["fill"]["all"]
+    for rank in entry.ranks:
+        assert all(s.optimizer_offloaded_bytes == rank.holds.optimizer_state_bytes > 0 for s in rank.steps[1:])
+    jobs = [j for _, rep in _reports(entry) for j in rep.jobs]
+    infer = [j for j in jobs if j.kind == "infer"]
+    assert infer and all(not j.resident for j in infer) and any(j.loads and j.iterations_done for j in infer), infer
+    assert sum(j.iterations_done for j in infer) <= 6  # its batches, each at most once, over its ranks
+    train = [j for j in jobs if j.kind == "train"]
+    assert len(train) == 1 and train[0].config == "checkpoint" and train[0].error is None, train
+    for _, rep in _reports(entry):
+        assert rep.kills == [] and rep.errors == [], (rep.kills, rep.errors)
