@@ -85,7 +85,7 @@ sys.path.insert(0, str(ROOT))
 
 from costmodels.hardware import Hardware  # noqa: E402
 from planner.api import make_plan  # noqa: E402
-from planner.fill.assign import load_grouping  # noqa: E402
+from planner.fill.assign import load_grouping, plan_cycles, plan_hold_free  # noqa: E402
 from planner.fill.packing import BubbleSlot, FillUnit, greedy_pack  # noqa: E402
 from planner.fill.physics import FILL_CONTEXT_BYTES, STEP_ALLOWANCE_S, unit_overhead_s  # noqa: E402
 from planner.fill.profiles import FillProfile, profile_job  # noqa: E402
@@ -245,19 +245,6 @@ def step_packing(prof: FillProfile, cycles: Sequence[Sequence[BubbleSlot]], hold
     return out
 
 
-def bubble_cycles(plan: Plan) -> list[list[BubbleSlot]]:
-    cycles: list[list[BubbleSlot]] = [[] for _ in range(plan.config.pp)]
-    for b in plan.bubbles:
-        cycles[b.rank].append(BubbleSlot(id=b.id, duration_s=b.duration_s, free_bytes=b.free_bytes))
-    return cycles
-
-
-def peak_free(plan: Plan) -> list[int]:
-    """Per pipeline rank, the bytes free beside the main job's predicted peak (capacity - its memory total)."""
-    free = {m.rank: max(0, int(m.capacity - m.total)) for m in plan.predictions.memory}
-    return [free.get(r, 0) for r in range(plan.config.pp)]
-
-
 def side_task(arch: str, worker: int = 0) -> FillJobSpec:
     return FillJobSpec(name=f"{arch}-w{worker}", model=str(EXAMPLES / "vision.py"), model_args={"arch": arch},
                        kind="train", batch_sizes=[FR_BATCH], work=Work(iterations=10_000_000))
@@ -281,7 +268,7 @@ def freeride_task(arch: str, main: Plan, price_ratio: float) -> dict[str, Any]:
     plan_samples = (plan.fill.predictions.fill_tflops_per_gpu * 1e12 * plan.config.pp * plan.predictions.iteration_s
                     / ada.flops_per_iteration * FR_BATCH)
     launch_s = Hardware(target=get_target("rtx6000-ada")).eff.launch_s
-    steps = step_packing(ada, bubble_cycles(main), peak_free(main), launch_s)
+    steps = step_packing(ada, plan_cycles(main), plan_hold_free(main), launch_s)
     step_samples = sum(steps) * FR_BATCH
     dedicated_mem = ded.resident_bytes + FILL_CONTEXT_BYTES + max(u.mem_bytes for u in ded.units)
     return {
@@ -303,7 +290,7 @@ def freeride() -> dict:
     price_ratio = FREERIDE["price_server_ii"] / FREERIDE["price_server_i"]
     main = freeride_plan()
     tasks = [freeride_task(arch, main, price_ratio) for arch in FR_TASKS]
-    free = peak_free(main)
+    free = plan_hold_free(main)
     rows = [
         _row("bubble rate (paper: 6B .. 1.2B)", main.predictions.bubble_fraction, FREERIDE["bubble_rate"]),
         _row("longest bubble s", max(b.duration_s for b in main.bubbles), FREERIDE["longest_bubble_s"]),

@@ -184,8 +184,7 @@ def fill_spec_of(plan: Plan):
 def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy") -> Plan:
     """Pack the fill jobs again into the plan's bubbles (measured ones after `refit`), and update the fill
     predictions. `spec` is the fill YAML's spec, or None for the plan's own jobs (`fill_spec_of`)."""
-    from .fill.assign import assign_fill, plan_hold_free
-    from .fill.packing import BubbleSlot
+    from .fill.assign import assign_fill, plan_cycles, plan_hold_free
     from .fill.profiles import profile_job
     from .fill.section import fill_section
     from .plan import plan_hardware
@@ -195,9 +194,7 @@ def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy") -> Plan:
     spec = spec or fill_spec_of(plan)
     hw = plan_hardware(plan)
     jobs = {j.name: profile_job(j, hw, plan.config.precision) for j in spec.jobs}
-    cycles = [[BubbleSlot(id=b.id, duration_s=b.duration_s, free_bytes=b.free_bytes) for b in plan.bubbles
-               if b.rank == r] for r in range(plan.config.pp)]
-    fa = assign_fill(cycles, plan.predictions.iteration_s, jobs, hw, safety_margin=spec.safety_margin, solver=solver,
+    fa = assign_fill(plan_cycles(plan), plan.predictions.iteration_s, jobs, hw, safety_margin=spec.safety_margin, solver=solver,
                      hold_free=plan_hold_free(plan), replicas=plan.config.dp * plan.config.cp * plan.config.tp,
                      policy=spec.policy)
     old = plan.fill.predictions

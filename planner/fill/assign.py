@@ -30,7 +30,7 @@ from .profiles import FillProfile
 from .scheduler import JobInfo, next_on_rank, resolve_policy
 
 __all__ = ["RankFill", "Turn", "FillAssignment", "data_parallel", "Packer", "PACKERS", "assign_fill", "best_fill", "load_grouping",
-           "held_bytes", "plan_hold_free"]
+           "held_bytes", "plan_cycles", "plan_hold_free"]
 
 PCIE_CALL_S = 10e-6  # per transfer (PipeSwitch 4.2's fixed cost; assumption for the target)
 SYNC_S = 20e-6
@@ -121,6 +121,12 @@ class FillAssignment:
 def load_grouping(profile: FillProfile, hw: Hardware):
     """PipeSwitch's optimal grouping of the job's layers (its forward units) for pipelined transmission."""
     return dp_grouping(list(profile.layers), hw.gpu.pcie_bw, TransferOverhead(pcie_call_s=PCIE_CALL_S, sync_s=SYNC_S))
+
+
+def plan_cycles(plan) -> list[list[BubbleSlot]]:
+    """Per pipeline rank of a plan, its bubbles (duration and free bytes) in one iteration."""
+    return [[BubbleSlot(id=b.id, duration_s=b.duration_s, free_bytes=b.free_bytes) for b in plan.bubbles
+             if b.rank == r] for r in range(plan.config.pp)]
 
 
 def plan_hold_free(plan) -> list[int]:
@@ -227,10 +233,6 @@ def _held(rf: RankFill) -> int:
     return held_bytes(rf.profile) if rf.resident else FILL_CONTEXT_BYTES
 
 
-def _slot_free(cycle: list[BubbleSlot]) -> dict[int, int]:
-    return {s.id: s.free_bytes for s in cycle}
-
-
 def _beside(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], queue: list[RankFill], hw: Hardware, *,
             margin: float, hold_free: int) -> RankFill | None:
     """The job's best packing on a rank where the jobs of `queue` already hold their bytes; None if it does not fit,
@@ -240,7 +242,7 @@ def _beside(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], que
     rf = best_fill(rank, shrunk, profiles, hw, safety_margin=margin, hold_free=max(0, hold_free - held))
     if rf is None:
         return None
-    free = _slot_free(cycle)
+    free = {s.id: s.free_bytes for s in cycle}
     for q in queue:
         others = held - _held(q) + _held(rf)
         if any(ch.mem_bytes + others > free[ch.bubble_id] for ch in q.packing.chunks):

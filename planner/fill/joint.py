@@ -42,15 +42,19 @@ class JointChoice:
     evaluation: Evaluation  # simulated
     simulation: SimResult
     fill: FillAssignment
-    offload: bool
-    offloaded: tuple[int, ...] = ()
-    """Per pipeline rank, the optimizer bytes the main job moves to the host for the bubbles (offload_bytes)."""
+    offloaded: tuple[int, ...]
+    """Per pipeline rank, the optimizer bytes the main job moves to the host for the bubbles (offload_bytes);
+    empty without offload."""
     main_useful_per_gpu: float  # FLOP/s
     considered: int  # main configurations admitted by main_slack
     recovered: float = 0.0  # fill GPU-seconds (dedicated-GPU equivalent) per wall second per GPU
     score: float = 0.0
     solver: str = "greedy"  # the packer that ran
     choice: str = ""  # shrinking vs filling: which won and why (choose_shrink_or_fill)
+
+    @property
+    def offload(self) -> bool:
+        return bool(self.offloaded)
 
 
 def offload_bytes(ev: Evaluator, e: Evaluation) -> tuple[int, ...] | None:
@@ -137,7 +141,7 @@ def _options(ev: Evaluator, candidates: list[Evaluation], jobs: dict[str, list[F
             fa = assign_fill(bubble_cycles(sim, e.config.pp, extra), e.iteration_s, jobs, ev.hw,
                              safety_margin=safety_margin, solver=solver, hold_free=hold_free(sim, ev.capacity),
                              replicas=e.config.dp * e.config.cp * e.config.tp, policy=policy)
-            out.append(JointChoice(evaluation=e, simulation=sim, fill=fa, offload=extra is not None, offloaded=extra or (),
+            out.append(JointChoice(evaluation=e, simulation=sim, fill=fa, offloaded=extra or (),
                                    main_useful_per_gpu=_main_useful(ev, e), considered=0,
                                    recovered=recovered_gpu_s_per_s(fa, e.iteration_s), solver=solver))
     return out

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from planner.plan import Plan, plan_hardware
 
-from .assign import best_fill, plan_hold_free
+from .assign import best_fill, plan_cycles, plan_hold_free
 from .cluster_sim import Prices, SimReport, simulate
-from .packing import BubbleSlot
 from .profiles import profile_job
 from .scheduler import TraceJob, Rank, RankPlan
 from .spec import FillSpec
@@ -15,13 +14,9 @@ __all__ = ["simulate_trace"]
 
 
 def _ranks(plan: Plan) -> list[Rank]:
-    ranks = []
-    for r in range(plan.config.pp):
-        bubbles = [b for b in plan.bubbles if b.rank == r]
-        ranks.append(Rank(id=r, slots=tuple(BubbleSlot(id=b.id, duration_s=b.duration_s, free_bytes=b.free_bytes)
-                                            for b in bubbles),
-                          period_s=plan.predictions.iteration_s, starts_s=tuple(b.start_s for b in bubbles)))
-    return ranks
+    return [Rank(id=r, slots=tuple(cycle), period_s=plan.predictions.iteration_s,
+                 starts_s=tuple(b.start_s for b in plan.bubbles if b.rank == r))
+            for r, cycle in enumerate(plan_cycles(plan))]
 
 
 def simulate_trace(plan: Plan, spec: FillSpec, *, policy: str = "fifo", horizon_s: float | None = None,

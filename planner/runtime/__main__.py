@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from passes.errors import UserError
 
 from . import CheckedPlan, check_plan
+from .fill_executor import GRACE_S
 
 if TYPE_CHECKING:
     from ..metrics import RunEntry
@@ -31,9 +32,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("plans", nargs="+", metavar="PLAN", help="plan.json; several run in turn (same world size)")
     ap.add_argument("--steps", type=int, default=3, help="training iterations (default 3)")
     ap.add_argument("--no-fill", action="store_true", help="never hand bubbles to fill jobs")
-    ap.add_argument("--fill-grace", type=float, default=0.05, metavar="SECONDS",
+    ap.add_argument("--fill-grace", type=float, default=GRACE_S, metavar="SECONDS",
                     help="how long past a bubble's end a fill job may take to pause before it is killed (FreeRide's "
-                         "grace period; default 0.05)")
+                         f"grace period; default {GRACE_S})")
     ap.add_argument("--metrics", metavar="OUT", help="write per-rank, per-step metrics JSON here (rank 0)")
     ap.add_argument("--optimizer", choices=("adam", "sgd"), default="adam", help="default adam")
     ap.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")

@@ -52,6 +52,7 @@ from ..schedule import Action, Op, grid
 from passes.errors import UserError
 
 from .context_parallel import ContextParallel
+from .fill_executor import GRACE_S
 from .groups import Groups, make_groups, make_shared_groups
 from .optim import GradSync, SavedBytes, local_tensor
 from .stage import (DTYPES, StageModule, TensorSpec, apply_tensor_parallel, boundary_specs, build_split,
@@ -67,7 +68,7 @@ class RunOptions:
 
     steps: int = 3
     fill: bool = True
-    fill_grace_s: float = 0.05
+    fill_grace_s: float = GRACE_S
     """How long past a bubble's end a fill task may run before it is killed (FreeRide 3.2.3's grace period)."""
     optimizer: str = "adam"
     lr: float = 1e-3

@@ -24,7 +24,7 @@ from typing import Any
 
 from planner.plan import Plan
 
-from .fill_executor import BubbleBegin, BubbleEnd, ExecutorOptions, Request, executor_main
+from .fill_executor import GRACE_S, BubbleBegin, BubbleEnd, ExecutorOptions, Request, executor_main
 
 __all__ = ["FillClient"]
 
@@ -51,7 +51,7 @@ class FillClient:
 
     @classmethod
     def start(cls, plan: Plan, pipeline_rank: int, global_rank: int, device: str,
-              measured_bubbles: dict[int, float] | None = None, grace_s: float = 0.05, *,
+              measured_bubbles: dict[int, float] | None = None, grace_s: float = GRACE_S, *,
               options: ExecutorOptions | None = None) -> "FillClient | None":
         """Spawn this rank's executor process (multiprocessing 'spawn' context) if the plan assigns fill
         chunks to pipeline_rank; None otherwise. Returns at once: the fill jobs load in the background

@@ -40,9 +40,9 @@ never leaves half a message):
 Work and turns (planner/fill/assign.py). A rank's jobs run one at a time: the current one keeps the bubbles until
 it stops, then the plan's policy picks the next among those that have arrived (planner.fill.scheduler.next_on_rank,
 the function the planner predicted the turns with). A bubble the current job has no chunk in (too short for its
-units, or too little memory) goes to the first arrived job the plan packed into it. This GPU runs only its share of each job: replica k of the
-stage's R GPUs takes batches first + k, first + k + R, ... of the rank's shard (FillShard); a training job's R
-replicas are data parallel, averaging gradients in host memory over gloo while the main job runs, so no
+units, or too little memory) goes to the first arrived job the plan packed into it. This GPU runs only its share
+of each job: replica k of the stage's R GPUs takes batches first + k, first + k + R, ... of the rank's shard
+(FillShard); a training job's R replicas are data parallel, averaging gradients in host memory over gloo while the main job runs, so no
 collective ever waits inside a bubble: the optimizer step is only started once the average has arrived.
 
 This module never imports torch: the manager stays light and starts fast.
@@ -64,11 +64,14 @@ from planner.fill.physics import STEP_ALLOWANCE_S, STEP_SAFETY
 from planner.fill.scheduler import JobInfo, next_on_rank, resolve_policy
 from planner.plan import FillJob, Plan
 
-__all__ = ["State", "Transition", "TRANSITIONS", "IllegalTransition", "SideTaskState", "ExecutorOptions",
+__all__ = ["GRACE_S", "State", "Transition", "TRANSITIONS", "IllegalTransition", "SideTaskState", "ExecutorOptions",
            "TaskSpec", "BubbleBegin", "BubbleEnd", "Request", "Occurrence", "TaskHandle", "Executor",
            "executor_main"]
 
 Interface = Literal["iterative", "imperative"]
+GRACE_S = 0.05
+"""How long past a bubble's pause point a fill task may run before it is killed (FreeRide 3.2.3's grace period):
+the default of the runtime's --fill-grace."""
 LOADS_KEPT = 200
 """Weight loads of a streamed job kept for the report (the count goes on)."""
 WAIT_POLL_S = 2e-3
@@ -430,7 +433,7 @@ class Executor:
         self.log: list[dict[str, Any]] = []
         self.tasks: dict[str, TaskHandle] = {}
         self.job_free: dict[str, int] = {}
-        self.info: dict[str, JobInfo] = {}
+        self.job_info: dict[str, JobInfo] = {}
         for index, job in enumerate(plan.fill.jobs):
             bubbles = [b for b, names in self.bubble_jobs.items() if job.name in names]
             spec = self._spec(job)
@@ -438,7 +441,7 @@ class Executor:
                 self.tasks[job.name] = TaskHandle(spec, job, self.log)
                 self.job_free[job.name] = min((free[b] for b in bubbles if b in free), default=2**62)
                 proc = {s.rank: s.end_s - s.start_s for s in job.shards}
-                self.info[job.name] = JobInfo(
+                self.job_info[job.name] = JobInfo(
                     name=job.name, kind=job.kind, arrival_s=job.arrival_s, deadline_s=job.deadline_s,
                     priority=job.priority, work=spec.iterations or 0, index=index,
                     proc_times=tuple(proc.get(r, math.inf) for r in range(self.pp)))
@@ -606,14 +609,15 @@ class Executor:
         return now - (self.t0 if self.t0 is not None else now)
 
     def _arrived(self, job: str, now: float) -> bool:
-        return self.info[job].arrival_s <= self._elapsed(now)
+        return self.job_info[job].arrival_s <= self._elapsed(now)
 
     def _current(self, now: float) -> TaskHandle | None:
         """The job this rank runs now: it keeps its turn until it stops; then the policy picks among the jobs that
         have arrived (planner.fill.scheduler.next_on_rank, as the planner predicted the turns)."""
         if self.current is not None and self.current.live:
             return self.current
-        pending = [self.info[t.name] for t in self.tasks.values() if t.live and t.loaded and self._arrived(t.name, now)]
+        pending = [self.job_info[t.name] for t in self.tasks.values()
+                   if t.live and t.loaded and self._arrived(t.name, now)]
         elapsed = self._elapsed(now)
         job = next_on_rank(pending, self.rank, self.pp, elapsed, self.policy) if pending else None
         self.current = None if job is None else self.tasks[job.name]

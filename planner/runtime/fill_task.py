@@ -379,7 +379,7 @@ def _join_replicas(spec: TaskSpec) -> Any:
     store = dist.PrefixStore(f"fxp-fill/{spec.dp_key}/", dist.TCPStore(host, int(port), is_master=False,
                                                                         timeout=timeout))
     dist.init_process_group("gloo", store=store, rank=spec.dp_rank, world_size=spec.dp_size, timeout=timeout)
-    return dist.distributed_c10d._get_default_group()
+    return dist.group.WORLD
 
 
 class Streamer:
@@ -434,7 +434,7 @@ class Streamer:
             return
         waiting = self.pending.pop(g, None)
         if waiting is not None:
-            waiting.join() if hasattr(waiting, "join") else torch.cuda.current_stream().wait_event(waiting)
+            waiting.join() if self.stream is None else torch.cuda.current_stream().wait_event(waiting)
         elif g not in self.loaded:
             self._load(g, prefetched=False)
         self.loaded.add(g)
@@ -451,7 +451,7 @@ class Streamer:
 
     def unload(self) -> None:
         for waiting in self.pending.values():
-            waiting.join() if hasattr(waiting, "join") else waiting.synchronize()
+            waiting.join() if self.stream is None else waiting.synchronize()
         self.pending.clear()
         for g in self.loaded:
             for p in self.params[g]:

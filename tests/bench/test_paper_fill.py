@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from planner.fill.assign import plan_hold_free
 from planner.fill.packing import BubbleSlot, FillUnit
 from planner.fill.physics import FILL_CONTEXT_BYTES, STEP_ALLOWANCE_S
 from planner.fill.profiles import FillProfile
@@ -96,7 +97,7 @@ def test_freeride_task_invariants(freeride_resnet18):
 def test_freeride_free_memory_grows_along_the_pipeline(freeride_resnet18):
     """000 l.132-137: the later stages hold fewer activations, so their bubbles have more memory free."""
     main, _, _ = freeride_resnet18
-    free = bench.peak_free(main)
+    free = plan_hold_free(main)
     assert free == sorted(free) and free[0] > 0
 
 

@@ -14,7 +14,6 @@ section:
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
