@@ -286,6 +286,8 @@ class UnitRunner:
                 start = time.time()
                 self.env[node.name] = self._call(k, args, kwargs, probe)
                 if self.streamer is not None:
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)  # the unit's GPU time (step() waits here anyway)
                     self.streamer.computed(start, time.time())
             if measure:
                 self.saved_bytes[name] = probe.total
@@ -404,6 +406,9 @@ class Streamer:
             self.params.append(own)
         cuda = device.type == "cuda"
         self.host = {id(p): (p.data.pin_memory() if cuda else p.data) for g in self.params for p in g}
+        for g in self.params:
+            for p in g:
+                p.data = self.host[id(p)]  # the pinned copy is the weight off the device (no second host copy)
         self.stream = torch.cuda.Stream(device) if cuda else None
         self.loaded: set[int] = set()
         self.pending: dict[int, Any] = {}  # group -> the thread (CPU) or event (CUDA) of its transfer
@@ -414,13 +419,14 @@ class Streamer:
     def _load(self, g: int, prefetched: bool) -> None:
         rec = {"group": g, "units": list(self.groups[g]), "bytes": sum(p.nbytes for p in self.params[g]),
                "prefetched": prefetched, "start": time.time()}
-        if self.stream is not None:
+        if self.stream is not None:  # timed by events on the side stream; read when reported
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             with torch.cuda.stream(self.stream):
+                start.record(self.stream)
                 for p in self.params[g]:
                     p.data = self.host[id(p)].to(self.device, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-            self.pending[g] = event
+                end.record(self.stream)
+            self.pending[g], rec["events"] = end, (start, end)
         else:
             for p in self.params[g]:
                 p.data = self.host[id(p)].clone()  # the "device" copy: a transfer of the same bytes
@@ -468,6 +474,10 @@ class Streamer:
         out = self.records[self.reported:]
         self.reported = len(self.records)
         for rec in out:
+            if "events" in rec:  # CUDA: the transfer's own duration on the side stream, from its issue
+                start, end = rec.pop("events")
+                end.synchronize()
+                rec["end"] = rec["start"] + start.elapsed_time(end) / 1e3
             rec["overlap_s"] = sum(max(0.0, min(e, rec["end"]) - max(s, rec["start"])) for s, e in self.compute)
         self.compute = [(s, e) for s, e in self.compute if e >= min((r["start"] for r in out), default=e)]
         return out

@@ -65,6 +65,7 @@ class GradSync:
         self.group, self.d, self.rank = dp_group, dp_size, dp_rank
         self._away: list[tuple[dict, str, torch.device]] = []  # optimizer state offloaded to the host
         self._stream: Any = None  # CUDA: the side stream of the offload's copies
+        self._host: dict[tuple[int, str], torch.Tensor] = {}  # the offload's host buffers, reused every step
         unique: dict[int, tuple[str, torch.nn.Parameter]] = {}
         for name, p in params.items():
             unique.setdefault(id(p), (name, p))
@@ -210,7 +211,10 @@ class GradSync:
                     continue
                 if moved + t.nbytes > limit:
                     return moved
-                host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+                host = self._host.get((id(st), key))
+                if host is None or host.shape != t.shape or host.dtype != t.dtype:  # pinned once: allocating it
+                    host = self._host[(id(st), key)] = torch.empty(  # every step costs more than the copy
+                        t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
                 if t.is_cuda:
                     if cuda is None:
                         cuda = self._side_stream(t.device)

@@ -1,0 +1,89 @@
+"""The fill mechanisms' CUDA paths, on a GPU (skipped without one): the main job's optimizer state offloaded to
+pinned host memory on a side stream and back (PipeFill 4.2), a fill job's weights streamed in by PipeSwitch's
+groups on a side stream, and an offloaded fill job's optimizer on the host."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from planner.runtime.fill_executor import TaskSpec
+from planner.runtime.fill_task import UnitRunner
+from planner.runtime.optim import GradSync
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+MLP = str(Path(__file__).resolve().parents[2] / "examples" / "mlp.py")
+ARGS = {"features": 256, "width": 1024, "depth": 4}
+
+
+def _sync(net: nn.Module) -> GradSync:
+    return GradSync(dict(net.named_parameters()), shared=(), dp_group=None, dp_size=1, dp_rank=0, zero=False,
+                    overlap=False, optimizer="adam", lr=1e-3)
+
+
+def test_offloaded_optimizer_state_lives_in_pinned_host_memory_and_the_steps_match():
+    torch.manual_seed(0)
+    nets = [nn.Sequential(nn.Linear(512, 512), nn.ReLU(), nn.Linear(512, 512)).cuda() for _ in range(2)]
+    nets[1].load_state_dict(nets[0].state_dict())
+    plain, offloading = (_sync(n) for n in nets)
+    x = torch.randn(64, 512, device="cuda")
+    for step in range(4):
+        moved = offloading.offload(1 << 40)
+        state = [t for st in offloading.optimizer.state.values() for t in st.values() if t.dim()]
+        if step:  # Adam's state exists from the first step on
+            assert moved == sum(t.nbytes for t in state) > 0
+            assert all(t.device.type == "cpu" and t.is_pinned() for t in state)
+        for net in nets:
+            net.zero_grad(set_to_none=True)
+            net(x).square().mean().backward()
+        offloading.restore()
+        plain.step()
+        offloading.step()
+        assert all(t.is_cuda for st in offloading.optimizer.state.values() for t in st.values() if t.dim())
+    torch.cuda.synchronize()
+    for a, b in zip(nets[0].parameters(), nets[1].parameters()):
+        assert torch.equal(a, b)
+
+
+def _runner(**kw) -> UnitRunner:
+    kind = kw.pop("kind", "infer")
+    return UnitRunner(TaskSpec(job="mlp", model_file=MLP, model_sha256="", model_args=ARGS, kind=kind, batch_size=64,
+                               units=(), device="cuda:0", interface="iterative", iterations=None, **kw))
+
+
+def test_streamed_job_loads_its_groups_onto_the_gpu_and_leaves_with_the_bubble():
+    streamed = _runner(resident=False, load_groups=((0, 3), (3, 6)))
+    streamed.to_device()
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in streamed.module.parameters())
+    while not streamed.step():
+        pass
+    assert all(p.is_cuda for p in streamed.module.parameters())
+    loads = streamed.progress()["loads"]
+    assert [(ld["group"], ld["prefetched"]) for ld in loads] == [(0, False), (1, True)]
+    assert sum(ld["bytes"] for ld in loads) == sum(p.nbytes for p in streamed.module.parameters())
+    streamed.unload()
+    assert all(p.device.type == "cpu" and p.is_pinned() for p in streamed.module.parameters())
+    resident = _runner()
+    resident.to_device()
+    x = torch.randn(8, ARGS["features"], device="cuda")
+    with torch.no_grad():
+        want = resident.module(x)
+        streamed.streamer.ensure(0)
+        streamed.streamer.ensure(3)
+        got = streamed.module(x)
+    assert torch.equal(got, want)
+
+
+def test_offloaded_fill_training_keeps_its_optimizer_on_the_host():
+    runner = _runner(kind="train", config="offload")
+    runner.to_device()
+    while not runner.step():
+        pass
+    state = runner.optimizer_state()
+    assert state["optimizer_on"] == "host" and not state["optimizer_steps_module_weights"]
+    assert state["optimizer_state_bytes"] > 0
+    assert all(t.device.type == "cpu" for st in runner.optimizer.state.values() for t in st.values() if t.dim())
+    assert all(p.is_cuda for p in runner.module.parameters())
