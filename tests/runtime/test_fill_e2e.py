@@ -102,7 +102,8 @@ def run(tmp_path_factory) -> dict[str, Any]:
         progressed = sum(_job(rep).units_done for _, rep in _reports(runs["planned"])) > 0
         raised = any(rep.errors for _, rep in _reports(runs["raise"]))  # its job reached the step that raises
         killed = any(rep.kills for _, rep in _reports(runs["stall"]))  # and the one that stalls
-        if progressed and raised and killed:
+        calm = not any(rep.kills for _, rep in _reports(runs["all"]))  # no step descheduled past its grace
+        if progressed and raised and killed and calm:
             break
     base = torchrun(2, [str(tmp / "planned.json"), *common, "--no-fill", "--metrics", str(tmp / "nofill.json")],
                     cwd=tmp)
