@@ -28,8 +28,9 @@ from .physics import DEFAULT_SAFETY_MARGIN, FILL_CONTEXT_BYTES, chunk_overhead_s
 from .pipeswitch import TransferOverhead, dp_grouping
 from .profiles import FillProfile
 from .scheduler import JobInfo, next_on_rank, resolve_policy
+from .waterwave import SPLIT_FRACTION, PairSchedule, pair_units, schedule_pair
 
-__all__ = ["RankFill", "Turn", "FillAssignment", "data_parallel", "Packer", "PACKERS", "assign_fill", "best_fill", "load_grouping",
+__all__ = ["RankFill", "Pairing", "Turn", "FillAssignment", "data_parallel", "Packer", "PACKERS", "assign_fill", "best_fill", "load_grouping",
            "held_bytes", "plan_cycles", "plan_hold_free"]
 
 PCIE_CALL_S = 10e-6  # per transfer (PipeSwitch 4.2's fixed cost; assumption for the target)
@@ -60,13 +61,38 @@ PACKERS: dict[str, Packer] = {
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class Pairing:
+    """Two training jobs of one rank paired by Waterwave's rule (planner/fill/waterwave.py): they run together, their
+    groups taking turns, in the memory neither leaves the other when they run side by side."""
+
+    rank: int
+    jobs: tuple[str, str]
+    schedule: PairSchedule
+    split_bytes: int
+    units: tuple[FillUnit, ...]
+    """The schedule's period as one job's units (what the packing packed)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class RankFill:
     rank: int
     profile: FillProfile
     resident: bool
     packing: Packing
+    """A paired job's is the pair's: both jobs' units of the schedule's period, packed together."""
     load_groups: tuple[tuple[int, int], ...] = ()
     """Not resident: PipeSwitch's transfer groups, half-open ranges of its forward units, loaded in order per bubble."""
+    pair: Pairing | None = None
+
+    @property
+    def units(self) -> tuple[FillUnit, ...]:
+        """What its packing packs: its own units, or its pair's."""
+        return self.pair.units if self.pair is not None else self.profile.units
+
+    @property
+    def packed_as(self) -> str:
+        """The job its packing is for: its own, or its pair's ("a+b")."""
+        return "+".join(self.pair.jobs) if self.pair is not None else self.profile.job
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -250,9 +276,42 @@ def _beside(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], que
     return rf
 
 
+def _pair(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], queue: list[RankFill], hw: Hardware, *,
+          margin: float, hold_free: int) -> tuple[RankFill, RankFill] | None:
+    """Waterwave: the training job paired with a training job already on the rank (that one's configuration kept),
+    where their staggered memory fits what the rank's other jobs leave; (partner, job) of the pair that recovers
+    most, or None."""
+    best: tuple[RankFill, RankFill] | None = None
+    for q in queue:
+        if q.profile.kind != "train" or q.pair is not None or not q.resident:
+            continue
+        others = [o for o in queue if o is not q]
+        held = sum(_held(o) for o in others)
+        for prof in profiles:
+            resident = q.profile.resident_bytes + prof.resident_bytes + FILL_CONTEXT_BYTES  # + the packer's context
+            budget = hold_free - held - resident - FILL_CONTEXT_BYTES
+            if prof.kind != "train" or budget <= 0:
+                continue
+            split = int(SPLIT_FRACTION * budget)
+            sched = schedule_pair(q.profile.units, prof.units, budget, split)
+            if sched is None:
+                continue
+            units = pair_units(sched, q.profile.units, prof.units)
+            both = replace(prof, job=f"{q.profile.job}+{prof.job}", units=units, resident_bytes=resident, layers=())
+            rf = _beside(rank, cycle, [both], others, hw, margin=margin, hold_free=hold_free)
+            if rf is None or (best is not None and rf.packing.flops_per_cycle <= best[0].packing.flops_per_cycle):
+                continue
+            pairing = Pairing(rank=rank, jobs=(q.profile.job, prof.job), schedule=sched, split_bytes=split, units=units)
+            best = (replace(q, packing=rf.packing, pair=pairing),
+                    RankFill(rank=rank, profile=prof, resident=True, packing=rf.packing, pair=pairing))
+    return best
+
+
 def _rate(rf: RankFill, iteration_s: float) -> float:
-    """Batches per second one GPU of the rank completes of this job."""
-    return rf.packing.iterations_per_cycle / iteration_s
+    """Batches per second one GPU of the rank completes of this job (a paired job: each period of the pair runs
+    its schedule's iterations of both)."""
+    per = rf.pair.schedule.iterations if rf.pair is not None else 1
+    return rf.packing.iterations_per_cycle * per / iteration_s
 
 
 def _split(total: int, weights: list[float]) -> list[int]:
@@ -277,9 +336,9 @@ def _place(cycles: list[list[BubbleSlot]], jobs: dict[str, list[FillProfile]], h
                 for r, c in enumerate(cycles)]
 
     best: dict[str, list[RankFill | None]] = {}
+    jobs = {name: [data_parallel(prof, hw) for prof in profiles] if profiles and profiles[0].kind == "train"
+            and replicas > 1 else profiles for name, profiles in jobs.items()}
     for name, profiles in jobs.items():
-        if profiles and profiles[0].kind == "train" and replicas > 1:
-            profiles = [data_parallel(prof, hw) for prof in profiles]
         if profiles and profiles[0].kind == "infer":
             per = [alone([prof]) for prof in profiles]
             best[name] = max(per, key=lambda o: sum(rf.packing.flops_per_cycle for rf in o if rf), default=[None] * p)
@@ -291,9 +350,14 @@ def _place(cycles: list[list[BubbleSlot]], jobs: dict[str, list[FillProfile]], h
     not_chosen: dict[str, str] = {}
     for name in sorted(feasible, key=lambda n: -max(rf.packing.flops_per_cycle for rf in best[n] if rf)):
         fits = []
+        partners: dict[int, RankFill] = {}  # rank -> the queued job a pairing there replaces
         for r, rf in enumerate(best[name]):
             if rf is not None and queues[r]:
-                rf = _beside(r, cycles[r], [rf.profile], queues[r], hw, margin=margin, hold_free=hold[r])
+                alone_rf, rf = rf, _beside(r, cycles[r], [rf.profile], queues[r], hw, margin=margin, hold_free=hold[r])
+                if rf is None and alone_rf.profile.kind == "train":
+                    pair = _pair(r, cycles[r], jobs[name], queues[r], hw, margin=margin, hold_free=hold[r])
+                    if pair is not None:
+                        partners[r], rf = pair
             if rf is not None:
                 fits.append(rf)
         if not fits:
@@ -306,6 +370,9 @@ def _place(cycles: list[list[BubbleSlot]], jobs: dict[str, list[FillProfile]], h
             fits = [min(fits, key=lambda rf: (load[rf.rank] + steps / _rate(rf, iteration_s), rf.rank))]
             load[fits[0].rank] += steps / _rate(fits[0], iteration_s)
         for rf in fits:
+            if rf.rank in partners:
+                q = queues[rf.rank]
+                q[next(i for i, o in enumerate(q) if o.profile.job == partners[rf.rank].profile.job)] = partners[rf.rank]
             queues[rf.rank].append(rf)
     return queues, not_chosen, feasible
 
@@ -341,10 +408,13 @@ def _turns(queues: list[list[RankFill]], replicas: int, iteration_s: float, poli
                 now = min(i.arrival_s for i in infos)
                 continue
             job = next_on_rank(arrived, r, p, now, score)
-            first, n = shares[(job.name, r)]
-            out.append(Turn(fill=rfs[job.name], first_batch=first, batches=n, start_s=now, end_s=now + proc[job.name]))
-            now += proc[job.name]
-            infos.remove(job)
+            pair = rfs[job.name].pair
+            together = [job] + [i for i in arrived if pair is not None and i is not job and i.name in pair.jobs]
+            for i in together:  # a pair's jobs start together (Waterwave)
+                first, n = shares[(i.name, r)]
+                out.append(Turn(fill=rfs[i.name], first_batch=first, batches=n, start_s=now, end_s=now + proc[i.name]))
+                infos.remove(i)
+            now += max(proc[i.name] for i in together)
     return out
 
 
@@ -360,10 +430,14 @@ def assign_fill(cycles: list[list[BubbleSlot]], iteration_s: float, jobs: dict[s
             for r, c in enumerate(cycles)]
     queues, not_chosen, feasible = _place(cycles, jobs, hw, margin=safety_margin, hold=hold, replicas=replicas,
                                           iteration_s=iteration_s)
-    if solver != "greedy":
-        queues = [[replace(rf, packing=PACKERS[solver].repack(rf.profile.units, cycles[rf.rank], greedy=rf.packing,
-                                                              time_limit_s=time_limit_s)) for rf in q]
-                  for q in queues]
+    if solver != "greedy":  # a pair's jobs share one packing: re-packed once
+        repacked: dict[tuple[int, str], Packing] = {}
+        for q in queues:
+            for rf in q:
+                if (rf.rank, rf.packed_as) not in repacked:
+                    repacked[(rf.rank, rf.packed_as)] = PACKERS[solver].repack(
+                        rf.units, cycles[rf.rank], greedy=rf.packing, time_limit_s=time_limit_s)
+        queues = [[replace(rf, packing=repacked[(rf.rank, rf.packed_as)]) for rf in q] for q in queues]
     turns = tuple(_turns(queues, replicas, iteration_s, policy))
     order = {(t.rank, t.job): i for i, t in enumerate(turns)}
     per_rank = tuple(tuple(sorted((rf for rf in q if (rf.rank, rf.profile.job) in order),
