@@ -54,6 +54,12 @@ class FillStep(_Model):
     batch: Optional[int] = Field(None, description="the job's batch the iteration this unit completed ran on "
                                  "(its index among the job's batches); absent for the other units")
     checksum: Optional[float] = Field(None, description="sum of the weights after it (data-parallel jobs)")
+    live_bytes: Optional[int] = Field(None, description="training: activations its iteration keeps for the backward "
+                                      "after it (the saved bytes measured per forward unit)")
+    pair_live_bytes: Optional[int] = Field(None, description="a paired job (Waterwave): its live bytes plus its "
+                                           "partner's, after it")
+    pair_budget_bytes: Optional[int] = Field(None, description="a paired job: the pair's budget (FillPair.budget_bytes)")
+    allocated_bytes: Optional[int] = Field(None, description="CUDA: the task's allocated device bytes after it")
 
 
 class FillOverrun(_Model):

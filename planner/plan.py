@@ -230,12 +230,31 @@ class FillPredictions(_Model):
                         "filling them, and why, with both configurations' figures; or why they were not compared (a pinned schedule)")
 
 
+class FillPair(_Model):
+    """Two training jobs of one pipeline rank paired as Waterwave pairs them (planner/fill/waterwave.py): they run
+    together, their node groups taking turns, a unit admitted only while the pair stays within budget_bytes. The
+    runtime decides with these numbers (waterwave.PairLedger), as the planner simulated."""
+
+    rank: int = Field(description="pipeline rank")
+    jobs: list[str] = Field(description="the two FillJob names (job 0 and job 1 of the lists below)")
+    budget_bytes: int = Field(description="device bytes the pair's activations and working memory may use together")
+    split_bytes: int = Field(description="Waterwave's split size: a node group closes once it (de)allocates this")
+    stops: list[list[int]] = Field(description="per job, the unit indices where its node groups end (exclusive)")
+    mem_bytes: list[list[int]] = Field(description="per job and unit: bytes while it runs, its live activations included")
+    state_bytes: list[list[int]] = Field(description="per job and unit: bytes live after it")
+    iterations: int = Field(description="iterations of each job per period of the pair's schedule")
+    peak_bytes: int = Field(description="the most the pair uses at once (predicted)")
+    held_bytes: int = Field(description="the most the pair's activations hold between units, so between bubbles")
+    side_by_side_bytes: int = Field(description="what the two need unstaggered: the sum of their peaks")
+
+
 class Fill(_Model):
     safety_margin: float
     policy: Literal["fifo", "sjf", "makespan", "edf"] = Field("sjf", description="which of a rank's fill jobs runs next when one ends (planner/fill/"
                         "scheduler.py POLICIES: fifo, sjf, makespan, edf)")
     jobs: list[FillJob]
     chunks: list[FillChunk]
+    pairs: list[FillPair] = Field(default_factory=list, description="training jobs paired on a rank (Waterwave)")
     predictions: FillPredictions
 
 
@@ -299,6 +318,16 @@ def inconsistency(plan: Plan) -> str | None:
         bad = [ch.job for ch in plan.fill.chunks if ch.rank >= c.pp]
         if bad:
             return f"fill chunk of {bad[0]} runs on rank >= config.pp = {c.pp}"
+        jobs = {j.name: j for j in plan.fill.jobs}
+        for pair in plan.fill.pairs:
+            named = [jobs.get(n) for n in pair.jobs]
+            if len(named) != 2 or None in named or any(j.kind != "train" for j in named):
+                return f"fill pair {pair.jobs} does not name two training jobs of the plan"
+            units = [len(j.units) for j in named]
+            if [len(x) for x in pair.mem_bytes] != units or [len(x) for x in pair.state_bytes] != units \
+                    or len(pair.stops) != 2 or pair.rank >= c.pp:
+                return (f"fill pair {pair.jobs}: mem_bytes, state_bytes and stops must cover each job's units, on a rank "
+                        f"below config.pp = {c.pp}")
     return None
 
 

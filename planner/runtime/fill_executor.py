@@ -31,7 +31,7 @@ Protocols (all over one-way pipes; writes below PIPE_BUF are atomic, so a stoppe
 never leaves half a message):
   client -> executor: BubbleBegin, BubbleEnd, Request("report" | "close")
   executor -> client: ("ready", {job: state}), ("report", dict), ("closed", None), ("crashed", text)
-  executor -> task:   ("init", free_bytes), ("step", pos, free_bytes), ("run", free_bytes), ("stop",),
+  executor -> task:   ("init", free_bytes), ("step", pos, release, free_bytes), ("run", free_bytes), ("stop",),
                       ("unload",): a streamed job's weights leave the device (the bubble ended)
   task -> executor:   ("created", info), ("inited", [unit seconds] | None), ("failed", text),
                       ("step" | "unit", pos, start, end, start_mono, end_mono, iteration_done, info), ("done",),
@@ -44,6 +44,8 @@ units, or too little memory) goes to the first arrived job the plan packed into 
 of each job: replica k of the stage's R GPUs takes batches first + k, first + k + R, ... of the rank's shard
 (FillShard); a training job's R replicas are data parallel, averaging gradients in host memory over gloo while the main job runs, so no
 collective ever waits inside a bubble: the optimizer step is only started once the average has arrived.
+Two paired training jobs (plan.fill.pairs, Waterwave) share one turn: their units are interleaved by the pair's
+rule, each admitted only while the two stay within the pair's memory budget.
 
 This module never imports torch: the manager stays light and starts fast.
 """
@@ -62,6 +64,7 @@ from typing import Any, Literal
 
 from planner.fill.physics import STEP_ALLOWANCE_S, STEP_SAFETY
 from planner.fill.scheduler import JobInfo, next_on_rank, resolve_policy
+from planner.fill.waterwave import PairLedger
 from planner.plan import FillJob, Plan
 
 __all__ = ["GRACE_S", "State", "Transition", "TRANSITIONS", "IllegalTransition", "SideTaskState", "ExecutorOptions",
@@ -306,6 +309,17 @@ def _is_stopped(pid: int) -> bool:
 
 
 
+@dataclass(kw_only=True, slots=True)
+class PairRun:
+    """Two paired jobs of this rank (Waterwave, plan.fill.pairs) and where their rule stands."""
+
+    jobs: tuple[str, str]
+    ledger: PairLedger
+    last: int | None = None  # which of the two ran the last unit
+    live: dict[str, int] = field(default_factory=dict)  # measured live bytes of each after its last unit
+    refused: set[int] = field(default_factory=set)  # bubble occurrences where no unit of the pair was admitted
+
+
 class TaskHandle:
     """The manager's side of one side task: its process, pipes, state machine and progress."""
 
@@ -445,6 +459,13 @@ class Executor:
                     name=job.name, kind=job.kind, arrival_s=job.arrival_s, deadline_s=job.deadline_s,
                     priority=job.priority, work=spec.iterations or 0, index=index,
                     proc_times=tuple(proc.get(r, math.inf) for r in range(self.pp)))
+        self.pairs: dict[str, PairRun] = {}  # job -> its pair on this rank (Waterwave), both jobs' entries
+        for fp in plan.fill.pairs:
+            if fp.rank == pipeline_rank and all(n in self.tasks for n in fp.jobs):
+                run = PairRun(jobs=tuple(fp.jobs), ledger=PairLedger(
+                    mem=tuple(tuple(x) for x in fp.mem_bytes), state=tuple(tuple(x) for x in fp.state_bytes),
+                    stops=tuple(tuple(x) for x in fp.stops), budget=fp.budget_bytes))
+                self.pairs.update({n: run for n in fp.jobs})
         self.current: TaskHandle | None = None
         self.turns: list[dict[str, Any]] = []
         self.t0: float | None = None  # monotonic time the main job was told 'ready': arrivals count from it
@@ -616,6 +637,11 @@ class Executor:
         have arrived (planner.fill.scheduler.next_on_rank, as the planner predicted the turns)."""
         if self.current is not None and self.current.live:
             return self.current
+        partner = self._partner(self.current)
+        if partner is not None:  # a pair's turn lasts until both of its jobs are done
+            self.current = partner
+            self.turns.append({"job": partner.name, "at": self.wall(now), "elapsed_s": self._elapsed(now)})
+            return partner
         pending = [self.job_info[t.name] for t in self.tasks.values()
                    if t.live and t.loaded and self._arrived(t.name, now)]
         elapsed = self._elapsed(now)
@@ -631,6 +657,8 @@ class Executor:
         if t is None or t.name not in cur.jobs:  # a bubble the current job has no chunk in: the next one's
             t = next((self.tasks[n] for n in cur.jobs if n in self.tasks and self.tasks[n].live
                       and self.tasks[n].loaded and self._arrived(n, now)), None)
+        if t is not None and t.name in self.pairs:
+            t = self._paired(self.pairs[t.name], t, cur, now)
         if (t is None or t.busy is not None or t.kill_at is not None or now >= cur.usable_mono
                 or (t.retry_at is not None and now < t.retry_at)):
             return
@@ -644,9 +672,38 @@ class Executor:
                 return
             self._start(t, cur, now)
         if t.sm.state is State.RUNNING and t.iterative and now + t.estimate(t.pos, self.options) <= cur.usable_mono:
-            if t.send(("step", t.pos, cur.free_bytes)):
+            pair = self.pairs.get(t.name)
+            release = pair is not None and pair.ledger.frees(pair.jobs.index(t.name), t.pos % len(t.linearized))
+            if t.send(("step", t.pos, release, cur.free_bytes)):
                 t.busy = {"what": "step", "pos": t.pos, "sent": now, "occ": cur}
                 t.sm.apply(Transition.RUN_NEXT_STEP, reason=t.unit_name(t.pos))
+
+    def _partner(self, t: TaskHandle | None) -> TaskHandle | None:
+        """The live partner of a paired job (once it has arrived), else None."""
+        if t is None or t.name not in self.pairs:
+            return None
+        other = self.tasks[next(n for n in self.pairs[t.name].jobs if n != t.name)]
+        return other if other.live and other.loaded and self._arrived(other.name, time.monotonic()) else None
+
+    def _paired(self, pair: PairRun, t: TaskHandle, cur: Occurrence, now: float) -> TaskHandle | None:
+        """Waterwave: which of a pair's jobs runs its next unit, by the rule the planner simulated
+        (waterwave.PairLedger.next: groups alternate, a unit only while the pair stays within its budget). A job
+        whose partner is done (or has not arrived) runs alone; None: wait (a unit in flight, or none admitted)."""
+        other = self._partner(t)
+        if other is None:
+            return t
+        a, b = (self.tasks[n] for n in pair.jobs)
+        if a.busy is not None or b.busy is not None:
+            return None
+        j = pair.ledger.next((a.pos, b.pos), pair.last, a.iterations - b.iterations)
+        if j is None:
+            if cur.seq not in pair.refused:
+                pair.refused.add(cur.seq)
+                cur.errors.append({"job": t.name, "at": self.wall(now), "unit": t.unit_name(t.pos),
+                                   "message": f"pair {'+'.join(pair.jobs)}: no unit fits its budget of "
+                                              f"{pair.ledger.budget} bytes"})
+            return None
+        return (a, b)[j]
 
     def _start(self, t: TaskHandle, cur: Occurrence, now: float) -> None:
         cur.acted = True
@@ -763,6 +820,17 @@ class Executor:
                "start": start, "end": end, "interface": t.spec.interface}
         if iteration_done:
             rec["batch"] = t.spec.batch_first + t.spec.batch_stride * t.iterations
+        pair = self.pairs.get(t.name)
+        if info and "live_bytes" in info:
+            rec["live_bytes"] = info.pop("live_bytes")
+            if "allocated_bytes" in info:
+                rec["allocated_bytes"] = info.pop("allocated_bytes")
+            if pair is not None:
+                pair.last = pair.jobs.index(t.name)
+                pair.live[t.name] = rec["live_bytes"]
+                if self._partner(t) is not None:
+                    rec["pair_live_bytes"] = sum(pair.live.values())
+                    rec["pair_budget_bytes"] = pair.ledger.budget
         if info:
             loads = info.pop("loads", [])
             t.loads_total += len(loads)

@@ -185,6 +185,15 @@ class UnitRunner:
             out["checksum"] = float(sum(p.detach().double().sum() for p in self.module.parameters()))
         return out
 
+    def live_bytes(self) -> int:
+        """Activations the iteration keeps for its backward now: the saved bytes measured per forward unit, of the
+        forward units whose backward has not run."""
+        if not self.train:
+            return 0
+        n, k = len(self.calls), self.pos % len(self.linearized)
+        kept = min(k, n) if k <= n else max(0, 2 * n - k)
+        return sum(self.saved_bytes.get(self.linearized[i], 0) for i in range(kept))
+
     def step(self) -> bool:
         """Run the next linearized unit; True when it completed an iteration."""
         n, k = len(self.calls), self.pos % len(self.linearized)
@@ -536,15 +545,22 @@ def task_main(spec: TaskSpec, rx: Any, tx: Any) -> None:
             pass
 
 
-def _timed_step(runner: UnitRunner, kind: str) -> tuple:
+def _timed_step(runner: UnitRunner, kind: str, release: bool = False) -> tuple:
+    """Run the next unit. `release` (a paired job's deallocation group ended, Waterwave): on CUDA, what it freed goes
+    back to the device, where the partner's process can allocate it."""
     pos, start, start_mono = runner.pos, time.time(), time.monotonic()
     done = runner.step()
+    if release and runner.device.type == "cuda":
+        torch.cuda.empty_cache()
     end, end_mono = time.time(), time.monotonic()
-    return (kind, pos, start, end, start_mono, end_mono, done, runner.progress() if done else None)
+    info = {"live_bytes": runner.live_bytes()} if runner.train else {}
+    if runner.train and runner.device.type == "cuda":
+        info["allocated_bytes"] = torch.cuda.memory_allocated(runner.device)
+    return (kind, pos, start, end, start_mono, end_mono, done, {**info, **runner.progress()} if done else info or None)
 
 
 def _iterative(runner: UnitRunner, rx: Any, tx: Any) -> None:
-    """Iterative interface: one RunNextStep per ("step", pos, free_bytes) request."""
+    """Iterative interface: one RunNextStep per ("step", pos, release, free_bytes) request."""
     free = None
     while True:
         msg = rx.recv()
@@ -563,7 +579,7 @@ def _iterative(runner: UnitRunner, rx: Any, tx: Any) -> None:
         elif msg[0] == "step":
             if msg[1] != runner.pos:
                 raise RuntimeError(f"asked for unit {msg[1]} of the stream, next is {runner.pos}")
-            tx.send(_timed_step(runner, "step") if runner.ready() else ("wait", runner.pos))
+            tx.send(_timed_step(runner, "step", msg[2]) if runner.ready() else ("wait", runner.pos))
 
 
 def _imperative(runner: UnitRunner, rx: Any, tx: Any) -> None:

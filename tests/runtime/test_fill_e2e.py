@@ -6,7 +6,8 @@ GPT's bubbles last microseconds, less than the packer's per-chunk launch overhea
 be placed. Three plans with the same main job run in turn in ONE torchrun launch with fill: the
 planned MLP training job, and that plan with its fill job pointed (on the Plan object) at a model
 that stalls and at one that raises. A second launch runs the planned plan with --no-fill; the main
-job's losses of all three must equal it.
+job's losses of all of them must equal it. Besides those, issue 24's mechanisms together ("all") and two training
+jobs paired on one rank as Waterwave pairs them ("pair").
 """
 from __future__ import annotations
 
@@ -17,9 +18,14 @@ import pytest
 
 from passes.load import file_sha256
 from planner.api import make_plan
+from planner.fill.assign import assign_fill, plan_cycles
+from planner.fill.physics import FILL_CONTEXT_BYTES
+from planner.fill.profiles import profile_job
+from planner.fill.section import fill_section
+from planner.fill.waterwave import PairLedger
 from planner.fill.spec import FillJobSpec, FillSpec, Work
 from planner.metrics import FillJobReport, FillReport, RunEntry, load_metrics
-from planner.plan import Plan, save_plan
+from planner.plan import Plan, plan_hardware, save_plan
 from planner.runtime.fill_executor import TaskSpec
 from planner.runtime.fill_task import UnitRunner
 from planner.search import Pins
@@ -34,7 +40,7 @@ MLP = ROOT / "examples" / "mlp.py"
 FAULTY = ROOT / "tests" / "runtime_fill" / "fixtures" / "faulty.py"
 STALL_S = 30.0  # the stalling unit's sleep: far longer than any bubble, so only a kill ends it
 CPU_TARGET = ROOT / "examples" / "targets" / "cpu-core.yaml"
-PLANS = ("planned", "stall", "raise", "offload", "all")
+PLANS = ("planned", "stall", "raise", "offload", "all", "pair")
 OFFLOAD_BYTES = 1 << 40  # every optimizer state tensor (PipeFill 4.2 offloads it all)
 
 
@@ -61,6 +67,21 @@ def _everything() -> Plan:
     fill = [j.model_copy(update={"config": "checkpoint"} if j.kind == "train" else
                          {"resident": False, "load_groups": [[0, 2], [2, len(j.units)]]}) for j in plan.fill.jobs]
     return _offloading(plan.model_copy(update={"fill": plan.fill.model_copy(update={"jobs": fill})}))
+
+
+def _paired(planned: Plan) -> Plan:
+    """Two MLP training jobs on rank 0 where one job's peak is all the memory they may share (rank 1 has none to
+    spare): side by side they do not fit, so the planner pairs them (Waterwave)."""
+    jobs = [FillJobSpec(name=n, model=str(MLP), model_args={"features": 32, "width": 64, "depth": 2}, kind="train",
+                        batch_sizes=[8], work=Work(iterations=100_000)) for n in ("mlp-a", "mlp-b")]
+    spec = FillSpec(jobs=jobs)
+    hw = plan_hardware(planned)
+    profiles = {j.name: [p for p in profile_job(j, hw, "fp32") if p.config == "plain"] for j in jobs}
+    a = profiles["mlp-a"][0]
+    hold = [2 * (FILL_CONTEXT_BYTES + a.resident_bytes) + max(u.mem_bytes for u in a.units), 0]
+    fa = assign_fill(plan_cycles(planned), planned.predictions.iteration_s, profiles, hw, hold_free=hold,
+                     safety_margin=spec.safety_margin, policy=spec.policy)
+    return planned.model_copy(update={"fill": fill_section(fa, spec, offload=False, main_useful_per_gpu=0.0)})
 
 
 def _offloading(plan: Plan) -> Plan:
@@ -90,7 +111,7 @@ def run(tmp_path_factory) -> dict[str, Any]:
     plans = {"planned": planned,
              "stall": _faulty(planned, {"mode": "slow", "after": 1, "seconds": STALL_S}),
              "raise": _faulty(planned, {"mode": "raise", "after": 1}),
-             "offload": _offloading(planned), "all": _everything()}
+             "offload": _offloading(planned), "all": _everything(), "pair": _paired(planned)}
     for name, plan in plans.items():
         save_plan(plan, tmp / f"{name}.json")
     common = ["--steps", str(STEPS), "--optimizer", "adam"]
@@ -247,3 +268,33 @@ def test_all_of_issue_24s_mechanisms_run_together(run: dict) -> None:
     assert len(train) == 1 and train[0].config == "checkpoint" and train[0].error is None, train
     for _, rep in _reports(entry):
         assert rep.kills == [] and rep.errors == [], (rep.kills, rep.errors)
+
+
+def test_paired_jobs_share_a_ranks_bubbles_within_their_budget(run: dict) -> None:
+    """Waterwave's pairing as run: the two jobs' units interleave in the same bubbles, in exactly the order of the
+    rule the planner simulated, and the activations they keep together (measured by saved-tensor hooks) stay within
+    the pair's budget, below what the two would hold at their peaks side by side."""
+    plan = run["plans"]["pair"]
+    (pair,) = plan.fill.pairs
+    assert pair.rank == 0 and pair.peak_bytes <= pair.budget_bytes < pair.side_by_side_bytes
+    assert {j.name for j in plan.fill.jobs} == set(pair.jobs)
+    reports = dict(_reports(run["fill"]["pair"]))
+    rep = reports[0]
+    assert not rep.errors and not rep.kills and (1 not in reports or not reports[1].jobs)
+    assert all(j.iterations_done >= 1 for j in rep.jobs), [(j.name, j.units_done) for j in rep.jobs]
+    assert any({s.job for s in b.steps} == set(pair.jobs) for b in rep.bubbles), "no bubble ran both jobs"
+    steps = sorted((s for b in rep.bubbles for s in b.steps), key=lambda s: s.start)
+    n = len(pair.mem_bytes[0])
+    led = PairLedger(mem=tuple(map(tuple, pair.mem_bytes)), state=tuple(map(tuple, pair.state_bytes)),
+                     stops=tuple(map(tuple, pair.stops)), budget=pair.budget_bytes)
+    pos, last, ahead, expected = [0, 0], None, 0, []
+    for _ in steps:
+        j = led.next((pos[0], pos[1]), last, ahead)
+        expected.append((pair.jobs[j], pos[j]))
+        pos[j], last = pos[j] + 1, j
+        ahead += (1 if j == 0 else -1) if pos[j] % n == 0 else 0
+    assert [(s.job, s.pos) for s in steps] == expected
+    paired = [s for s in steps if s.pair_live_bytes is not None]
+    assert paired and all(s.pair_budget_bytes == pair.budget_bytes for s in paired)
+    solo = sum(max(s.live_bytes for s in steps if s.job == name) for name in pair.jobs)
+    assert max(s.pair_live_bytes for s in paired) <= pair.budget_bytes < solo
