@@ -13,7 +13,7 @@ from costmodels.recompute import RECOMPUTE
 from passes.errors import UserError
 from targets.builtin import DEFAULT_TARGET
 
-from .cli import GiB, TARGET_HELP, _ms, app, err, out, user_errors
+from .cli import GiB, TARGET_HELP, _ms, _si, app, err, out, user_errors
 from .fill.assign import PACKERS
 from .plan import Plan, load_plan, save_plan
 from .schedules import SCHEDULES
@@ -169,7 +169,7 @@ def _print_fill(p: Plan) -> None:
         out.print(f"shrink or fill: {fp.choice}", highlight=False)
     gpus = p.config.dp * p.config.cp * p.config.tp
     table = Table(title=f"fill per pipeline rank (each rank's {gpus} GPU{'s' if gpus > 1 else ''} divide its share; "
-                        f"one job at a time, next by {f.policy})")
+                        f"one job at a time{' or a pair' if f.pairs else ''}, next by {f.policy})")
     for col in ("rank", "job", "resident", "batches", "turn", "chunks", "units/iteration", "busy in bubbles"):
         table.add_column(col)
     turns = sorted(((s.rank, s.start_s, j, s) for j in f.jobs for s in j.shards), key=lambda x: x[:2])
@@ -188,6 +188,17 @@ def _print_fill(p: Plan) -> None:
         out.print(f"[yellow]unplaceable[/] {name}: {why}", highlight=False)
     for name, why in fp.not_chosen.items():
         out.print(f"[yellow]not chosen[/] {name}: {why}", highlight=False)
+    for pair in f.pairs:
+        a, b = pair.jobs
+        side, budget = _si(pair.side_by_side_bytes, "B"), _si(pair.budget_bytes, "B")
+        why = (f"side by side they would need {side}, more than the {budget} they may use" if
+               pair.side_by_side_bytes > pair.budget_bytes else
+               f"they would fit side by side too ({side} of {budget}); paired as asked (pair_with)")
+        out.print(f"paired (Waterwave) on rank {pair.rank}: {a} and {b} run together, their node groups taking turns; "
+                  f"at once they use at most {_si(pair.peak_bytes, 'B')} and hold {_si(pair.held_bytes, 'B')} between "
+                  f"bubbles: {why}", highlight=False)
+    for name, why in fp.notes.items():
+        out.print(f"[yellow]note[/] {name}: {why}", highlight=False)
 
 
 @app.command()

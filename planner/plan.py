@@ -223,6 +223,8 @@ class FillPredictions(_Model):
     unplaceable: dict[str, str] = Field(default_factory=dict, description="job -> why it fits no bubble")
     not_chosen: dict[str, str] = Field(default_factory=dict, description="job -> why it fits but runs nowhere "
                                        "(every job of the spec is placed, unplaceable, or here)")
+    notes: dict[str, str] = Field(default_factory=dict, description="job -> a pairing it asked for (pair_with) and "
+                                  "why it was not made")
     solver: str = Field("greedy", description="how the packing was solved: greedy (and, when CP-SAT was asked for, "
                         "that greedy is proven optimal where chunk boundaries cost nothing), or CP-SAT's solves, time "
                         "and gap to its proven bound")

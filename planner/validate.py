@@ -171,13 +171,14 @@ def fill_spec_of(plan: Plan):
     re-priced; the YAML the plan was made from, when at hand, lets every batch size compete again)."""
     from .fill.spec import FillJobSpec, FillSpec, Work
 
+    paired = {b.split("@")[0]: a.split("@")[0] for a, b in (p.jobs for p in plan.fill.pairs)}
     jobs = {}
     for j in plan.fill.jobs:
         name = j.name.split("@")[0]
         jobs.setdefault(name, FillJobSpec(name=name, model=j.model_file, model_args=j.model_args, kind=j.kind,
                                           batch_sizes=[j.batch_size], leaves=list(j.leaves),
                                           work=Work(iterations=j.iterations or 1), arrival_s=j.arrival_s,
-                                          deadline_s=j.deadline_s, priority=j.priority))
+                                          deadline_s=j.deadline_s, priority=j.priority, pair_with=paired.get(name)))
     return FillSpec(jobs=list(jobs.values()), safety_margin=plan.fill.safety_margin, policy=plan.fill.policy)
 
 

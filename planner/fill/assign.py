@@ -129,6 +129,7 @@ class FillAssignment:
     """GPUs per pipeline rank (d x cp x t): they divide each of the rank's jobs."""
     unplaceable: dict[str, str] = field(default_factory=dict)
     not_chosen: dict[str, str] = field(default_factory=dict)  # jobs that fit alone but beside no rank's others
+    notes: dict[str, str] = field(default_factory=dict)  # pairings asked for (pair_with) but not made
 
     def per_cycle(self, value: Callable[[RankFill], float]) -> float:
         """`value` of a job's packing per bubble cycle, weighted by the turns' lengths on each rank (a rank counts
@@ -277,13 +278,13 @@ def _beside(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], que
 
 
 def _pair(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], queue: list[RankFill], hw: Hardware, *,
-          margin: float, hold_free: int) -> tuple[RankFill, RankFill] | None:
-    """Waterwave: the training job paired with a training job already on the rank (that one's configuration kept),
-    where their staggered memory fits what the rank's other jobs leave; (partner, job) of the pair that recovers
-    most, or None."""
+          margin: float, hold_free: int, partner: str | None = None) -> tuple[RankFill, RankFill] | None:
+    """Waterwave: the training job paired with a training job already on the rank (that one's configuration kept;
+    only `partner` if given), where their staggered memory fits what the rank's other jobs leave; (partner, job) of
+    the pair that recovers most, or None."""
     best: tuple[RankFill, RankFill] | None = None
     for q in queue:
-        if q.profile.kind != "train" or q.pair is not None or not q.resident:
+        if q.profile.kind != "train" or q.pair is not None or not q.resident or partner not in (None, q.profile.job):
             continue
         others = [o for o in queue if o is not q]
         held = sum(_held(o) for o in others)
@@ -323,12 +324,22 @@ def _split(total: int, weights: list[float]) -> list[int]:
     return out
 
 
+def _asked(name: str, profiles: list[FillProfile], queues: list[list[RankFill]]) -> RankFill | None:
+    """The placed, unpaired training job this one is asked to run beside (pair_with, either way), or None."""
+    want = profiles[0].pair_with if profiles else None
+    return next((q for queue in queues for q in queue if q.profile.kind == "train" and q.pair is None
+                 and (q.profile.job == want or q.profile.pair_with == name)), None)
+
+
 def _place(cycles: list[list[BubbleSlot]], jobs: dict[str, list[FillProfile]], hw: Hardware, *, margin: float,
-           hold: list[int], replicas: int, iteration_s: float) -> tuple[list[list[RankFill]], dict[str, str], set]:
+           hold: list[int], replicas: int, iteration_s: float
+           ) -> tuple[list[list[RankFill]], dict[str, str], set, dict[str, str]]:
     """Which ranks run which jobs. An inference job runs on every rank it fits (one batch size and configuration
     on all of them, so its batches mean the same samples everywhere); a training job on the one rank that would
     finish it first, data parallel over that rank's GPUs. Jobs are placed in order of what they recover; a job
-    joins a rank only if the bytes every job there holds between bubbles fit together."""
+    joins a rank only if the bytes every job there holds between bubbles fit together, or, two training jobs,
+    paired (Waterwave) where their staggered memory fits - always for jobs asked to pair (pair_with). Returns the
+    queues, the jobs not chosen, the feasible jobs and notes on pairings asked for but not made."""
     p = len(cycles)
 
     def alone(profiles: list[FillProfile]) -> list[RankFill | None]:
@@ -348,10 +359,22 @@ def _place(cycles: list[list[BubbleSlot]], jobs: dict[str, list[FillProfile]], h
     queues: list[list[RankFill]] = [[] for _ in cycles]
     load = [0.0] * p  # seconds of training work placed on each rank
     not_chosen: dict[str, str] = {}
+    notes: dict[str, str] = {}
     for name in sorted(feasible, key=lambda n: -max(rf.packing.flops_per_cycle for rf in best[n] if rf)):
         fits = []
         partners: dict[int, RankFill] = {}  # rank -> the queued job a pairing there replaces
-        for r, rf in enumerate(best[name]):
+        asked = _asked(name, jobs[name], queues)
+        if asked is not None:
+            r = asked.rank
+            pair = _pair(r, cycles[r], jobs[name], queues[r], hw, margin=margin, hold_free=hold[r],
+                         partner=asked.profile.job)
+            if pair is not None:
+                partners[r], rf = pair
+                fits.append(rf)
+            else:
+                notes[name] = (f"asked to run paired with {asked.profile.job}, but the two do not fit rank {r}'s memory "
+                               f"together even staggered (or its bubbles are too short); placed on its own")
+        for r, rf in enumerate(best[name] if not fits else ()):
             if rf is not None and queues[r]:
                 alone_rf, rf = rf, _beside(r, cycles[r], [rf.profile], queues[r], hw, margin=margin, hold_free=hold[r])
                 if rf is None and alone_rf.profile.kind == "train":
@@ -374,7 +397,7 @@ def _place(cycles: list[list[BubbleSlot]], jobs: dict[str, list[FillProfile]], h
                 q = queues[rf.rank]
                 q[next(i for i, o in enumerate(q) if o.profile.job == partners[rf.rank].profile.job)] = partners[rf.rank]
             queues[rf.rank].append(rf)
-    return queues, not_chosen, feasible
+    return queues, not_chosen, feasible, notes
 
 
 def _turns(queues: list[list[RankFill]], replicas: int, iteration_s: float, policy: str) -> list[Turn]:
@@ -428,7 +451,7 @@ def assign_fill(cycles: list[list[BubbleSlot]], iteration_s: float, jobs: dict[s
     in the order `policy` gives (see _turns)."""
     hold = [hold_free[r] if hold_free is not None else min((s.free_bytes for s in c), default=0)
             for r, c in enumerate(cycles)]
-    queues, not_chosen, feasible = _place(cycles, jobs, hw, margin=safety_margin, hold=hold, replicas=replicas,
+    queues, not_chosen, feasible, notes = _place(cycles, jobs, hw, margin=safety_margin, hold=hold, replicas=replicas,
                                           iteration_s=iteration_s)
     if solver != "greedy":  # a pair's jobs share one packing: re-packed once
         repacked: dict[tuple[int, str], Packing] = {}
@@ -444,7 +467,8 @@ def assign_fill(cycles: list[list[BubbleSlot]], iteration_s: float, jobs: dict[s
                                   key=lambda rf: order[(rf.rank, rf.profile.job)])) for q in queues)
     unplaceable = {name: _why_not(profs, cycles, safety_margin) for name, profs in jobs.items() if name not in feasible}
     fa = FillAssignment(per_rank=per_rank, turns=turns, iteration_s=iteration_s, fill_flops_per_gpu_s=0.0,
-                        bubble_time_used=0.0, replicas=replicas, unplaceable=unplaceable, not_chosen=not_chosen)
+                        bubble_time_used=0.0, replicas=replicas, unplaceable=unplaceable, not_chosen=not_chosen,
+                        notes=notes)
     total_bubble = sum(s.duration_s for c in cycles for s in c) / max(len(cycles), 1)
     used = fa.per_cycle(lambda rf: sum(ch.time_s for ch in rf.packing.chunks) / rf.packing.params.cycles)
     return replace(fa, fill_flops_per_gpu_s=fa.per_cycle(lambda rf: rf.packing.flops_per_cycle) / iteration_s,

@@ -41,6 +41,8 @@ class FillProfile:
     arrival_s: float = 0.0
     deadline_s: float | None = None
     priority: int = 0
+    pair_with: str | None = None
+    """Another training job to run beside, paired (FillJobSpec.pair_with)."""
 
     @property
     def iteration_s(self) -> float:
@@ -111,5 +113,6 @@ def profile_job(job: FillJobSpec, hw: Hardware, precision: str) -> list[FillProf
             out.append(FillProfile(job=job.name, kind=job.kind, batch_size=b, config=config, units=tuple(units),
                                    resident_bytes=resident, layers=layers, params=prof.total_params,
                                    sha256=prof.sha256, batches=job.iterations(b), arrival_s=job.arrival_s,
-                                   deadline_s=job.deadline_s, priority=job.priority))
+                                   deadline_s=job.deadline_s, priority=job.priority,
+                                   pair_with=job.pair_with))
     return out

@@ -55,7 +55,7 @@ def fill_section(fa: FillAssignment, spec: FillSpec, *, offload: bool, main_usef
                                             offload_optimizer=offload,
                                             offload_bytes=list(offload_bytes) if offload else [],
                                             unplaceable=fa.unplaceable,
-                                            not_chosen=fa.not_chosen))
+                                            not_chosen=fa.not_chosen, notes=fa.notes))
 
 
 def _chunks(rf: RankFill, key: str) -> list[FillChunk]:

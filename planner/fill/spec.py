@@ -10,6 +10,8 @@
         arrival_s: 0
         deadline_s: 7200                # optional
         priority: 1                     # optional, higher first
+        pair_with: other-train-job      # optional, training jobs: run beside that job on its rank, their
+                                        # memory staggered as Waterwave pairs jobs (e.g. two trials of a sweep)
     safety_margin: 0.32                 # optional: share of every bubble left unused (default: PipeFill's
                                         # 68% filled, where it measured < 2% main-job overhead)
     policy: sjf                         # optional: which of a rank's jobs runs next (fifo | sjf | makespan | edf)
@@ -58,6 +60,8 @@ class FillJobSpec(_Strict):
     deadline_s: Optional[float] = Field(None, gt=0)
     priority: int = 0
     leaves: list[str] = Field(default_factory=list)
+    pair_with: Optional[str] = Field(None, description="training: another training job of the file to run beside on "
+                                     "one rank, paired as Waterwave pairs jobs (planner/fill/waterwave.py)")
 
     @field_validator("batch_sizes")
     @classmethod
@@ -85,6 +89,12 @@ class FillSpec(_Strict):
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ValueError(f"job names must be unique, repeated: {', '.join(sorted(dup))}")
+        kinds = {j.name: j.kind for j in self.jobs}
+        for j in self.jobs:
+            if j.pair_with is not None and (j.kind != "train" or kinds.get(j.pair_with) != "train"
+                                            or j.pair_with == j.name):
+                raise ValueError(f"job {j.name!r}: pair_with must name another training job of the file, and only a "
+                                 f"training job can be paired (got {j.pair_with!r})")
         return self
 
 

@@ -53,9 +53,30 @@ def test_every_fill_job_is_accounted_for(tmp_path):
     fill = load_plan(path).fill
     placed = {j.name.split("@")[0] for j in fill.jobs}
     accounted = placed | set(fill.predictions.unplaceable) | set(fill.predictions.not_chosen)
-    assert accounted == {"bert-infer", "mlp-train", "resnet-train"}
+    assert accounted == {"bert-infer", "mlp-train", "resnet-train", "resnet-wide-train"}
     for name, why in fill.predictions.not_chosen.items():
         assert f"not chosen {name}: it fits" in " ".join(res.stdout.split())
+
+
+def test_the_example_pairs_two_training_jobs_on_one_rank_and_says_so(tmp_path):
+    """Issue 24: the 64-GPU example places the sweep's two ResNet trials on one rank, paired (Waterwave), within
+    the memory the rank leaves them, and the plan command says so."""
+    from planner.plan import load_plan
+
+    path = tmp_path / "plan.json"
+    res = CliRunner().invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "64", "--tp", "8", "--pp", "8",
+                                   "--global-batch", "64", "--schedule", "1f1b", "--fill",
+                                   str(EXAMPLES / "fill" / "jobs.yaml"), "-o", str(path)])
+    assert res.exit_code == 0, res.stdout
+    fill = load_plan(path).fill
+    (pair,) = fill.pairs
+    assert {n.split("@")[0] for n in pair.jobs} == {"resnet-train", "resnet-wide-train"}
+    jobs = {j.name: j for j in fill.jobs}
+    assert {s.rank for n in pair.jobs for s in jobs[n].shards} == {pair.rank}
+    assert pair.peak_bytes <= pair.budget_bytes and pair.held_bytes <= pair.budget_bytes
+    assert {c.job for c in fill.chunks if c.rank == pair.rank} >= set(pair.jobs)
+    text = " ".join(res.stdout.split())
+    assert f"paired (Waterwave) on rank {pair.rank}:" in text and "their node groups taking turns" in text
 
 
 def test_simulate_fill_says_when_no_job_finished_and_labels_gpus_saved(tmp_path):
