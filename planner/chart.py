@@ -41,15 +41,21 @@ def _color(action: str, kind: str) -> str:
 
 def _draw_fill(ax, plan: Plan, sim: SimResult, scale: float) -> None:
     """Fill chunks inside their bubbles (one iteration of the repeating cycle), in the lower half of the bar
-    so that the bubble's label above stays readable."""
+    so that the bubble's label above stays readable; a paired job's (Waterwave) cross-hatched."""
     if plan.fill is None:
         return
     where = {(b.rank, b.id): b for b in sim.bubbles}
-    for ch in plan.fill.chunks:
+    paired = {n: i for i, pair in enumerate(plan.fill.pairs) for n in pair.jobs}
+    used: dict[tuple, float] = {}  # a pair's two jobs share its bubbles: their chunks end to end (jobs taking turns
+    for ch in plan.fill.chunks:    # overlap: each chunk is drawn from its bubble's start)
         bub = where.get((ch.rank, ch.bubble_id))
         if bub is not None:
-            ax.barh(ch.rank + 0.2, min(ch.expected_s, bub.duration_s) * scale, left=bub.start_s * scale,
-                    color=COLORS["fill"], height=0.38, hatch="//", edgecolor="black", linewidth=0.2)
+            key = (ch.rank, ch.bubble_id, paired.get(ch.job, ch.job))
+            at = used.get(key, 0.0)
+            width = max(0.0, min(ch.expected_s, bub.duration_s - at))
+            used[key] = at + width
+            ax.barh(ch.rank + 0.2, width * scale, left=(bub.start_s + at) * scale, color=COLORS["fill"], height=0.38,
+                    hatch="xx" if ch.job in paired else "//", edgecolor="black", linewidth=0.2)
 
 
 LABEL_SHARE = 0.03  # a bubble is labelled when at least this share of the iteration wide: its label fits inside
@@ -148,8 +154,11 @@ def figure(plan: Plan, max_labels: int = 200):
     note = "; ".join(notes)
     height = fig.get_size_inches()[1]
     foot = (0.25 + (0.3 if note else 0.0)) / height  # figure share kept below the axes: legend, then the note
-    fig.legend(handles=[Patch(color=v, label=k) for k, v in COLORS.items()], loc="lower center",
-               bbox_to_anchor=(0.5, (0.3 if note else 0.02) / height), ncol=len(COLORS), fontsize=7, frameon=False)
+    handles = [Patch(color=v, label=k) for k, v in COLORS.items()]
+    if plan.fill is not None and plan.fill.pairs:
+        handles.append(Patch(facecolor=COLORS["fill"], hatch="xx", edgecolor="black", label="fill, paired (Waterwave)"))
+    fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, (0.3 if note else 0.02) / height),
+               ncol=len(handles), fontsize=7, frameon=False)
     if note:
         fig.text(0.01, 0.02 / height, "\n".join(textwrap.wrap(note, 200)), fontsize=6.5, va="bottom", ha="left",
                  color="#444444")
