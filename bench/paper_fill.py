@@ -2,6 +2,10 @@
 
     python bench/paper_fill.py [--json out.json] [--ipc]
 
+Waterwave Table 1 and 5.3 (../shared/seeds/004_…): the largest batch size of two identical training jobs paired on
+one V100 32 GB against one job alone (the memory-sharing efficiency pairing buys), and the throughput of two paired
+ResNet152 against running them one after the other (see waterwave()).
+
 PipeSwitch Table 3 (../shared/seeds/002_…): the switching overhead of a BERT-base inference job loaded from host
 memory by pipelined transmission, on a V100, against the transmission fxplanner charges a fill job that is not
 resident (see pipeswitch()).
@@ -90,6 +94,9 @@ from planner.fill.packing import BubbleSlot, FillUnit, greedy_pack  # noqa: E402
 from planner.fill.physics import FILL_CONTEXT_BYTES, STEP_ALLOWANCE_S, unit_overhead_s  # noqa: E402
 from planner.fill.profiles import FillProfile, profile_job  # noqa: E402
 from planner.fill.spec import FillJobSpec, FillSpec, Work  # noqa: E402
+from planner.fill.waterwave import SPLIT_FRACTION, pair_units, schedule_pair  # noqa: E402
+from passes.pipeline import analyze  # noqa: E402
+from planner.fill.profiles import linearize  # noqa: E402
 from planner.plan import Plan  # noqa: E402
 from planner.search import Pins  # noqa: E402
 from targets.registry import get_target  # noqa: E402
@@ -204,6 +211,81 @@ def pipeswitch() -> dict:
                      f"{len(g.groups)} transfer groups, {sum(layer.param_bytes for layer in prof.layers) / 1e6:.0f} MB",
             "rows": [_row("switching overhead ms (pipelined transmission)", overhead * 1e3,
                           PIPESWITCH_BERT_V100_S * 1e3)]}
+
+
+# --- Waterwave -----------------------------------------------------------------------------------------------------
+
+WATERWAVE_V100 = {"resnet50": (406, 370), "resnet152": (186, 160), "bert-base": (138, 124)}
+"""Waterwave Table 1 (004 l.232-247), V100-S (32 GB): the largest batch size of one job alone (Sole) and of each of
+two identical jobs trained together (Waterwave)."""
+WATERWAVE_RESNET152_B32_GAIN = 1.1427
+"""Waterwave 5.3 (004 l.268): its highest throughput gain over temporal sharing among the CNNs and BERT, ResNet152 at
+batch 32 (two identical jobs)."""
+
+
+def _waterwave_model(name: str):
+    if name == "bert-base":
+        return ROOT / "examples" / "bert.py", {"preset": "base", "seq": 128}
+    return ROOT / "examples" / "vision.py", {"arch": name}
+
+
+def _largest(fits, hi: int = 1024) -> int:
+    """The largest batch size in [1, hi] for which fits(b) holds (fits is monotone in b), 0 if none."""
+    lo = 0
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def waterwave() -> dict:
+    """Table 1's memory-sharing efficiency as fxplanner predicts it: the largest batch size of a training job alone on
+    a V100 32 GB (its process's context, weights, gradients and optimizer state, and its iteration's peak activations
+    must fit), and of each of two identical jobs paired by planner/fill/waterwave.py (two processes, so two contexts;
+    their activations staggered by the pair rule within what the two leave). fp32 (TensorFlow 1.15's default),
+    Adam's state for every model (Waterwave trains the CNNs with SGD: 4 bytes per parameter less, 0.1-0.2 GB here),
+    BERT at sequence 128 (not stated). And 5.3's throughput: two ResNet152 at batch 32 paired, against the two run one
+    after the other (temporal sharing): our pair runs one unit at a time, so no gain is predicted beyond the cache
+    releases it costs; Waterwave's two CUDA streams in one process overlap the two jobs' kernels. The absolute batch
+    sizes set PyTorch's saved bytes (fused attention, no dropout in examples/bert.py) against TensorFlow 1.15's
+    allocations: context for the ratio, which is what pairing changes."""
+    hw = Hardware(target=get_target("v100-32gb"))
+    cap = hw.gpu.hbm_bytes
+    rows, setup = [], []
+    for name, (sole_paper, paired_paper) in WATERWAVE_V100.items():
+        model, args = _waterwave_model(name)
+        prof, _ = analyze(str(model), args, dtype="fp32")
+        cache: dict[int, tuple] = {}
+
+        def job(b: int):
+            if b not in cache:
+                cache[b] = linearize(prof, "train", "plain", b, hw, "fp32")
+            return cache[b]
+
+        def sole(b: int) -> bool:
+            units, resident = job(b)
+            return FILL_CONTEXT_BYTES + resident + max(u.mem_bytes for u in units) <= cap
+
+        def paired(b: int) -> bool:
+            units, resident = job(b)
+            budget = cap - 2 * (FILL_CONTEXT_BYTES + resident)
+            return budget > 0 and schedule_pair(units, units, budget, int(SPLIT_FRACTION * budget)) is not None
+
+        s, p = _largest(sole), _largest(paired)
+        rows.append(_row(f"{name}: largest batch alone", s, sole_paper))
+        rows.append(_row(f"{name}: largest batch, each of two paired", p, paired_paper))
+        rows.append(_row(f"{name}: paired / alone (memory-sharing efficiency)", p / s, paired_paper / sole_paper))
+        setup.append(f"{name} {len(prof.units)} units")
+    units, resident = linearize(analyze(str(ROOT / "examples" / "vision.py"), {"arch": "resnet152"}, dtype="fp32")[0],
+                                "train", "plain", 32, hw, "fp32")
+    budget = cap - 2 * (FILL_CONTEXT_BYTES + resident)
+    sched = schedule_pair(units, units, budget, int(SPLIT_FRACTION * budget))
+    period = sum(u.time_s for u in pair_units(sched, units, units))
+    sequential = 2 * sched.iterations * sum(u.time_s for u in units)
+    rows.append(_row("resnet152 b32: paired throughput / one after the other", sequential / period,
+                     WATERWAVE_RESNET152_B32_GAIN))
+    return {"setup": f"one v100-32gb, fp32; {', '.join(setup)}; split size {SPLIT_FRACTION:.3f} of the pair's budget",
+            "rows": rows}
 
 
 # --- FreeRide ------------------------------------------------------------------------------------------------------
@@ -368,7 +450,8 @@ def main() -> None:
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--ipc", action="store_true", help="also measure the fill executor's per-unit round trip")
     args = ap.parse_args()
-    out = {"pipefill_6_1": pipefill(), "freeride_4_2": freeride(), "pipeswitch_table_3": pipeswitch()}
+    out = {"pipefill_6_1": pipefill(), "freeride_4_2": freeride(), "pipeswitch_table_3": pipeswitch(),
+           "waterwave_table_1": waterwave()}
     pf, fr = out["pipefill_6_1"], out["freeride_4_2"]
     print(f"PipeFill 6.1: {pf['setup']}")
     print_rows(pf["rows"])
@@ -385,6 +468,9 @@ def main() -> None:
     ps = out["pipeswitch_table_3"]
     print(f"PipeSwitch Table 3: {ps['setup']}")
     print_rows(ps["rows"])
+    ww = out["waterwave_table_1"]
+    print(f"Waterwave Table 1 and 5.3: {ww['setup']}")
+    print_rows(ww["rows"])
     if args.ipc:
         out["ipc_s"] = measure_ipc()
         print(f"fill executor request/reply per unit: {out['ipc_s'] * 1e6:.1f} us")

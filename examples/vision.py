@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ARCHS = ("resnet18", "resnet50", "vgg19")
+ARCHS = ("resnet18", "resnet50", "resnet152", "vgg19")
 VGG19 = (64, 64, "M", 128, 128, "M", 256, 256, 256, 256, "M", 512, 512, 512, 512, "M", 512, 512, 512, 512, "M")
 """torchvision's cfgs["E"]: output channels of each 3x3 convolution, "M" a 2x2 max-pool."""
 
@@ -114,11 +114,13 @@ class VGG(nn.Module):
 
 
 def build_model(arch: str = "resnet18", classes: int = 1000, dropout: float = 0.5, **_: object) -> nn.Module:
-    """`arch`: resnet18, resnet50 or vgg19; `dropout`: VGG's classifier (torchvision's 0.5)."""
+    """`arch`: resnet18, resnet50, resnet152 or vgg19; `dropout`: VGG's classifier (torchvision's 0.5)."""
     if arch == "resnet18":
         return ResNet(BasicBlock, (2, 2, 2, 2), int(classes))
     if arch == "resnet50":
         return ResNet(Bottleneck, (3, 4, 6, 3), int(classes))
+    if arch == "resnet152":
+        return ResNet(Bottleneck, (3, 8, 36, 3), int(classes))
     if arch == "vgg19":
         return VGG(VGG19, int(classes), float(dropout))
     raise ValueError(f"unknown arch {arch!r}; known: {', '.join(ARCHS)}")

@@ -117,3 +117,20 @@ def test_pipeswitch_row_prices_the_transmission_its_grouping_cannot_hide():
     (row,) = out["rows"]
     assert row["paper"] == pytest.approx(10.27) and 0 < row["predicted"]
     assert row["ratio"] == pytest.approx(row["predicted"] / row["paper"])
+
+
+def test_largest_finds_the_last_batch_size_that_fits():
+    assert bench._largest(lambda b: b <= 137) == 137
+    assert bench._largest(lambda b: False) == 0
+    assert bench._largest(lambda b: True, hi=64) == 64
+
+
+def test_waterwave_rows_pairing_keeps_most_of_one_jobs_batch():
+    """Invariants of the Waterwave comparison (not the band): each of two paired jobs reaches at most the batch size
+    of one job alone, and more than half of it (staggering, not halving); the paired throughput is not above running
+    the two one after the other (our pair runs one unit at a time)."""
+    rows = {r["figure"]: r["predicted"] for r in bench.waterwave()["rows"]}
+    for name in bench.WATERWAVE_V100:
+        alone, paired = rows[f"{name}: largest batch alone"], rows[f"{name}: largest batch, each of two paired"]
+        assert 0.5 * alone < paired <= alone
+    assert 0.9 < rows["resnet152 b32: paired throughput / one after the other"] <= 1.0
