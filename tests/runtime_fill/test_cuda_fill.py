@@ -87,3 +87,24 @@ def test_offloaded_fill_training_keeps_its_optimizer_on_the_host():
     assert state["optimizer_state_bytes"] > 0
     assert all(t.device.type == "cpu" for st in runner.optimizer.state.values() for t in st.values() if t.dim())
     assert all(p.is_cuda for p in runner.module.parameters())
+
+
+def test_a_paired_jobs_release_hands_its_freed_activations_back_to_the_device():
+    """Waterwave's allocator hand-off between two fill processes: after a deallocation group, a paired task empties
+    its cache (fill_task._timed_step(release=True)), so what its backward freed is no longer reserved by its process
+    and the partner's process can allocate it; the step reports the live bytes its hooks measured and CUDA's."""
+    from planner.runtime.fill_task import _timed_step
+
+    runner = _runner(kind="train")
+    runner.to_device()
+    n = len(runner.calls)
+    for _ in range(n):  # the forward: activations pile up
+        _timed_step(runner, "step")
+    peak = torch.cuda.memory_reserved()
+    for _ in range(n - 1):  # the backward but the last unit, keeping the cache
+        _timed_step(runner, "step")
+    kept = torch.cuda.memory_reserved()
+    msg = _timed_step(runner, "step", True)  # the last backward unit ends a deallocation group: released
+    info = msg[-1]
+    assert info["live_bytes"] == 0 and info["allocated_bytes"] == torch.cuda.memory_allocated()
+    assert kept >= peak * 0.5 and torch.cuda.memory_reserved() < kept
