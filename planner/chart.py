@@ -41,11 +41,13 @@ def _color(action: str, kind: str) -> str:
 
 def _draw_fill(ax, plan: Plan, sim: SimResult, scale: float) -> None:
     """Fill chunks inside their bubbles (one iteration of the repeating cycle), in the lower half of the bar
-    so that the bubble's label above stays readable; a paired job's (Waterwave) cross-hatched."""
+    so that the bubble's label above stays readable; a paired job's (Waterwave) and a streamed one's (PipeSwitch)
+    hatched apart."""
     if plan.fill is None:
         return
     where = {(b.rank, b.id): b for b in sim.bubbles}
     paired = {n: i for i, pair in enumerate(plan.fill.pairs) for n in pair.jobs}
+    streamed = {j.name for j in plan.fill.jobs if not j.resident}
     used: dict[tuple, float] = {}  # a pair's two jobs share its bubbles: their chunks end to end (jobs taking turns
     for ch in plan.fill.chunks:    # overlap: each chunk is drawn from its bubble's start)
         bub = where.get((ch.rank, ch.bubble_id))
@@ -55,9 +57,12 @@ def _draw_fill(ax, plan: Plan, sim: SimResult, scale: float) -> None:
             width = max(0.0, min(ch.expected_s, bub.duration_s - at))
             used[key] = at + width
             ax.barh(ch.rank + 0.2, width * scale, left=(bub.start_s + at) * scale, color=COLORS["fill"], height=0.38,
-                    hatch="xx" if ch.job in paired else "//", edgecolor="black", linewidth=0.2)
+                    hatch=HATCH["paired"] if ch.job in paired else HATCH["streamed"] if ch.job in streamed else "//",
+                    edgecolor="black", linewidth=0.2)
 
 
+HATCH = {"paired": "xx", "streamed": ".."}
+LEGEND = {"paired": "fill, paired (Waterwave)", "streamed": "fill, loaded per bubble (PipeSwitch)"}
 LABEL_SHARE = 0.03  # a bubble is labelled when at least this share of the iteration wide: its label fits inside
 BINS = 800  # columns the time axis is cut into: about two pixels each at the chart's size
 
@@ -155,8 +160,10 @@ def figure(plan: Plan, max_labels: int = 200):
     height = fig.get_size_inches()[1]
     foot = (0.25 + (0.3 if note else 0.0)) / height  # figure share kept below the axes: legend, then the note
     handles = [Patch(color=v, label=k) for k, v in COLORS.items()]
-    if plan.fill is not None and plan.fill.pairs:
-        handles.append(Patch(facecolor=COLORS["fill"], hatch="xx", edgecolor="black", label="fill, paired (Waterwave)"))
+    if plan.fill is not None:
+        shown = {"paired": bool(plan.fill.pairs), "streamed": any(not j.resident for j in plan.fill.jobs)}
+        handles += [Patch(facecolor=COLORS["fill"], hatch=HATCH[k], edgecolor="black", label=LEGEND[k])
+                    for k, on in shown.items() if on]
     fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, (0.3 if note else 0.02) / height),
                ncol=len(handles), fontsize=7, frameon=False)
     if note:

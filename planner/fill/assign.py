@@ -13,7 +13,9 @@ what a job holds between bubbles (its process's CUDA context, its weights and op
 the activations of an iteration it is in the middle of) must fit beside the main job's peak on the rank
 (`hold_free`); what a chunk uses while it runs must fit beside the main job's memory during that bubble. A job
 stays resident when that holds; otherwise (inference jobs) its weights are loaded per bubble with PipeSwitch's
-pipelined transmission, whose non-overlapped part is charged to every chunk as launch overhead.
+pipelined transmission, whose non-overlapped part is charged to every chunk as launch overhead. Two training jobs
+that do not fit a rank side by side (or that the spec asks to pair) run paired as Waterwave pairs jobs
+(planner/fill/waterwave.py): together, their node groups taking turns within the memory the rank leaves them.
 """
 from __future__ import annotations
 
@@ -256,7 +258,11 @@ def data_parallel(prof: FillProfile, hw: Hardware) -> FillProfile:
 
 
 def _held(rf: RankFill) -> int:
-    """Bytes the job keeps on the device between bubbles (and so during the other jobs' chunks)."""
+    """Bytes the job keeps on the device between bubbles (and so during the other jobs' chunks); a pair's staggered
+    activations are counted once, with its first job."""
+    if rf.pair is not None:
+        first = rf.profile.job == rf.pair.jobs[0]
+        return FILL_CONTEXT_BYTES + rf.profile.resident_bytes + (rf.pair.schedule.held_bytes if first else 0)
     return held_bytes(rf.profile) if rf.resident else FILL_CONTEXT_BYTES
 
 
@@ -290,11 +296,16 @@ def _pair(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], queue
         held = sum(_held(o) for o in others)
         for prof in profiles:
             resident = q.profile.resident_bytes + prof.resident_bytes + FILL_CONTEXT_BYTES  # + the packer's context
-            budget = hold_free - held - resident - FILL_CONTEXT_BYTES
-            if prof.kind != "train" or budget <= 0:
-                continue
-            split = int(SPLIT_FRACTION * budget)
-            sched = schedule_pair(q.profile.units, prof.units, budget, split)
+            between = hold_free - held - resident - FILL_CONTEXT_BYTES  # for what the pair holds between bubbles
+            inside = max(s.free_bytes for s in cycle) - held - resident - FILL_CONTEXT_BYTES
+            sched = None
+            for budget in dict.fromkeys((inside, between)) if prof.kind == "train" else ():
+                if budget > 0:  # the bubbles' room if what the pair then holds between them fits, else the holds'
+                    split = int(SPLIT_FRACTION * budget)
+                    sched = schedule_pair(q.profile.units, prof.units, budget, split)
+                    if sched is not None and sched.held_bytes <= between:
+                        break
+                    sched = None
             if sched is None:
                 continue
             units = pair_units(sched, q.profile.units, prof.units)

@@ -445,6 +445,7 @@ class Executor:
         self.planned = {b: {j: sum(u) / len(u) for j, u in per.items()} for b, per in units.items()}
         free = {b.id: b.free_bytes for b in plan.bubbles if b.rank == pipeline_rank}
         self.log: list[dict[str, Any]] = []
+        self.plan_pairs = [p for p in plan.fill.pairs if p.rank == pipeline_rank]
         self.tasks: dict[str, TaskHandle] = {}
         self.job_free: dict[str, int] = {}
         self.job_info: dict[str, JobInfo] = {}
@@ -460,8 +461,8 @@ class Executor:
                     priority=job.priority, work=spec.iterations or 0, index=index,
                     proc_times=tuple(proc.get(r, math.inf) for r in range(self.pp)))
         self.pairs: dict[str, PairRun] = {}  # job -> its pair on this rank (Waterwave), both jobs' entries
-        for fp in plan.fill.pairs:
-            if fp.rank == pipeline_rank and all(n in self.tasks for n in fp.jobs):
+        for fp in self.plan_pairs:
+            if all(n in self.tasks for n in fp.jobs):
                 run = PairRun(jobs=tuple(fp.jobs), ledger=PairLedger(
                     mem=tuple(tuple(x) for x in fp.mem_bytes), state=tuple(tuple(x) for x in fp.state_bytes),
                     stops=tuple(tuple(x) for x in fp.stops), budget=fp.budget_bytes))
@@ -483,6 +484,11 @@ class Executor:
         shard's batches k, k + R, ...; a training job's replicas are data parallel. A plan without shards (made
         by hand) runs the whole job here."""
         o = self.options
+        paired = any(job.name in p.jobs for p in self.plan_pairs)
+        if o.interface_of(job.name) == "imperative" and (not job.resident or paired):
+            why = "is loaded per bubble (PipeSwitch) and must unload when its bubble ends" if not job.resident else \
+                "is paired (Waterwave) and runs one unit at a time by the pair's rule"
+            raise ValueError(f"fill job {job.name} {why}: only the iterative interface can run it")
         shard = next((s for s in job.shards if s.rank == self.rank), None)
         first, stride, count, dp = 0, 1, job.iterations, 1
         if shard is not None:

@@ -7,10 +7,11 @@ be placed. Three plans with the same main job run in turn in ONE torchrun launch
 planned MLP training job, and that plan with its fill job pointed (on the Plan object) at a model
 that stalls and at one that raises. A second launch runs the planned plan with --no-fill; the main
 job's losses of all of them must equal it. Besides those, issue 24's mechanisms together ("all") and two training
-jobs paired on one rank as Waterwave pairs them ("pair").
+jobs paired on one rank as Waterwave pairs them, the main job's optimizer offloaded ("pair").
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -70,8 +71,9 @@ def _everything() -> Plan:
 
 
 def _paired(planned: Plan) -> Plan:
-    """Two MLP training jobs on rank 0 where one job's peak is all the memory they may share (rank 1 has none to
-    spare): side by side they do not fit, so the planner pairs them (Waterwave)."""
+    """Two MLP training jobs on rank 0 where one job's peak is all the memory they may share, in the bubbles and
+    between them (rank 1 has none to spare): side by side they do not fit, so the planner pairs them (Waterwave);
+    the main job offloads its optimizer state for the bubbles meanwhile."""
     jobs = [FillJobSpec(name=n, model=str(MLP), model_args={"features": 32, "width": 64, "depth": 2}, kind="train",
                         batch_sizes=[8], work=Work(iterations=100_000)) for n in ("mlp-a", "mlp-b")]
     spec = FillSpec(jobs=jobs)
@@ -79,9 +81,11 @@ def _paired(planned: Plan) -> Plan:
     profiles = {j.name: [p for p in profile_job(j, hw, "fp32") if p.config == "plain"] for j in jobs}
     a = profiles["mlp-a"][0]
     hold = [2 * (FILL_CONTEXT_BYTES + a.resident_bytes) + max(u.mem_bytes for u in a.units), 0]
-    fa = assign_fill(plan_cycles(planned), planned.predictions.iteration_s, profiles, hw, hold_free=hold,
+    cycles = [[replace(s, free_bytes=hold[r]) for s in c] for r, c in enumerate(plan_cycles(planned))]
+    fa = assign_fill(cycles, planned.predictions.iteration_s, profiles, hw, hold_free=hold,
                      safety_margin=spec.safety_margin, policy=spec.policy)
-    return planned.model_copy(update={"fill": fill_section(fa, spec, offload=False, main_useful_per_gpu=0.0)})
+    fill = fill_section(fa, spec, offload=False, main_useful_per_gpu=0.0)
+    return _offloading(planned.model_copy(update={"fill": fill}))
 
 
 def _offloading(plan: Plan) -> Plan:
@@ -278,6 +282,7 @@ def test_paired_jobs_share_a_ranks_bubbles_within_their_budget(run: dict) -> Non
     (pair,) = plan.fill.pairs
     assert pair.rank == 0 and pair.peak_bytes <= pair.budget_bytes < pair.side_by_side_bytes
     assert {j.name for j in plan.fill.jobs} == set(pair.jobs)
+    assert plan.fill.predictions.offload_optimizer
     reports = dict(_reports(run["fill"]["pair"]))
     rep = reports[0]
     assert not rep.errors and not rep.kills and (1 not in reports or not reports[1].jobs)

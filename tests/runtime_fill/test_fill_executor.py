@@ -329,3 +329,12 @@ def test_imperative_task_that_does_not_stop_is_killed(monkeypatch: pytest.Monkey
     assert [t["transition"] for t in report["transitions"]] == \
         ["CreateSideTask", "InitSideTask", "StartSideTask", "StopSideTask"]
     assert report["bubbles"][0]["kills"] == [kill]
+
+
+def test_a_streamed_or_paired_job_is_refused_the_imperative_interface() -> None:
+    """Only the iterative interface unloads a job loaded per bubble (PipeSwitch) when its bubble ends, or runs a
+    paired job one unit at a time by its pair's rule (Waterwave): the executor says so instead of running it wrong."""
+    job = _job("stream", MLP, MLP_ARGS, "infer", 4).model_copy(update={"resident": False, "load_groups": [[0, 2]]})
+    plan = _plan([job], {0: "stream"}, {0: 0.25}, margin=0.2)
+    with pytest.raises(ValueError, match="fill job stream is loaded per bubble .* only the iterative interface"):
+        Executor(plan, 0, 0, "cpu", None, 0.05, ExecutorOptions(default_interface="imperative"), None, None)
