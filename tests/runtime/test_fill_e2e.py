@@ -127,7 +127,8 @@ def run(tmp_path_factory) -> dict[str, Any]:
         progressed = sum(_job(rep).units_done for _, rep in _reports(runs["planned"])) > 0
         raised = any(rep.errors for _, rep in _reports(runs["raise"]))  # its job reached the step that raises
         killed = any(rep.kills for _, rep in _reports(runs["stall"]))  # and the one that stalls
-        calm = not any(rep.kills for _, rep in _reports(runs["all"]))  # no step descheduled past its grace
+        calm = not any(rep.kills for n in ("all", "pair") for _, rep in _reports(runs[n]))  # no step descheduled
+        # past its grace period (a killed paired job leaves its partner alone, off the pair's order)
         if progressed and raised and killed and calm:
             break
     base = torchrun(2, [str(tmp / "planned.json"), *common, "--no-fill", "--metrics", str(tmp / "nofill.json")],
