@@ -1,7 +1,7 @@
 """Errors that mean the user's input is wrong; the CLI prints the message alone, no traceback."""
 from __future__ import annotations
 
-__all__ = ["UserError", "ModelFileError", "TraceFailure", "invalid_file"]
+__all__ = ["UserError", "ModelFileError", "TraceFailure", "invalid_file", "output_path", "write_atomic"]
 
 
 class UserError(Exception):
@@ -56,3 +56,30 @@ def load_document(path: object, kind: str, schema: str, model: type, *, missing:
         return model.model_validate(data)
     except ValidationError as exc:
         raise invalid_file(kind, path, exc) from None
+
+
+def output_path(path: object, what: str = "output"):
+    """`path` as a Path to write to; a folder that does not exist is one sentence, before anything is written."""
+    from pathlib import Path
+
+    p = Path(str(path))
+    if not p.parent.is_dir():
+        raise UserError(f"cannot write {what} {p}: folder {p.parent} does not exist; create it or choose another "
+                        "output path")
+    return p
+
+
+def write_atomic(path: object, data: str | bytes, what: str = "output") -> None:
+    """Write `data` to `path` whole or not at all: into a temporary file beside it, then renamed over it."""
+    import os
+
+    p = output_path(path, what)
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    try:
+        if isinstance(data, bytes):
+            tmp.write_bytes(data)
+        else:
+            tmp.write_text(data)
+        os.replace(tmp, p)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -14,6 +14,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from passes.errors import write_atomic
 from typing import Any
 
 import torch
@@ -65,7 +66,8 @@ def machine_target(path: str | Path, comm: CommFit | None = None, threads: int =
            "cluster": {"gpus_per_node": os.cpu_count() or 1, "nvlink_bw": float(link_bw),
                        "nvlink_latency_s": float(link_lat), "internode_bw": float(link_bw),
                        "internode_latency_s": float(link_lat)}}
-    Path(path).write_text("# written by `planner calibrate`: measured, not datasheet, figures\n" + yaml.safe_dump(doc))
+    write_atomic(path, "# written by `planner calibrate`: measured, not datasheet, figures\n" + yaml.safe_dump(doc),
+                 "target")
     return load_target_yaml(path)
 
 

@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 
-from passes.errors import UserError
+from passes.errors import UserError, write_atomic
 
 from .plan import Plan, plan_schedule
 from .simulate import SimCosts, SimResult, simulate
@@ -89,9 +90,13 @@ def draw_plan(plan: Plan, path: str, max_labels: int = 200) -> str:
     it), or ''."""
     import matplotlib.pyplot as plt
 
+    import io
+
     fig, note = figure(plan, max_labels)
-    fig.savefig(path, dpi=130)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=130, format=Path(path).suffix.lstrip(".").lower() or "png")
     plt.close(fig)
+    write_atomic(path, buf.getvalue(), "chart")
     return note
 
 

@@ -8,6 +8,7 @@ from typing import Any, Iterator, List
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from costmodels.precision import PRECISIONS
@@ -25,7 +26,8 @@ TARGET_HELP = "built-in target name (see `planner targets`) or a target YAML fil
 
 
 def _fail(message: str, code: int = 2) -> None:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    """One line on stderr (text from models and torch escaped: rich would eat its brackets) and the exit code."""
+    err.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 

@@ -7,7 +7,7 @@ from typing import List, Optional
 import typer
 from rich.table import Table
 
-from passes.errors import UserError
+from passes.errors import UserError, output_path, write_atomic
 
 from .cli import _ms, app, err, out, unit_progress, user_errors
 
@@ -40,6 +40,8 @@ def calibrate(
     with user_errors():
         if not measure:
             raise UserError("calibration measures this machine: pass --measure")
+        for path, what in ((output, "calibration"), *(() if target else ((target_out, "target"),))):
+            output_path(path, what)  # a missing folder is refused before anything is measured or written
         kwargs = parse_model_args(model_arg)
         import torch
 
@@ -54,8 +56,7 @@ def calibrate(
         with err.status(f"timing the units of {model}") as st:
             cal, rows = run(model, kwargs, batch=batch, target=tg, repeats=repeats, comm=fit,
                             progress=unit_progress(st))
-        with open(output, "w") as fh:
-            fh.write(cal.model_dump_json(by_alias=True, indent=1) + "\n")
+        write_atomic(output, cal.model_dump_json(by_alias=True, indent=1) + "\n", "calibration")
     if as_json:
         out.print_json(json.dumps({"calibration": json.loads(cal.model_dump_json(by_alias=True)), "units": rows}))
         return
@@ -73,8 +74,6 @@ def calibrate(
 
 
 def _fit_from_run(metrics: str, plan_file: Optional[str], output: str) -> None:
-    from pathlib import Path
-
     from costmodels.calibration import load_calibration
 
     from .metrics import load_metrics
@@ -90,6 +89,6 @@ def _fit_from_run(metrics: str, plan_file: Optional[str], output: str) -> None:
         measured = mean_iteration_s(load_metrics(metrics))
         extra = fit_action_overhead(plan, measured)
         cal = cal.model_copy(update={"action_overhead_s": cal.action_overhead_s + extra})
-        Path(output).write_text(cal.model_dump_json(by_alias=True, indent=1) + "\n")
+        write_atomic(output, cal.model_dump_json(by_alias=True, indent=1) + "\n", "calibration")
     out.print(f"measured iteration {_ms(measured)} against {_ms(plan.predictions.iteration_s)} predicted: "
               f"per-action overhead now {_ms(cal.action_overhead_s)}; written {output}", highlight=False)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import typer
 
-from passes.errors import UserError
+from passes.errors import UserError, write_atomic
 
 from .cli import app, err, out, user_errors
 
@@ -46,12 +46,12 @@ def export(
         ex = (to_torchtitan(plan, module=titan_module, config=titan_config, toml=toml, schedule_csv=str(schedule_csv))
               if to == "torchtitan" else to_megatron(plan))
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(ex.text)
+        write_atomic(path, ex.text, "export")
         if not toml:
             path.chmod(0o755)
         out.print(f"{to} configuration written to {path}", highlight=False)
         for name, text in ex.files.items():
-            Path(name).write_text(text)
+            write_atomic(name, text, "schedule")
             out.print(f"the plan's pipeline order (torch's compute-only schedule CSV, one row per pipeline rank) "
                       f"written to {name}", highlight=False)
         for u in ex.unexpressed:

@@ -29,6 +29,8 @@ def launch(
     lr: float = typer.Option(1e-3, "--lr", help="learning rate"),
     seed: int = typer.Option(0, "--seed", help="seed of build_model on every rank"),
     as_json: bool = typer.Option(False, "--json", help="print the metrics JSON instead of the summary"),
+    oversubscribe: bool = typer.Option(False, "--oversubscribe",
+                                       help="start a local launch larger than this machine's cores and memory hold"),
 ) -> None:
     """Run PLAN with torchrun on this machine (--local), streaming each rank's log."""
     from .plan import load_plan
@@ -52,12 +54,14 @@ def launch(
             raise UserError(f"--steps must be at least 1, got {steps}")
         extra = ["--optimizer", optimizer, "--lr", repr(lr), "--seed", str(seed)]
         echo = (lambda line: None) if as_json else typer.echo
-        first = launch_local(plan_file, steps=steps, fill=not no_fill, metrics=metrics, extra=extra, on_line=echo)
+        first = launch_local(plan_file, steps=steps, fill=not no_fill, metrics=metrics, extra=extra, on_line=echo,
+                             oversubscribe=oversubscribe)
         _check(first.returncode)
         baseline = None
         if compare_no_fill:
             base_out = str(Path(metrics).with_suffix(".nofill.json")) if metrics else None
-            second = launch_local(plan_file, steps=steps, fill=False, metrics=base_out, extra=extra, on_line=echo)
+            second = launch_local(plan_file, steps=steps, fill=False, metrics=base_out, extra=extra, on_line=echo,
+                                  oversubscribe=oversubscribe)
             _check(second.returncode)
             baseline = second.metrics
     if first.metrics is None:

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 from rich.table import Table
 
-from passes.errors import UserError
+from passes.errors import UserError, write_atomic
 
 from .cli import _ms, app, err, out, status, user_errors
 
@@ -63,7 +63,7 @@ def validate(
                 raise UserError(f"the run failed (exit code {run.returncode}); see the rank logs above")
             doc = run.metrics
         result = compare(plan, doc)
-        Path(output).write_text(result.model_dump_json(by_alias=True, indent=1) + "\n")
+        write_atomic(output, result.model_dump_json(by_alias=True, indent=1) + "\n", "comparison")
     for rank in result.ranks:
         table = Table(title=f"pipeline rank {rank.rank}: predicted vs measured")
         for col in ("what", "predicted", "measured", "error"):

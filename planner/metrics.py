@@ -16,7 +16,7 @@ from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from passes.errors import load_document
+from passes.errors import load_document, write_atomic
 
 from .plan import ConfigModel
 from .runtime import METRICS_SCHEMA
@@ -386,7 +386,7 @@ def load_metrics(path: str | Path) -> MetricsDocument:
 def save_metrics(doc: MetricsDocument, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(doc.model_dump_json(by_alias=True, indent=1) + "\n")
+    write_atomic(path, doc.model_dump_json(by_alias=True, indent=1) + "\n", "metrics")
 
 
 def metrics_json_schema() -> dict:

@@ -10,7 +10,7 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from passes.errors import UserError, load_document
+from passes.errors import UserError, load_document, write_atomic
 
 from .config import ParallelConfig
 from .simulate import Bubble
@@ -359,7 +359,7 @@ def json_schema() -> dict:
 
 
 def save_plan(plan: Plan, path: str | Path) -> None:
-    Path(path).write_text(plan.model_dump_json(by_alias=True, indent=1) + "\n")
+    write_atomic(path, plan.model_dump_json(by_alias=True, indent=1) + "\n", "plan")
 
 
 def load_plan(path: str | Path) -> Plan:

@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from ..plan import Plan
 
 __all__ = ["CheckedPlan", "LocalRun", "check_plan", "resolve_model_file", "torchrun_command", "launch_local",
+           "local_overload",
            "child_env", "summarize", "mean_iteration_s", "METRICS_SCHEMA"]
 
 METRICS_SCHEMA = "fxplanner.metrics/v1"
@@ -98,31 +99,92 @@ def torchrun_command(plan_path: str | Path, world: int, runtime_args: list[str])
 
 _TEE_PREFIX = re.compile(r"^\[[A-Za-z_]*?(\d+)\]:(?:\[rank \1\] )?")
 
+RANK_PROCESS_BYTES = 220 << 20
+"""Host memory of one rank process before its model: Python, torch and gloo (219 MB max RSS of `import torch,
+torch.distributed` measured on the 2-core CI machine)."""
+RANKS_PER_CORE = 4
+"""A local launch with more rank processes per core than this is refused (gloo's collectives time out long before)."""
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def local_overload(plan: Plan) -> str | None:
+    """Why this machine cannot hold the plan's ranks (processes against cores, memory against what is available),
+    or None. A rank holds its stage in host memory as the plan predicts it on the target GPU."""
+    c = plan.config.to_config()
+    cores = os.cpu_count() or 1
+    replicas = c.world // max(c.pp, 1)
+    need = c.world * RANK_PROCESS_BYTES + replicas * sum(m.total - m.reserve for m in plan.predictions.memory)
+    have = _available_bytes()
+    why = []
+    if c.world > RANKS_PER_CORE * cores:
+        why.append(f"{c.world} rank processes on {cores} cores (at most {RANKS_PER_CORE} per core)")
+    if have is not None and need > have:
+        why.append(f"about {need / 2**30:.1f} GiB for the ranks' processes and stages, {have / 2**30:.1f} GiB "
+                   "available")
+    return "; ".join(why) or None
+
 
 def launch_local(plan_path: str | Path, *, steps: int = 3, fill: bool = True, metrics: str | Path | None = None,
                  extra: list[str] | None = None, on_line: Callable[[str], None] = print,
-                 timeout_s: float | None = None) -> LocalRun:
+                 timeout_s: float | None = None, oversubscribe: bool = False) -> LocalRun:
     """Run the plan on this machine, one process per rank (gloo on CPU); stream each rank's lines
-    prefixed ``[rank N]``; return the exit code and the metrics document (validated)."""
+    prefixed ``[rank N]``; return the exit code and the metrics document (validated). A launch this machine cannot
+    hold is refused (`local_overload`) unless `oversubscribe`; interrupted, torchrun and every rank are stopped."""
     from ..metrics import load_metrics
 
     checked = check_plan(plan_path, _world(plan_path))
+    why = None if oversubscribe else local_overload(checked.plan)
+    if why:
+        raise UserError(f"this machine cannot hold plan {plan_path}'s local launch: {why}; run it on the plan's nodes "
+                        "(`planner launch` without --local prints their commands), plan for fewer GPUs, or pass "
+                        "--oversubscribe to start it anyway")
     with tempfile.TemporaryDirectory(prefix="fxp-launch-") as tmp:
         out = Path(metrics) if metrics else Path(tmp) / "metrics.json"
         args = ["--steps", str(steps), "--metrics", str(out), *([] if fill else ["--no-fill"]), *(extra or [])]
         cmd = torchrun_command(checked.path, _world(plan_path), args)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
-                                env=child_env())
+                                env=child_env(), start_new_session=True)  # its own group: the ranks stop with it
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
                 on_line(_TEE_PREFIX.sub(lambda m: f"[rank {m.group(1)}] ", line.rstrip("\n")))
             rc = proc.wait(timeout=timeout_s)
         except BaseException:
-            proc.kill()
+            _stop_group(proc)
             raise
         doc = load_metrics(out) if rc == 0 and out.is_file() else None
     return LocalRun(returncode=rc, metrics=doc, command=cmd)
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """torchrun and every process it started (its session's group): SIGTERM, then SIGKILL after `grace_s`."""
+    import signal
+
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            break
+        try:
+            proc.wait(timeout=wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        try:  # torchrun is gone; its ranks may linger a moment
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        break
 
 
 def child_env() -> dict[str, str]:

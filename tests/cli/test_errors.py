@@ -42,6 +42,10 @@ def run(*args: str):
     (["export", str(FIXTURES / "bad_target.yaml"), "--to", "megatron"], "not valid JSON"),
     (["calibrate", str(EXAMPLES / "gpt.py"), "--measure", "--no-comm", "--model-arg", "preset=1t"],
      "B parameters in fp32 with their gradients"),
+    (["plan", str(EXAMPLES / "mlp.py"), "--gpus", "2", "-o", "/nonexistent-folder/plan.json"],
+     "cannot write plan /nonexistent-folder/plan.json: folder /nonexistent-folder does not exist"),
+    (["calibrate", str(EXAMPLES / "mlp.py"), "--measure", "--no-comm", "-o", "/nonexistent-folder/cal.json"],
+     "cannot write calibration /nonexistent-folder/cal.json: folder /nonexistent-folder does not exist"),
 ])
 def test_bad_input_is_one_clear_message(args, needle):
     result, text = run(*args)
@@ -99,3 +103,21 @@ def test_an_edited_plan_is_refused_on_every_load_with_one_sentence(plan_file, tm
     result, text = run(*args)
     assert result.exit_code == 2 and "is inconsistent" in text and needle in " ".join(text.split()), text
     assert "Traceback" not in text and len(text.strip().splitlines()) < 5
+
+
+def test_outputs_into_a_missing_folder_are_one_sentence_and_nothing_is_half_written(tmp_path):
+    plan = tmp_path / "plan.json"
+    made, _ = run("plan", str(EXAMPLES / "mlp.py"), "--gpus", "2", "-o", str(plan))
+    assert made.exit_code == 0
+    result, text = run("chart", str(plan), "-o", str(tmp_path / "nowhere" / "c.png"))
+    assert result.exit_code == 2 and "Traceback" not in text
+    assert "cannot write chart" in " ".join(text.split()) and "does not exist" in text
+    result, _ = run("export", str(plan), "--to", "megatron", "-o", str(tmp_path / "made" / "job.sh"))
+    assert result.exit_code == 0 and (tmp_path / "made" / "job.sh").is_file()  # export makes its folder
+    assert not any(p.name.endswith(".tmp") for p in tmp_path.rglob("*"))
+
+
+def test_rich_markup_in_a_message_is_printed_as_written(tmp_path):
+    bad = tmp_path / "[bold]weird[/bold].py"
+    result, text = run("profile", str(bad))
+    assert result.exit_code != 0 and "[bold]weird[/bold].py" in text

@@ -38,3 +38,65 @@ def test_launch_without_local_prints_commands(small_plan: Path) -> None:
 def test_launch_bad_flags(small_plan: Path) -> None:
     result = CliRunner().invoke(app, ["launch", str(small_plan), "--local", "--no-fill", "--compare-no-fill"])
     assert result.exit_code == 2 and "drop --no-fill" in result.output
+
+
+def test_launch_too_large_for_this_machine_is_refused_with_the_numbers(small_plan: Path, monkeypatch) -> None:
+    import planner.runtime as runtime
+
+    monkeypatch.setattr(runtime, "RANKS_PER_CORE", 0)  # as if this machine held no rank process per core
+    result = CliRunner().invoke(app, ["launch", str(small_plan), "--local"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    text = " ".join(result.output.split())
+    assert "cannot hold" in text and "2 rank processes on" in text and "--oversubscribe" in text
+
+
+def _ours(marker: str) -> list[int]:
+    """Processes whose command line names `marker` (this test's plan), this one excluded."""
+    import os
+
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as fh:
+                    if marker.encode() in fh.read():
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
+def test_ctrl_c_stops_the_launch_and_every_rank_cleanly(small_plan: Path, tmp_path: Path) -> None:
+    """SIGINT to `planner launch --local` while its ranks train: one line, exit code 130, no traceback, no process
+    of the launch left, its temporary folder removed."""
+    import glob
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+
+    from planner.runtime import child_env
+
+    plan = tmp_path / "interrupted.json"
+    plan.write_text(small_plan.read_text())
+    before = set(glob.glob(str(Path(tempfile.gettempdir()) / "fxp-launch-*")))
+    proc = subprocess.Popen([sys.executable, "-c", "from planner.cli import main; main()", "launch", str(plan),
+                             "--local", "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=child_env(), cwd=tmp_path)
+    try:
+        for line in proc.stdout:  # the ranks are training
+            if "step 2: loss" in line:
+                break
+        proc.send_signal(signal.SIGINT)
+        out, errors = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, errors[-3000:]
+    assert "Traceback" not in out + errors and errors.strip().splitlines()[-1] == "error: interrupted"
+    deadline = time.monotonic() + 10
+    while _ours(str(plan)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _ours(str(plan)) == []
+    assert set(glob.glob(str(Path(tempfile.gettempdir()) / "fxp-launch-*"))) <= before
