@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 from contextlib import contextmanager
 from typing import Any, Iterator, List
@@ -16,7 +17,7 @@ from passes.errors import UserError
 from targets.builtin import DEFAULT_TARGET
 from targets.specs import TargetError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Plan pipeline/tensor/data-parallel training and fill its bubbles.")
 out = Console(width=None if sys.stdout.isatty() else 160)
 err = Console(stderr=True)
@@ -194,8 +195,25 @@ def print_model_notes(prof) -> None:
         out.print(f"note: {note}", highlight=False)
 
 
+_KEY_VALUE = re.compile(r"^[A-Za-z_][\w.-]*=")
+
+
+def spread_model_args(argv: list[str]) -> list[str]:
+    """`--model-arg a=1 b=2` as the README writes it: the key=value words after one --model-arg's value become
+    --model-arg options of their own (an option takes one value on the command line)."""
+    out: list[str] = []
+    after = False  # the previous word was a --model-arg value
+    for i, word in enumerate(argv):
+        if after and _KEY_VALUE.match(word):
+            out += ["--model-arg", word]
+            continue
+        out.append(word)
+        after = word.startswith("--model-arg=") or (i > 0 and argv[i - 1] == "--model-arg")
+    return out
+
+
 def main() -> None:
-    app()
+    app(args=spread_model_args(sys.argv[1:]), prog_name="planner")
 
 
 from . import cli_plan  # noqa: E402,F401  (registers plan/show/chart)
