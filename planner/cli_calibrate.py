@@ -79,14 +79,14 @@ def _fit_from_run(metrics: str, plan_file: Optional[str], output: str) -> None:
     from .metrics import load_metrics
     from .plan import load_plan
     from .runtime import mean_iteration_s
-    from .validate import fit_action_overhead
+    from .validate import fit_action_overhead, run_of
 
     with user_errors():
         if not plan_file:
             raise UserError("--from-run needs --plan, the plan that was run")
         cal = load_calibration(output)
         plan = load_plan(plan_file)
-        measured = mean_iteration_s(load_metrics(metrics))
+        measured = mean_iteration_s(run_of(load_metrics(metrics), plan, plan_file, metrics))
         extra = fit_action_overhead(plan, measured)
         cal = cal.model_copy(update={"action_overhead_s": cal.action_overhead_s + extra})
         write_atomic(output, cal.model_dump_json(by_alias=True, indent=1) + "\n", "calibration")

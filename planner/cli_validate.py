@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 from typing import Optional
 
 import typer
@@ -23,19 +22,6 @@ def _fmt(what: str, x: float | None) -> str:
     return f"{x:,.0f}" if what == "parameters" else f"{x:.1f}" if what.startswith("fill") else _ms(x)
 
 
-def _run_of(doc, plan_file: str, metrics: str):
-    """The document with only the run of `plan_file` (a launch of several plans records one run each)."""
-    if len(doc.runs) <= 1:
-        return doc
-    want = Path(plan_file).resolve()
-    runs = [r for r in doc.runs if Path(r.plan).resolve() == want] or [r for r in doc.runs
-                                                                      if Path(r.plan).name == want.name]
-    if len(runs) != 1:
-        raise UserError(f"{metrics} holds runs of {', '.join(Path(r.plan).name for r in doc.runs)}; "
-                        f"{'none' if not runs else 'several'} of them is {plan_file}: pass the plan that was launched")
-    return doc.model_copy(update={"runs": runs})
-
-
 @app.command()
 def validate(
     plan_file: str = typer.Argument("plan.json", help="plan written by `planner plan`"),
@@ -49,12 +35,12 @@ def validate(
     from .metrics import load_metrics
     from .plan import load_plan
     from .runtime import launch_local
-    from .validate import compare
+    from .validate import compare, run_of
 
     with user_errors():
         plan = load_plan(plan_file)
         if metrics:
-            doc = _run_of(load_metrics(metrics), plan_file, metrics)
+            doc = run_of(load_metrics(metrics), plan, plan_file, metrics)
         else:
             if steps < 2:
                 raise UserError(f"--steps must be at least 2 (step 0 is warm-up), got {steps}")
@@ -97,11 +83,11 @@ def refit(
     from .fill.spec import load_fill_spec
     from .metrics import load_metrics
     from .plan import load_plan, save_plan
-    from .validate import refit as do_refit, repack_fill
+    from .validate import refit as do_refit, repack_fill, run_of
 
     with user_errors():
         plan = load_plan(plan_file)
-        new = do_refit(plan, load_metrics(measured))
+        new = do_refit(plan, run_of(load_metrics(measured), plan, plan_file, measured))
         if new.fill is not None:
             with status(True, "re-packing the fill into the measured bubbles"):
                 new = repack_fill(new, load_fill_spec(fill) if fill else None)

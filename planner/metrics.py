@@ -310,6 +310,8 @@ class RunEntry(_Model):
     """One plan's run."""
 
     plan: str = Field(description="path of the plan file, as given")
+    plan_key: Optional[str] = Field(None, description="planner.plan.run_key of the plan run: validate and refit match "
+                                    "metrics to their plan by it")
     config: ConfigModel = Field(description="the plan's configuration")
     world: int = Field(description="processes")
     device: str = Field(description="torch device of rank 0 (cpu, cuda:0)")

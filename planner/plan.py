@@ -333,6 +333,19 @@ def inconsistency(plan: Plan) -> str | None:
     return None
 
 
+def run_key(plan: Plan) -> str:
+    """What a run of the plan's main job depends on, hashed: the model (file hash and arguments), the configuration,
+    the partition and the action lists. Metrics carry it (RunEntry.plan_key); refitting bubbles or re-packing the fill
+    leaves it unchanged, another plan does not."""
+    import hashlib
+    import json
+
+    what = {"model": plan.source.model_sha256, "args": plan.source.model_args,
+            "config": plan.config.model_dump(mode="json"),
+            "partition": [[s.stage, s.rank, s.units, s.tensor_parallel] for s in plan.partition], "actions": plan.actions}
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
 def plan_hardware(plan: Plan):
     """What the plan was priced on, rebuilt from the figures stored in it (no registry lookup)."""
     from costmodels.hardware import Efficiency, Hardware

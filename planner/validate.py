@@ -153,6 +153,34 @@ def compare(plan: Plan, metrics: MetricsDocument, skip: int = 1) -> ValidationRe
                             mismatches=mismatches(plan, run))
 
 
+def run_of(doc, plan, plan_file: str, metrics: str):
+    """The document with only the run of `plan_file` (a launch of several plans records one run each); metrics of
+    another plan are refused (RunEntry.plan_key: the main job's model, configuration, partition and actions)."""
+    from pathlib import Path
+
+    from passes.errors import UserError
+
+    from .plan import run_key
+
+    key = run_key(plan)
+    keyed = [r for r in doc.runs if r.plan_key is not None]
+    if keyed:
+        runs = [r for r in keyed if r.plan_key == key]
+        if not runs:
+            raise UserError(f"{metrics} holds runs of other plans than {plan_file} (their model, configuration or "
+                            f"schedule differ): pass the plan that was launched, or launch this one")
+        return doc.model_copy(update={"runs": runs[:1]})
+    if len(doc.runs) <= 1:
+        return doc
+    want = Path(plan_file).resolve()
+    runs = [r for r in doc.runs if Path(r.plan).resolve() == want] or [r for r in doc.runs
+                                                                      if Path(r.plan).name == want.name]
+    if len(runs) != 1:
+        raise UserError(f"{metrics} holds runs of {', '.join(Path(r.plan).name for r in doc.runs)}; "
+                        f"{'none' if not runs else 'several'} of them is {plan_file}: pass the plan that was launched")
+    return doc.model_copy(update={"runs": runs})
+
+
 def refit(plan: Plan, metrics: MetricsDocument, skip: int = 1) -> Plan:
     """The plan with each bubble's duration (and start) replaced by the measured mean."""
     run = metrics.runs[0]

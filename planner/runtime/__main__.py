@@ -189,13 +189,14 @@ def _run(args: argparse.Namespace, checked: list[CheckedPlan], files: list[Any],
 def _run_entry(c: CheckedPlan, ranks: list[dict[str, Any]], args: argparse.Namespace, device: str) -> RunEntry:
     """The run's metrics from the gathered rank records, validated: a nonconforming record fails here."""
     from ..metrics import RunEntry
+    from ..plan import run_key
     from ..validate import DTYPES
 
     cfg = c.plan.config
     holder = next(s.rank for s in c.plan.partition if s.stage == len(c.plan.partition) - 1)  # runs the loss
     last = [r for r in ranks if r["pp"] == holder and r["dp"] == 0 and r["tp"] == 0][0]
     return RunEntry.model_validate({
-        "plan": str(c.path), "config": cfg.model_dump(), "world": len(ranks), "device": device,
+        "plan": str(c.path), "plan_key": run_key(c.plan), "config": cfg.model_dump(), "world": len(ranks), "device": device,
         "steps": args.steps, "fill": not args.no_fill, "optimizer": args.optimizer, "lr": args.lr,
         "seed": args.seed, "dtype": DTYPES[cfg.precision],
         "loss": [s["loss"] for s in last["steps"]],

@@ -56,7 +56,20 @@ def test_validate_prints_the_error_table_writes_json_and_refit_uses_it(small_pla
     both.write_text(json.dumps(data))
     res = runner.invoke(app, ["validate", str(small_plan), "--metrics", str(both), "-o", str(out)])
     assert res.exit_code == 0, res.stdout
-    third = tmp_path / "third.json"
+    third = tmp_path / "third.json"  # the same plan under another name: its runs are matched by the plan's hash
     third.write_text(small_plan.read_text())
-    res = runner.invoke(app, ["validate", str(third), "--metrics", str(both)])
+    res = runner.invoke(app, ["validate", str(third), "--metrics", str(both), "-o", str(out)])
+    assert res.exit_code == 0, res.stdout
+    data["runs"] = [{**run, "plan_key": "0" * 64} for run in data["runs"]]  # runs of another plan
+    foreign = tmp_path / "foreign.json"
+    foreign.write_text(json.dumps(data))
+    for args in (["validate", str(small_plan), "--metrics", str(foreign)],
+                 ["refit", str(small_plan), "--measured", str(foreign), "-o", str(refit)]):
+        res = runner.invoke(app, args)
+        text = " ".join((res.stdout + (res.stderr or "")).split())
+        assert res.exit_code == 2 and "holds runs of other plans than" in text, text
+    data["runs"] = [{k: v for k, v in run.items() if k != "plan_key"} for run in data["runs"]]  # older metrics
+    keyless = tmp_path / "keyless.json"
+    keyless.write_text(json.dumps(data))
+    res = runner.invoke(app, ["validate", str(third), "--metrics", str(keyless)])
     assert res.exit_code != 0 and "none of them is" in res.stdout + (res.stderr or "")
