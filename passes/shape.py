@@ -5,7 +5,9 @@ pick torchtitan's model config without running the model file again. A Hugging F
 shape in `model.config`; any other model is read off its modules: the repeated blocks, the largest
 embedding (vocabulary x hidden), the widest projection out of the hidden size (the MLP), a second one
 as wide (a gated MLP: SwiGLU), RMSNorm against LayerNorm, a position embedding table against rotary
-positions, a head that reuses the embedding's weight. Empty when the model has no repeated blocks.
+positions, a head that reuses the embedding's weight; and what else changes the model an engine builds: the rotary
+base and scaling, dropout, the norm's epsilon (None where the model file does not say). Empty when the model has no
+repeated blocks.
 """
 from __future__ import annotations
 
@@ -39,11 +41,28 @@ def model_shape(root: nn.Module, units: tuple[Unit, ...], seq: int) -> dict[str,
     rms = any(type(m).__name__.lower().endswith("rmsnorm") for m in first.modules())
     # a weight two units use (a head reusing the embedding's) is in both units' counts, once in the model's
     tied = sum(u.params for u in units) > sum(p.numel() for p in root.parameters())
+    drops = [m.p for m in root.modules() if isinstance(m, nn.Dropout)]
+    eps = next((float(m.eps) for m in first.modules() if "norm" in type(m).__name__.lower()
+                and isinstance(getattr(m, "eps", None), (int, float))), None)
     return {"family": type(root).__name__.lower(), "layers": len(blocks), "hidden": hidden,
             "heads": blocks[0].heads, "kv_heads": blocks[0].kv_heads or blocks[0].heads, "ffn": ffn, "vocab": vocab,
             "seq": seq, "gated": ups.count(ffn) >= 2, "norm": "RMSNorm" if rms else "LayerNorm",
             "position": "learned_absolute" if positions else "rope", "tied": tied,
-            "bias": any(m.bias is not None for m in first.modules() if isinstance(m, nn.Linear))}
+            "bias": any(m.bias is not None for m in first.modules() if isinstance(m, nn.Linear)),
+            "rope_theta": None if positions else _rope_theta(root), "rope_scaling": None,
+            "attention_dropout": max(drops, default=0.0), "hidden_dropout": max(drops, default=0.0), "norm_eps": eps}
+
+
+def _rope_theta(root: nn.Module) -> float | None:
+    """The rotary base a model states as an attribute (`rope_theta`, or `theta`/`base` of a rotary module); None
+    when it does not (its tables are meta tensors while planning: their values cannot be read)."""
+    for m in (root, *root.modules()):
+        for name in ("rope_theta", "theta", "base"):
+            value = getattr(m, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+                    (name == "rope_theta" or "rot" in type(m).__name__.lower() or "rope" in type(m).__name__.lower()):
+                return float(value)
+    return None
 
 
 def _from_hf(cfg: Any, seq: int) -> dict[str, Any]:
@@ -55,4 +74,25 @@ def _from_hf(cfg: Any, seq: int) -> dict[str, Any]:
             "ffn": getattr(cfg, "intermediate_size", None) or 4 * cfg.hidden_size, "vocab": cfg.vocab_size,
             "seq": seq, "gated": gated, "norm": "RMSNorm" if gated else "LayerNorm",
             "position": "rope" if gated else "learned_absolute", "tied": bool(getattr(cfg, "tie_word_embeddings", False)),
-            "bias": bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False)) if gated else True}
+            "bias": bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "mlp_bias", False)) if gated else True,
+            "rope_theta": _rope(cfg)[0] if gated else None, "rope_scaling": _rope(cfg)[1] if gated else None,
+            # a dropout or epsilon the config has no field for is one the model does not apply
+            "attention_dropout": _first(cfg, "attention_dropout", "attention_probs_dropout_prob", "attn_pdrop"),
+            "hidden_dropout": _first(cfg, "hidden_dropout", "hidden_dropout_prob", "resid_pdrop"),
+            "norm_eps": _first(cfg, "rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps", default=None)}
+
+
+def _first(cfg: Any, *names: str, default: float | None = 0.0) -> float | None:
+    """The first of these config fields the model's config has (as a float), else `default`."""
+    return next((float(getattr(cfg, n)) for n in names if isinstance(getattr(cfg, n, None), (int, float))), default)
+
+
+def _rope(cfg: Any) -> tuple[float, str | None]:
+    """(rotary base, scaling as "type:factor" or None) of a Hugging Face config: transformers 5 keeps both in
+    `rope_parameters`, earlier versions in `rope_theta` and `rope_scaling`."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    params = params if isinstance(params, dict) else {}
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
+    kind = params.get("rope_type") or params.get("type")
+    scaling = f"{kind}:{float(params.get('factor', 1.0))}" if kind not in (None, "default") else None
+    return float(theta if theta is not None else 10000.0), scaling

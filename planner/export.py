@@ -323,6 +323,8 @@ def to_megatron(plan: Plan) -> Export:
             argv.append("--untie-embeddings-and-output-weights")
         if not shape["bias"]:
             argv.append("--disable-bias-linear")
+        argv, missing = _megatron_model_details(shape, argv)
+        unexpressed += missing
     else:
         unexpressed.append(f"the model: {src.model_file} is not a transformer stack the exporter can describe; add "
                            "your model's --num-layers/--hidden-size/... arguments")
@@ -331,6 +333,36 @@ def to_megatron(plan: Plan) -> Export:
     return Export(engine="megatron", argv=argv, unexpressed=unexpressed,
                   text=_script(plan, "Megatron-LM", launch, argv, unexpressed,
                                tail="  # data, tokenizer, optimizer and checkpoint arguments: your own"))
+
+
+def _megatron_model_details(shape: dict, argv: list[str]) -> tuple[list[str], list[str]]:
+    """The arguments beyond the layer shapes that change the model Megatron builds (its defaults otherwise train
+    another one: rotary base 10000, dropout 0.1, norm epsilon 1e-5), and what the plan cannot state."""
+    argv, missing = list(argv), []
+    theta, scaling = shape.get("rope_theta"), shape.get("rope_scaling")
+    if shape.get("position") == "rope":
+        if theta is None:
+            missing.append("the rotary base: the model file does not state it (Megatron's --rotary-base defaults to "
+                           "10000)")
+        else:
+            argv += ["--rotary-base", str(int(theta))]
+    if scaling:
+        kind, factor = str(scaling).split(":")
+        if kind == "llama3":
+            argv += ["--use-rope-scaling", "--rope-scaling-factor", factor]
+        else:
+            missing.append(f"rope scaling {kind} (factor {factor}): Megatron's --use-rope-scaling is Llama 3's")
+    for key, flag in (("attention_dropout", "--attention-dropout"), ("hidden_dropout", "--hidden-dropout"),
+                      ("norm_eps", "--norm-epsilon")):
+        if shape.get(key) is None:
+            missing.append(f"{flag.strip('-').replace('-', ' ')}: the model does not state it (Megatron's default "
+                           "applies)")
+        else:
+            argv += [flag, f"{float(shape[key]):g}"]
+    if shape.get("vocab"):
+        missing.append(f"the vocabulary of {shape['vocab']} tokens: Megatron takes it from your tokenizer (padded to a "
+                       "multiple of --make-vocab-size-divisible-by x t)")
+    return argv, missing
 
 
 def _script(plan: Plan, engine: str, launch: str, argv: list[str], unexpressed: list[str], tail: str = "",
@@ -390,6 +422,15 @@ def check_torchtitan(ex: Export, world: int, plan: Plan | None = None) -> dict[s
         seen.update(schedule=par.pipeline_parallel_schedule, schedule_csv=par.pipeline_parallel_schedule_csv or None)
         if plan is not None and par.pipeline_parallel_schedule_csv:
             check_schedule_csv(plan, par.pipeline_parallel_schedule_csv, par.pipeline_parallel_schedule)
+    model = getattr(getattr(cfg, "model_spec", None), "model", None)  # torchtitan >= 0.3's model config
+    if model is not None and hasattr(model, "layers") and hasattr(model, "dim"):
+        seen.update(layers=len(model.layers) if hasattr(model.layers, "__len__") else int(model.layers),
+                    hidden=int(model.dim))
+        shape = plan.source.model_shape if plan is not None else {}
+        if shape.get("layers") and (shape["layers"], shape["hidden"]) != (seen["layers"], seen["hidden"]):
+            raise ValueError(f"its config {ex.argv[ex.argv.index('--config') + 1]} builds {seen['layers']} layers of "
+                             f"width {seen['hidden']}, the plan's model {shape['layers']} of width {shape['hidden']}; "
+                             "name the config that builds the plan's model (--titan-module, --titan-config)")
     return seen
 
 
@@ -501,7 +542,9 @@ def check_megatron(ex: Export) -> dict[str, object]:
             recompute_modules=[a["recompute_modules"]] if isinstance(a.get("recompute_modules"), str)
             else a.get("recompute_modules"),
             bf16=bool(a.get("bf16")), fp16=bool(a.get("fp16")), params_dtype=dtype, pipeline_dtype=dtype,
-            microbatch_group_size_per_vp_stage=num("microbatch_group_size_per_virtual_pipeline_stage"))
+            microbatch_group_size_per_vp_stage=num("microbatch_group_size_per_virtual_pipeline_stage"),
+            hidden_dropout=float(a.get("hidden_dropout", 0.1)), attention_dropout=float(a.get("attention_dropout", 0.1)),
+            layernorm_epsilon=float(a.get("norm_epsilon", 1e-5)))
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
                                             grad_reduce_in_fp32=bool(a.get("accumulate_allreduce_grads_in_fp32")),
                                             overlap_grad_reduce=bool(a.get("overlap_grad_reduce")),
@@ -516,4 +559,5 @@ def check_megatron(ex: Export) -> dict[str, object]:
                 "microbatch_group": cfg.microbatch_group_size_per_vp_stage,
                 "recompute": cfg.recompute_granularity or "none",
                 "microbatch": num("micro_batch_size"), "global_batch": num("global_batch_size"),
-                "layout": stages}
+                "layout": stages, "rotary_base": num("rotary_base", 10000),
+                "dropout": (cfg.attention_dropout, cfg.hidden_dropout), "norm_eps": cfg.layernorm_epsilon}

@@ -37,8 +37,10 @@ class Source(_Model):
                              "parameters, layers priced without a parallelism they need")
     frontend: Literal["export", "fx"] = Field("export", description="how the model was captured: torch.export, or "
                                               "torch.fx.symbolic_trace where export could not take it (or leaves)")
-    model_shape: dict[str, ArgValue] = Field(default_factory=dict, description="layers, hidden, heads, kv_heads, ffn, "
-                                             "vocab, seq, gated, norm, position, tied, bias (passes.shape), for exports")
+    model_shape: dict[str, Optional[ArgValue]] = Field(default_factory=dict, description="layers, hidden, heads, "
+                                                       "kv_heads, ffn, vocab, seq, gated, norm, position, tied, bias, "
+                                                       "rope_theta, rope_scaling, attention_dropout, hidden_dropout, "
+                                                       "norm_eps (passes.shape; null: not stated), for exports")
     target: str = Field(description="target name")
     gpu: dict[str, float | str | dict[str, float]] = Field(description="GPU figures used")
     cluster: dict[str, float | int] = Field(description="cluster figures used")

@@ -59,6 +59,16 @@ def test_megatron_core_builds_the_exported_configuration_with_the_plans_degrees(
         assert [sum(1 for ch in stage if ch == "t") for stage in str(seen["layout"]).split("|")] == expected
 
 
+@needs_megatron
+def test_megatron_builds_the_models_own_rotary_base_dropout_and_epsilon(plans):
+    """Issue 22: Megatron's defaults (rotary base 10000, dropout 0.1) would train another model than the plan's."""
+    llama, gpt = (check_megatron(to_megatron(plans[n])) for n in ("llama", "gpt"))
+    assert (llama["rotary_base"], llama["dropout"], llama["norm_eps"]) == (500000, (0.0, 0.0), 1e-5)
+    assert gpt["dropout"] == (0.1, 0.1) and gpt["norm_eps"] == 1e-5  # examples/gpt.py trains with Megatron's 0.1
+    text = to_megatron(plans["llama"]).text
+    assert "the vocabulary of 128256 tokens" in text  # what it cannot state is listed
+
+
 @needs_titan
 @pytest.mark.parametrize("name", ["gpt", "llama", "modern"])
 def test_torchtitan_parses_the_exported_job_with_the_plans_degrees(plans, name):
@@ -164,3 +174,15 @@ def test_interleaving_m_not_a_multiple_of_p_exports_megatron_cores_microbatch_gr
     titan = to_torchtitan(plan, module="llama3", config="llama3_debugmodel")
     assert not any("groups of" in n for n in titan.unexpressed)
     assert "--parallelism.pipeline_parallel_schedule_csv" in titan.argv  # torchtitan runs the plan's own groups
+
+
+@needs_titan
+def test_torchtitan_check_compares_the_configs_model_with_the_plans(plans):
+    """Issue 22: a 40-layer plan checked against llama3_8b's 32 layers is refused, not passed."""
+    plan = plans["llama"]
+    seen = check_torchtitan(to_torchtitan(plan), plan.source.gpus, plan)
+    assert (seen["layers"], seen["hidden"]) == (32, 4096)
+    shape = {**plan.source.model_shape, "layers": 40}
+    forty = plan.model_copy(update={"source": plan.source.model_copy(update={"model_shape": shape})})
+    with pytest.raises(ValueError, match="llama3_8b builds 32 layers of width 4096, the plan's model 40"):
+        check_torchtitan(to_torchtitan(forty, module="llama3", config="llama3_8b"), plan.source.gpus, forty)

@@ -22,10 +22,13 @@ from tests.conftest import EXAMPLES
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("torchtitan") is None,
                                 reason="torchtitan is not installed (pip install -e '.[engines]')")
 TITAN = {"module": "llama3", "config": "llama3_debugmodel"}  # torchtitan ships no GPT: name a model
+DEBUGMODEL = {"layers": 6, "hidden": 256, "heads": 16}
+"""A GPT of llama3_debugmodel's depth and width (--check compares them with the plan's)."""
 
 
 def _plan(**pins):
-    return make_plan(str(EXAMPLES / "gpt.py"), gpus=8, global_batch=16, target="h100-sxm", pins=Pins(**pins))[0]
+    return make_plan(str(EXAMPLES / "gpt.py"), gpus=8, global_batch=16, target="h100-sxm", model_args=DEBUGMODEL,
+                     pins=Pins(**pins))[0]
 
 
 @pytest.fixture(scope="module")
