@@ -68,16 +68,39 @@ LABEL_SHARE = 0.03  # a bubble is labelled when at least this share of the itera
 BINS = 800  # columns the time axis is cut into: about two pixels each at the chart's size
 
 
-def _binned(sim: SimResult, p: int, bins: int):
-    """Per rank and column, the colour mix of what the rank does there (each kind weighted by its time)."""
+def _filled(plan: Plan) -> dict[tuple[int, int], float]:
+    """Per (rank, bubble), the share of it fill runs in one iteration of the cycle: the most any one job (or pair)
+    takes there, as jobs taking turns use the same bubbles at different times."""
+    if plan.fill is None:
+        return {}
+    group = {n: "+".join(pair.jobs) for pair in plan.fill.pairs for n in pair.jobs}
+    used: dict[tuple[int, int, str], float] = {}
+    for ch in plan.fill.chunks:
+        key = (ch.rank, ch.bubble_id, group.get(ch.job, ch.job))
+        used[key] = used.get(key, 0.0) + ch.expected_s
+    dur = {(b.rank, b.id): b.duration_s for b in plan.bubbles}
+    out: dict[tuple[int, int], float] = {}
+    for (r, b, _), t in used.items():
+        if dur.get((r, b)):
+            out[(r, b)] = max(out.get((r, b), 0.0), min(1.0, t / dur[(r, b)]))
+    return out
+
+
+def _binned(sim: SimResult, p: int, bins: int, filled: dict[tuple[int, int], float] | None = None):
+    """Per rank and column, the colour mix of what the rank does there (each kind weighted by its time; a bubble's
+    filled share in the fill's colour)."""
     import numpy as np
     from matplotlib.colors import to_rgb
 
     width = sim.iteration_s / bins
     img = np.zeros((p, bins, 3))
+    fill = np.array(to_rgb(COLORS["fill"]))
     for r, timeline in enumerate(sim.timelines):
         for iv in timeline:
             rgb = np.array(to_rgb(_color(iv.action, iv.kind)))
+            if iv.kind == "bubble" and filled:
+                share = filled.get((r, int(iv.action.removeprefix("BUBBLE"))), 0.0)
+                rgb = share * fill + (1 - share) * rgb
             a, b = iv.start / width, iv.end / width
             for col in range(int(a), min(int(np.ceil(b)), bins)):
                 img[r, col] += rgb * (min(b, col + 1) - max(a, col))
@@ -120,13 +143,13 @@ def figure(plan: Plan, max_labels: int = 200):
     if busiest > BINS // 2:  # more intervals than the width can show apart: draw each column's mix
         bins = max(50, min(BINS, busiest // 4))  # about four intervals a column: a mix, not stripes
         column = sim.iteration_s / bins
-        ax.imshow(_binned(sim, p, bins), aspect="auto", interpolation="nearest",
+        ax.imshow(_binned(sim, p, bins, _filled(plan)), aspect="auto", interpolation="nearest",
                   extent=(0, sim.iteration_s * scale, p - 0.5, -0.5))
         ax.hlines([r + 0.5 for r in range(p - 1)], 0, sim.iteration_s * scale, color="white", linewidth=1.5)
         notes.append(f"{busiest} intervals on the busiest rank are more than the chart can show apart: each of "
                      f"{bins} columns ({column * scale:.3g} {unit}) shows the mix of what the rank does in it, "
-                     "bubbles as red in proportion to their time; bubble labels and fill chunks are left out "
-                     "(`planner show` lists them)")
+                     "bubbles as red in proportion to their time, the share fill runs in as fill; bubble labels "
+                     "are left out (`planner show` lists them)")
         labels = max_labels  # none
     else:
         short = 0
