@@ -294,9 +294,12 @@ def _pair(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], queue
             continue
         others = [o for o in queue if o is not q]
         held = sum(_held(o) for o in others)
+        free = {s.id: s.free_bytes for s in cycle}
+        room = min([hold_free - held] + [free[ch.bubble_id] - ch.mem_bytes - (held - _held(o))  # the others' chunks
+                                         for o in others for ch in o.packing.chunks])           # run beside its hold
         for prof in profiles:
             resident = q.profile.resident_bytes + prof.resident_bytes + FILL_CONTEXT_BYTES  # + the packer's context
-            between = hold_free - held - resident - FILL_CONTEXT_BYTES  # for what the pair holds between bubbles
+            between = room - resident - FILL_CONTEXT_BYTES  # for what the pair holds between its units
             inside = max(s.free_bytes for s in cycle) - held - resident - FILL_CONTEXT_BYTES
             sched = None
             for budget in dict.fromkeys((inside, between)) if prof.kind == "train" else ():

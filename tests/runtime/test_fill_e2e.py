@@ -7,7 +7,8 @@ be placed. Three plans with the same main job run in turn in ONE torchrun launch
 planned MLP training job, and that plan with its fill job pointed (on the Plan object) at a model
 that stalls and at one that raises. A second launch runs the planned plan with --no-fill; the main
 job's losses of all of them must equal it. Besides those, issue 24's mechanisms together ("all") and two training
-jobs paired on one rank as Waterwave pairs them, the main job's optimizer offloaded ("pair").
+jobs paired on one rank as Waterwave pairs them beside a streamed inference job, the main job's optimizer offloaded
+("pair").
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 
 from passes.load import file_sha256
 from planner.api import make_plan
-from planner.fill.assign import assign_fill, plan_cycles
+from planner.fill.assign import assign_fill, held_bytes, plan_cycles
 from planner.fill.physics import FILL_CONTEXT_BYTES
 from planner.fill.profiles import profile_job
 from planner.fill.section import fill_section
@@ -71,21 +72,31 @@ def _everything() -> Plan:
 
 
 def _paired(planned: Plan) -> Plan:
-    """Two MLP training jobs on rank 0 where one job's peak is all the memory they may share, in the bubbles and
-    between them (rank 1 has none to spare): side by side they do not fit, so the planner pairs them (Waterwave);
-    the main job offloads its optimizer state for the bubbles meanwhile."""
-    jobs = [FillJobSpec(name=n, model=str(MLP), model_args={"features": 32, "width": 64, "depth": 2}, kind="train",
-                        batch_sizes=[8], work=Work(iterations=100_000)) for n in ("mlp-a", "mlp-b")]
+    """Two MLP training jobs on rank 0 where one job's peak is all the memory they may share beside an inference job,
+    in the bubbles and between them (rank 1 has room for the inference job only): side by side they do not fit, so
+    the planner pairs them (Waterwave). Meanwhile the inference job runs on both ranks, streamed in per bubble by
+    PipeSwitch's groups, and the main job offloads its optimizer state for the bubbles: issue 24's mechanisms together
+    (the checkpointed configuration runs in "all")."""
+    args = {"features": 32, "width": 64, "depth": 2}
+    jobs = [*(FillJobSpec(name=n, model=str(MLP), model_args=args, kind="train", batch_sizes=[8],
+                          work=Work(iterations=100_000)) for n in ("mlp-a", "mlp-b")),
+            FillJobSpec(name="mlp-infer", model=str(MLP), model_args=args, kind="infer", batch_sizes=[8],
+                        work=Work(iterations=6))]
     spec = FillSpec(jobs=jobs)
     hw = plan_hardware(planned)
     profiles = {j.name: [p for p in profile_job(j, hw, "fp32") if p.config == "plain"] for j in jobs}
-    a = profiles["mlp-a"][0]
-    hold = [2 * (FILL_CONTEXT_BYTES + a.resident_bytes) + max(u.mem_bytes for u in a.units), 0]
-    cycles = [[replace(s, free_bytes=hold[r]) for s in c] for r, c in enumerate(plan_cycles(planned))]
+    a, infer = profiles["mlp-a"][0], profiles["mlp-infer"][0]
+    beside = held_bytes(infer) + max(u.mem_bytes for u in infer.units)  # the inference job, running
+    hold = [2 * (FILL_CONTEXT_BYTES + a.resident_bytes) + max(u.mem_bytes for u in a.units) + beside,
+            held_bytes(infer)]
+    cycles = plan_cycles(planned)
+    cycles[0] = [replace(s, free_bytes=hold[0]) for s in cycles[0]]
     fa = assign_fill(cycles, planned.predictions.iteration_s, profiles, hw, hold_free=hold,
                      safety_margin=spec.safety_margin, policy=spec.policy)
     fill = fill_section(fa, spec, offload=False, main_useful_per_gpu=0.0)
-    return _offloading(planned.model_copy(update={"fill": fill}))
+    streamed = [j.model_copy(update={"resident": False, "load_groups": [[0, 2], [2, len(j.units)]]})
+                if j.kind == "infer" else j for j in fill.jobs]
+    return _offloading(planned.model_copy(update={"fill": fill.model_copy(update={"jobs": streamed})}))
 
 
 def _offloading(plan: Plan) -> Plan:
@@ -282,14 +293,18 @@ def test_paired_jobs_share_a_ranks_bubbles_within_their_budget(run: dict) -> Non
     plan = run["plans"]["pair"]
     (pair,) = plan.fill.pairs
     assert pair.rank == 0 and pair.peak_bytes <= pair.budget_bytes < pair.side_by_side_bytes
-    assert {j.name for j in plan.fill.jobs} == set(pair.jobs)
-    assert plan.fill.predictions.offload_optimizer
+    infer = next(j for j in plan.fill.jobs if j.kind == "infer")
+    assert {j.name for j in plan.fill.jobs} == {*pair.jobs, infer.name} and not infer.resident
+    assert {s.rank for s in infer.shards} == {0, 1} and plan.fill.predictions.offload_optimizer
     reports = dict(_reports(run["fill"]["pair"]))
     rep = reports[0]
-    assert not rep.errors and not rep.kills and (1 not in reports or not reports[1].jobs)
-    assert all(j.iterations_done >= 1 for j in rep.jobs), [(j.name, j.units_done) for j in rep.jobs]
-    assert any({s.job for s in b.steps} == set(pair.jobs) for b in rep.bubbles), "no bubble ran both jobs"
-    steps = sorted((s for b in rep.bubbles for s in b.steps), key=lambda s: s.start)
+    assert not rep.errors and not rep.kills and not reports[1].errors
+    done = {j.name: j for rank_report in reports.values() for j in rank_report.jobs}
+    assert all(done[n].iterations_done >= 1 for n in pair.jobs), [(j.name, j.units_done) for j in rep.jobs]
+    assert all(j.loads_total > 0 for r in reports.values() for j in r.jobs  # loads are reported per iteration
+               if j.name == infer.name and j.iterations_done)
+    assert any(set(pair.jobs) <= {s.job for s in b.steps} for b in rep.bubbles), "no bubble ran both paired jobs"
+    steps = sorted((s for b in rep.bubbles for s in b.steps if s.job in pair.jobs), key=lambda s: s.start)
     n = len(pair.mem_bytes[0])
     led = PairLedger(mem=tuple(map(tuple, pair.mem_bytes)), state=tuple(map(tuple, pair.state_bytes)),
                      stops=tuple(map(tuple, pair.stops)), budget=pair.budget_bytes)
