@@ -335,6 +335,9 @@ class Executor:
                 from torch.distributed.pipelining._backward import stage_backward_input
 
                 weights = [p for p in self._stage_params[k] if p.requires_grad]
+                # torch detaches the outputs in place once done, which a view refuses (a T5 stage hands on one):
+                # such an output's backward starts at a copy of it instead (the gradient is the same)
+                outputs = [o.clone() if o._is_view() else o for o in outputs]
                 _, groups = stage_backward_input(outputs, grads, inputs, iter(weights))
                 st.weight_grads[(k, mb)] = ("weights", weights, groups)
         if k > 0:

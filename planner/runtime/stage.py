@@ -108,15 +108,19 @@ class SplitModel:
 
 def _pieces(gm: fx.GraphModule, root: nn.Module, plan: Plan) -> tuple[dict[str, int], list[Piece]]:
     """Node name -> piece index, and the pieces in graph order."""
-    stage_of_unit = {name: s.stage for s in plan.partition for name in s.units}
+    # units by position: two segments outside the blocks may share a name (an encoder-decoder's embeddings, its
+    # middle and its head are all the root module's), so a name alone does not say which stage runs it
+    placed = [(name, s.stage) for s in sorted(plan.partition, key=lambda s: s.stage) for name in s.units]
     mode = plan.config.recompute  # full: each block checkpointed; selective: each block's attention core
-    unit_of: dict[str, tuple[int, str, str]] = {}
+    unit_of: dict[str, tuple[int, str]] = {}
     core: set[str] = set()
-    for i, (name, kind, nodes) in enumerate(group_nodes(gm, root)):
-        if name not in stage_of_unit:
-            raise UserError(f"the plan's partition does not place unit {name!r}; the model traced differently "
-                            "than when it was planned (leaves or model arguments changed?) - re-plan")
-        unit_of.update({n.name: (i, kind, name) for n in nodes})
+    groups = group_nodes(gm, root)
+    for i, (name, kind, nodes) in enumerate(groups):
+        if len(groups) != len(placed) or placed[i][0] != name:
+            raise UserError(f"the plan's partition does not place unit {name!r} (unit {i} of the model's "
+                            f"{len(groups)}; the plan places {len(placed)}): the model traced differently than when "
+                            "it was planned (leaves or model arguments changed?) - re-plan")
+        unit_of.update({n.name: (i, kind) for n in nodes})
         if mode == "selective" and kind == "block":
             core |= attention_core(nodes, kind=lambda n: node_kind(n, gm))
     keys: dict[tuple[int, int, int], int] = {}
@@ -126,14 +130,14 @@ def _pieces(gm: fx.GraphModule, root: nn.Module, plan: Plan) -> tuple[dict[str, 
     for node in gm.graph.nodes:
         if node.op in ("placeholder", "get_attr", "output"):
             continue
-        unit, kind, name = unit_of[node.name]
+        unit, kind = unit_of[node.name]
         if mode == "selective":
             seg = 1 if node.name in core else (2 if segment.get(unit, 0) >= 1 else 0)
             segment[unit] = seg
-            key = (stage_of_unit[name], unit, seg)
+            key = (placed[unit][1], unit, seg)
             ckpt = seg == 1
         else:
-            key = (stage_of_unit[name], unit if mode == "full" else -1, 0)
+            key = (placed[unit][1], unit if mode == "full" else -1, 0)
             ckpt = mode == "full" and kind == "block"
         if key not in keys:
             keys[key] = len(pieces)
