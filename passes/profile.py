@@ -95,16 +95,9 @@ def available_bytes(dev: torch.device) -> int:
     """Memory free for the model on `dev`: the GPU's free memory, or the host's MemAvailable."""
     if dev.type == "cuda":
         return torch.cuda.mem_get_info(dev)[0]
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
+    from .host import available_host_bytes
 
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return available_host_bytes()
 
 
 def check_fits(mf, dev: torch.device, path: str) -> int:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from passes.errors import UserError
+from passes.host import available_host_bytes
 
 if TYPE_CHECKING:
     from ..metrics import MetricsDocument
@@ -106,18 +107,6 @@ RANKS_PER_CORE = 4
 """A local launch with more rank processes per core than this is refused (gloo's collectives time out long before)."""
 
 
-def _available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def local_overload(plan: Plan) -> str | None:
     """Why this machine cannot hold the plan's ranks (processes against cores, memory against what is available),
     or None. A rank holds its stage in host memory as the plan predicts it on the target GPU."""
@@ -125,11 +114,11 @@ def local_overload(plan: Plan) -> str | None:
     cores = os.cpu_count() or 1
     replicas = c.world // max(c.pp, 1)
     need = c.world * RANK_PROCESS_BYTES + replicas * sum(m.total - m.reserve for m in plan.predictions.memory)
-    have = _available_bytes()
+    have = available_host_bytes()
     why = []
     if c.world > RANKS_PER_CORE * cores:
         why.append(f"{c.world} rank processes on {cores} cores (at most {RANKS_PER_CORE} per core)")
-    if have is not None and need > have:
+    if need > have:
         why.append(f"about {need / 2**30:.1f} GiB for the ranks' processes and stages, {have / 2**30:.1f} GiB "
                    "available")
     return "; ".join(why) or None
