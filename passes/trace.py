@@ -55,9 +55,11 @@ def user_line(exc: BaseException) -> str:
     return f"{f.filename}:{f.lineno} (`{(f.line or '').strip()}`)"
 
 
-def trace_model(model: torch.nn.Module, leaves: Iterable[str] = ()) -> fx.GraphModule:
-    """Symbolically trace `model`; on failure raise TraceFailure naming module, line and the fix."""
+def trace_model(model: torch.nn.Module, leaves: Iterable[str] = (), *, stack_traces: bool = False) -> fx.GraphModule:
+    """Symbolically trace `model`; on failure raise TraceFailure naming module, line and the fix. `stack_traces`:
+    each node keeps where in the model's source it was made (node.meta["stack_trace"], as torch.export's do)."""
     tracer = LeafTracer(leaves)
+    tracer.record_stack_traces = stack_traces
     try:
         graph = tracer.trace(model)
     except Exception as exc:  # noqa: BLE001 - any tracing failure becomes one clear message

@@ -242,7 +242,15 @@ class RowParallelLinear(nn.Module):
 
 
 class _Unsupported(Exception):
-    pass
+    """An op on a sharded tensor the rules do not know: "node name" or "node name: why"."""
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Where the Megatron layout's rules stop: the piece's node and why."""
+
+    node: fx.Node | None
+    why: str
 
 
 def _size_args(node: fx.Node) -> tuple[list[Any], Callable[[list[Any]], None]]:
@@ -263,14 +271,15 @@ class _Div:
 
 def plan_shards(piece: fx.GraphModule, shapes: dict[str, Any], styles: dict[str, str], paths: dict[int, str],
                 t: int, heads: set[int], colwise: dict[str, Rows], inputs: list, sp: bool = False,
-                leaving: frozenset[int] = frozenset(), weights: dict[str, str] | None = None) -> tuple[list, list] | None:
+                leaving: frozenset[int] = frozenset(), weights: dict[str, str] | None = None) -> tuple[list, list] | Refusal:
     """How to shard `piece`: its argument rewrites, and per output which dim is sharded (and from which
     column-parallel linear), given the same for its inputs; row groups of column-parallel linears go into
-    `colwise`. None where an op on a sharded tensor is not one the rules know. Changes nothing."""
+    `colwise`. A Refusal where an op on a sharded tensor is not one the rules know. Changes nothing."""
     try:
         return _propagate(piece, shapes, styles, paths, t, heads, colwise, inputs, sp, leaving, weights)
-    except _Unsupported:
-        return None
+    except _Unsupported as exc:
+        name = str(exc).split(":")[0]
+        return Refusal(node=next((n for n in piece.graph.nodes if n.name == name), None), why=str(exc))
 
 
 def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, Rows], styles: dict[str, str],

@@ -25,8 +25,10 @@ becomes a replicated DTensor, and an op whose sharding DTensor cannot propagate 
 """
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -194,7 +196,7 @@ def _trace_split(model: nn.Module, plan: Plan, model_file: ModelFile) -> tuple[f
     calls stay modules, which tensor parallelism rewrites), else the torch.export graph the plan was made from
     (every Hugging Face model; its weights are read as attributes)."""
     try:
-        gm = trace_model(model, plan.source.leaves)
+        gm = trace_model(model, plan.source.leaves, stack_traces=True)
     except TraceFailure:
         if plan.source.frontend != "export":
             raise
@@ -458,7 +460,7 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
     every other parameter becomes a replicated DTensor, and an op whose sharding DTensor cannot propagate runs
     replicated (attention then runs whole on every rank).
     """
-    from .megatron_tp import Rows, apply_shards, plan_shards
+    from .megatron_tp import Refusal, Rows, apply_shards, plan_shards
 
     paths = {id(m): path for path, m in root.named_modules()}
     heads = {v for k, v in (plan.source.model_shape or {}).items() if k in ("heads", "kv_heads") and v}
@@ -466,6 +468,7 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
     colwise: dict[str, Rows] = {}
     sp = plan.config.sp
     work = []
+    refused: Refusal | None = None
     for st in stages if shapes is not None else ():
         styles = plan.partition[st.index].tensor_parallel
         leaving = set(st.program.send) | ({a.name for a in st._output.all_input_nodes} if st.program.last else set())
@@ -490,8 +493,8 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
             out = frozenset(k for k, user in _result_users(node) if user in leaving)
             planned = plan_shards(piece, shapes.get(str(node.target), {}), mine, paths, t, heads, colwise, given,
                                   sp=sp, leaving=out, weights=weights)
-            if planned is None:
-                work = None
+            if isinstance(planned, Refusal):
+                work, refused = None, planned
                 break
             rewrites, outs = planned
             if any(outs):
@@ -511,16 +514,41 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
                 _shard_attr(st, path, style, rows, t, rank, group)
             st.tp_partial.extend((st.attr_params[_key(k)], t) for k in attr_partial if _key(k) in st.attr_params)
         return
+    op = _refused_op(refused, plan.source.model_file)
     if any(_key(f"{path}.weight") in st.attr_params for st in stages for path in plan.partition[st.index].tensor_parallel):
-        raise UserError("this model runs from its torch.export graph, and it applies an op to a split tensor that "
-                        "the runtime's Megatron layout does not know (planner/runtime/megatron_tp.py); re-plan with "
-                        "--tp 1 to run it here, or export the plan to Megatron-LM or torchtitan (`planner export`)")
+        raise UserError(f"this model runs from its torch.export graph, and it applies an op to a split tensor that "
+                        f"the runtime's Megatron layout does not know ({op}; planner/runtime/megatron_tp.py); re-plan "
+                        "with --tp 1 to run it here, or export the plan to Megatron-LM or torchtitan (`planner export`)")
     if plan.config.sp or plan.config.cp > 1:
         what, fix = ("sequence", "--no-sequence-parallel") if plan.config.sp else ("context", "--cp 1")
         raise UserError(f"the plan runs {what} parallelism, but this model's graph applies an op to a split tensor "
-                        "that the runtime's Megatron layout does not know (planner/runtime/megatron_tp.py); re-plan "
-                        f"with {fix} to run it here")
+                        f"that the runtime's Megatron layout does not know ({op}; planner/runtime/megatron_tp.py); "
+                        f"re-plan with {fix} to run it here")
     _dtensor_parallel(stages, plan, root, tp_mesh)
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _refused_op(refused: Any, model_file: str) -> str:
+    """The op the Megatron layout refused and the model's source line that made it ("aten.flip at model.py:42
+    (`x.flip(1)`)"), as far as the graph says."""
+    node = getattr(refused, "node", None)
+    if node is None:
+        return f"at {refused.why}" if refused is not None else "an op it could not name"
+    op = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    detail = refused.why.split(":", 1)[1].strip() if ":" in refused.why else ""
+    text = f"`{op}`" + (f" ({detail})" if detail else "")
+    trace = str(node.meta.get("stack_trace") or "")
+    lines = trace.splitlines()
+    target = Path(model_file).name
+    for i, line in reversed(list(enumerate(lines))):  # the innermost frame in the model file, else the innermost
+        m = _FRAME.search(line)
+        if m and Path(m.group(1)).name == target:
+            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
+            return f"{text} at {model_file}:{m.group(2)}" + (f" (`{code}`)" if code else "")
+    frames = [m for m in map(_FRAME.search, lines) if m]
+    return f"{text} at {frames[-1].group(1)}:{frames[-1].group(2)}" if frames else text
 
 
 def _shard_attr(st: StageModule, path: str, style: str, rows: Any, t: int, rank: int, group: Any) -> None:
