@@ -131,8 +131,8 @@ class PairLedger:
         return k == 0 or k in self.stops[j]
 
     def frees(self, j: int, k: int) -> bool:
-        """Unit k of job j ends a deallocation group (its process hands what the group freed back to the device
-        when the partner runs next)."""
+        """Unit k of job j ends a deallocation group (on CUDA its process then hands what the group freed back to
+        the device, for the partner's process)."""
         stop = k + 1
         if stop not in self.stops[j]:
             return False
