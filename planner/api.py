@@ -12,6 +12,7 @@ from costmodels.hardware import Hardware
 from costmodels.memory import activation_bytes
 from passes.check import PricingError
 from passes.errors import UserError
+from passes.load import load_model_file
 from passes.pipeline import ModelProfile, analyze
 from targets.registry import get_target
 
@@ -113,7 +114,33 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
                                           else greedy_proven_optimal(fill_solver))
         section.predictions.choice = joint.choice
         plan = plan.model_copy(update={"fill": section})
+    refusal = _runtime_refusal(model, model_args, plan)  # (sentence, op and source line) or None
+    if refusal and plan.config.sp and pins.sp is None:  # sequence parallelism was the search's choice: without it
+        plan, result = make_plan(model, gpus=gpus, global_batch=global_batch, target=target, gpus_per_node=gpus_per_node,
+                                 model_args=model_args, pins=replace(pins, sp=False), leaves=leaves, plan_path=plan_path,
+                                 fill=fill, main_slack=main_slack, offload=offload, fill_solver=fill_solver,
+                                 fill_time_limit_s=fill_time_limit_s, calibration=calibration, progress=progress,
+                                 search_progress=search_progress, fill_value=fill_value)
+        plan.search.rejected[f"sequence parallelism, which the runtime cannot run for this model ({refusal[1]})"] = 1
+        return plan, result
+    if refusal:
+        raise UserError(refusal[0])
     return plan, result
+
+
+def _runtime_refusal(model: str, model_args: dict[str, Any] | None, plan: Plan) -> tuple[str, str] | None:
+    """What the fxplanner runtime would refuse the plan's tensor-parallel split with (checked on meta tensors
+    where it matters: sequence parallelism, or an exported graph's weights), or None. Only for a model the runtime
+    can train (its file defines sample_batch and loss_fn)."""
+    c = plan.config
+    if c.tp <= 1 or c.cp > 1 or not (c.sp or plan.source.frontend == "export"):
+        return None
+    mf = load_model_file(model, model_args or {})
+    if not (mf.has("sample_batch") and mf.has("loss_fn")):
+        return None
+    from .runtime.stage import tensor_parallel_refusal
+
+    return tensor_parallel_refusal(plan, mf)
 
 
 def check_fill_value(fill_value: float) -> None:

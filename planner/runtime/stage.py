@@ -51,7 +51,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Plan precision -> the dtype the runtime's parameters and activations take."""
 
 __all__ = ["Piece", "StageProgram", "TensorSpec", "SplitModel", "StageModule", "build_split", "boundary_specs",
-           "stage_modules", "apply_tensor_parallel", "implicit_replication"]
+           "stage_modules", "apply_tensor_parallel", "tensor_parallel_refusal", "implicit_replication"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -460,14 +460,38 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
     every other parameter becomes a replicated DTensor, and an op whose sharding DTensor cannot propagate runs
     replicated (attention then runs whole on every rank).
     """
-    from .megatron_tp import Refusal, Rows, apply_shards, plan_shards
+    from .megatron_tp import apply_shards
 
     paths = {id(m): path for path, m in root.named_modules()}
-    heads = {v for k, v in (plan.source.model_shape or {}).items() if k in ("heads", "kv_heads") and v}
     t, rank, group = tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh.get_group()
+    work, colwise, refused = _megatron_layout(stages, plan, paths, t, shapes)
+    if work:
+        for st, piece, mine, rewrites in work:
+            done, partial, weights, attr_partial = apply_shards(piece, rewrites, colwise, mine, paths, t, rank, group)
+            for path, module in done.items():
+                st.tp_sharded.add(path)
+                st.tp_full.update({id(p): module.full for p in module.parameters()})
+            st.tp_partial.extend(partial)
+            for path, style, rows in weights:
+                _shard_attr(st, path, style, rows, t, rank, group)
+            st.tp_partial.extend((st.attr_params[_key(k)], t) for k in attr_partial if _key(k) in st.attr_params)
+        return
+    why = _refusal(stages, plan, refused)
+    if why:
+        raise UserError(why)
+    _dtensor_parallel(stages, plan, root, tp_mesh)
+
+
+def _megatron_layout(stages: list[StageModule], plan: Plan, paths: dict[int, str], t: int,
+                     shapes: dict[str, dict[str, Any]] | None) -> tuple[list | None, dict, Any]:
+    """How Megatron's layout shards every stage's pieces (without a mesh: nothing changes): the work per piece,
+    the column-parallel row groups, and where its rules stopped (a megatron_tp.Refusal) when the work is None."""
+    from .megatron_tp import Refusal, Rows, plan_shards
+
+    heads = {v for k, v in (plan.source.model_shape or {}).items() if k in ("heads", "kv_heads") and v}
     colwise: dict[str, Rows] = {}
     sp = plan.config.sp
-    work = []
+    work: list | None = []
     refused: Refusal | None = None
     for st in stages if shapes is not None else ():
         styles = plan.partition[st.index].tensor_parallel
@@ -503,28 +527,43 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
         if work is None or any(top.get(v) is not None for v in leaving):
             work = None  # a sharded value would leave the stage
             break
-    if work:
-        for st, piece, mine, rewrites in work:
-            done, partial, weights, attr_partial = apply_shards(piece, rewrites, colwise, mine, paths, t, rank, group)
-            for path, module in done.items():
-                st.tp_sharded.add(path)
-                st.tp_full.update({id(p): module.full for p in module.parameters()})
-            st.tp_partial.extend(partial)
-            for path, style, rows in weights:
-                _shard_attr(st, path, style, rows, t, rank, group)
-            st.tp_partial.extend((st.attr_params[_key(k)], t) for k in attr_partial if _key(k) in st.attr_params)
-        return
+    return work, colwise, refused
+
+
+def _refusal(stages: list[StageModule], plan: Plan, refused: Any) -> str | None:
+    """Where Megatron's layout does not apply, the sentence refusing the plan (an exported graph's weights, or
+    sequence or context parallelism, have no DTensor fallback), naming the op and its source line; None: DTensor
+    runs it."""
     op = _refused_op(refused, plan.source.model_file)
     if any(_key(f"{path}.weight") in st.attr_params for st in stages for path in plan.partition[st.index].tensor_parallel):
-        raise UserError(f"this model runs from its torch.export graph, and it applies an op to a split tensor that "
-                        f"the runtime's Megatron layout does not know ({op}; planner/runtime/megatron_tp.py); re-plan "
-                        "with --tp 1 to run it here, or export the plan to Megatron-LM or torchtitan (`planner export`)")
+        return (f"this model runs from its torch.export graph, and it applies an op to a split tensor that the "
+                f"runtime's Megatron layout does not know ({op}; planner/runtime/megatron_tp.py); re-plan with --tp 1 "
+                "to run it here, or export the plan to Megatron-LM or torchtitan (`planner export`)")
     if plan.config.sp or plan.config.cp > 1:
         what, fix = ("sequence", "--no-sequence-parallel") if plan.config.sp else ("context", "--cp 1")
-        raise UserError(f"the plan runs {what} parallelism, but this model's graph applies an op to a split tensor "
-                        f"that the runtime's Megatron layout does not know ({op}; planner/runtime/megatron_tp.py); "
-                        f"re-plan with {fix} to run it here")
-    _dtensor_parallel(stages, plan, root, tp_mesh)
+        return (f"the plan runs {what} parallelism, but this model's graph applies an op to a split tensor that the "
+                f"runtime's Megatron layout does not know ({op}; planner/runtime/megatron_tp.py); re-plan with {fix} "
+                "to run it here")
+    return None
+
+
+def tensor_parallel_refusal(plan: Plan, model_file: ModelFile) -> tuple[str, str] | None:
+    """At plan time, on meta tensors and without processes: (the sentence the runtime would refuse the plan's
+    tensor-parallel split with (apply_tensor_parallel), the op and source line it names), or None. Context
+    parallelism rewrites the shapes per rank first: not checked here."""
+    if plan.config.tp <= 1 or plan.config.cp > 1:
+        return None
+    meta = model_file.build("meta", torch.float32).to(DTYPES[plan.config.precision])
+    meta.train()
+    split = build_split(meta, plan, model_file)
+    inner: dict[str, dict[str, Any]] = {}
+    specs = boundary_specs(model_file, plan, inner)
+    constants = {k: v for k, v in specs.items() if not isinstance(v, TensorSpec)}
+    stages = [StageModule(split, prog.stage, constants) for prog in split.programs]
+    paths = {id(m): path for path, m in meta.named_modules()}
+    work, _, refused = _megatron_layout(stages, plan, paths, plan.config.tp, inner)
+    why = None if work else _refusal(stages, plan, refused)
+    return (why, _refused_op(refused, plan.source.model_file)) if why else None
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
@@ -538,7 +577,7 @@ def _refused_op(refused: Any, model_file: str) -> str:
         return f"at {refused.why}" if refused is not None else "an op it could not name"
     op = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     detail = refused.why.split(":", 1)[1].strip() if ":" in refused.why else ""
-    text = f"`{op}`" + (f" ({detail})" if detail else "")
+    text = f"`{op}`" + (f" ({detail})" if detail and detail != op else "")
     trace = str(node.meta.get("stack_trace") or "")
     lines = trace.splitlines()
     target = Path(model_file).name
