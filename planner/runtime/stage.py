@@ -574,7 +574,7 @@ def _refused_op(refused: Any, model_file: str) -> str:
     (`x.flip(1)`)"), as far as the graph says."""
     node = getattr(refused, "node", None)
     if node is None:
-        return f"at {refused.why}" if refused is not None else "an op it could not name"
+        return f"at {refused.why}" if refused is not None else "it splits no module of this model"
     op = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     detail = refused.why.split(":", 1)[1].strip() if ":" in refused.why else ""
     text = f"`{op}`" + (f" ({detail})" if detail and detail != op else "")

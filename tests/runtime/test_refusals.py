@@ -39,3 +39,12 @@ def test_the_runtime_refusal_names_the_op_and_its_line(tmp_path):
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "Megatron layout does not know" in line]
     assert lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "`cumsum`" in lines[0] and LINE in lines[0] and "re-plan with --no-sequence-parallel" in lines[0]
+
+
+def test_a_cnn_is_not_credited_with_sequence_parallelism():
+    """Issue 22: a CNN's plan credited sequence parallelism with halving its convolutions, which never split; the
+    runtime's layout splits no module of it, so the planner leaves sequence parallelism out and says so."""
+    plan, _ = make_plan(str(ROOT / "examples" / "vision.py"), gpus=2, global_batch=16, target="a100-80gb",
+                        gpus_per_node=2, model_args={"arch": "resnet18"}, pins=Pins(tp=2, pp=1, dp=1))
+    assert not plan.config.sp
+    assert any("it splits no module of this model" in k for k in plan.search.rejected)
