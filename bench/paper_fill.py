@@ -94,7 +94,7 @@ from planner.fill.packing import BubbleSlot, FillUnit, greedy_pack  # noqa: E402
 from planner.fill.physics import FILL_CONTEXT_BYTES, STEP_ALLOWANCE_S, unit_overhead_s  # noqa: E402
 from planner.fill.profiles import FillProfile, profile_job  # noqa: E402
 from planner.fill.spec import FillJobSpec, FillSpec, Work  # noqa: E402
-from planner.fill.waterwave import SPLIT_FRACTION, pair_units, schedule_pair  # noqa: E402
+from planner.fill.waterwave import SPLIT_FRACTION, pair_units, schedule_pair, split_of  # noqa: E402
 from passes.pipeline import analyze  # noqa: E402
 from planner.fill.profiles import linearize  # noqa: E402
 from planner.plan import Plan  # noqa: E402
@@ -269,7 +269,7 @@ def waterwave() -> dict:
         def paired(b: int) -> bool:
             units, resident = job(b)
             budget = cap - 2 * (FILL_CONTEXT_BYTES + resident)
-            return budget > 0 and schedule_pair(units, units, budget, int(SPLIT_FRACTION * budget)) is not None
+            return budget > 0 and schedule_pair(units, units, budget, split_of(budget)) is not None
 
         s, p = _largest(sole), _largest(paired)
         rows.append(_row(f"{name}: largest batch alone", s, sole_paper))
@@ -279,7 +279,7 @@ def waterwave() -> dict:
     units, resident = linearize(analyze(str(ROOT / "examples" / "vision.py"), {"arch": "resnet152"}, dtype="fp32")[0],
                                 "train", "plain", 32, hw, "fp32")
     budget = cap - 2 * (FILL_CONTEXT_BYTES + resident)
-    sched = schedule_pair(units, units, budget, int(SPLIT_FRACTION * budget))
+    sched = schedule_pair(units, units, budget, split_of(budget))
     period = sum(u.time_s for u in pair_units(sched, units, units))
     sequential = 2 * sched.iterations * sum(u.time_s for u in units)
     rows.append(_row("resnet152 b32: paired throughput / one after the other", sequential / period,

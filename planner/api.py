@@ -75,6 +75,7 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     """`fill_value`: what one recovered fill GPU-second is worth against one main-job GPU-second (0: the fastest
     main job wins and fill only breaks ties); `main_slack`: how much slower than the fastest a main configuration
     may be and still be considered (planner/fill/joint.py)."""
+    args = dict(locals())  # to plan again without sequence parallelism the runtime cannot run
     check_fill_value(fill_value)
     hw = Hardware(target=get_target(target, gpus_per_node))
     if calibration is not None:
@@ -116,11 +117,7 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
         plan = plan.model_copy(update={"fill": section})
     refusal = _runtime_refusal(model, model_args, plan)  # (sentence, op and source line) or None
     if refusal and plan.config.sp and pins.sp is None:  # sequence parallelism was the search's choice: without it
-        plan, result = make_plan(model, gpus=gpus, global_batch=global_batch, target=target, gpus_per_node=gpus_per_node,
-                                 model_args=model_args, pins=replace(pins, sp=False), leaves=leaves, plan_path=plan_path,
-                                 fill=fill, main_slack=main_slack, offload=offload, fill_solver=fill_solver,
-                                 fill_time_limit_s=fill_time_limit_s, calibration=calibration, progress=progress,
-                                 search_progress=search_progress, fill_value=fill_value)
+        plan, result = make_plan(**{**args, "pins": replace(pins, sp=False)})
         plan.search.rejected[f"sequence parallelism, which the runtime cannot run for this model ({refusal[1]})"] = 1
         return plan, result
     if refusal:

@@ -30,7 +30,7 @@ from .physics import DEFAULT_SAFETY_MARGIN, FILL_CONTEXT_BYTES, chunk_overhead_s
 from .pipeswitch import TransferOverhead, dp_grouping
 from .profiles import FillProfile
 from .scheduler import JobInfo, next_on_rank, resolve_policy
-from .waterwave import SPLIT_FRACTION, PairSchedule, pair_units, schedule_pair
+from .waterwave import PairSchedule, pair_units, schedule_pair, split_of
 
 __all__ = ["RankFill", "Pairing", "Turn", "FillAssignment", "data_parallel", "Packer", "PACKERS", "assign_fill", "best_fill", "load_grouping",
            "held_bytes", "plan_cycles", "plan_hold_free"]
@@ -70,7 +70,6 @@ class Pairing:
     rank: int
     jobs: tuple[str, str]
     schedule: PairSchedule
-    split_bytes: int
     units: tuple[FillUnit, ...]
     """The schedule's period as one job's units (what the packing packed)."""
 
@@ -301,14 +300,10 @@ def _pair(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], queue
             resident = q.profile.resident_bytes + prof.resident_bytes + FILL_CONTEXT_BYTES  # + the packer's context
             between = room - resident - FILL_CONTEXT_BYTES  # for what the pair holds between its units
             inside = max(s.free_bytes for s in cycle) - held - resident - FILL_CONTEXT_BYTES
-            sched = None
-            for budget in dict.fromkeys((inside, between)) if prof.kind == "train" else ():
-                if budget > 0:  # the bubbles' room if what the pair then holds between them fits, else the holds'
-                    split = int(SPLIT_FRACTION * budget)
-                    sched = schedule_pair(q.profile.units, prof.units, budget, split)
-                    if sched is not None and sched.held_bytes <= between:
-                        break
-                    sched = None
+            # the bubbles' room if what the pair then holds between them fits, else the holds'
+            tries = (schedule_pair(q.profile.units, prof.units, budget, split_of(budget))
+                     for budget in dict.fromkeys((inside, between)) if budget > 0 and prof.kind == "train")
+            sched = next((s for s in tries if s is not None and s.held_bytes <= between), None)
             if sched is None:
                 continue
             units = pair_units(sched, q.profile.units, prof.units)
@@ -316,7 +311,7 @@ def _pair(rank: int, cycle: list[BubbleSlot], profiles: list[FillProfile], queue
             rf = _beside(rank, cycle, [both], others, hw, margin=margin, hold_free=hold_free)
             if rf is None or (best is not None and rf.packing.flops_per_cycle <= best[0].packing.flops_per_cycle):
                 continue
-            pairing = Pairing(rank=rank, jobs=(q.profile.job, prof.job), schedule=sched, split_bytes=split, units=units)
+            pairing = Pairing(rank=rank, jobs=(q.profile.job, prof.job), schedule=sched, units=units)
             best = (replace(q, packing=rf.packing, pair=pairing),
                     RankFill(rank=rank, profile=prof, resident=True, packing=rf.packing, pair=pairing))
     return best

@@ -5,6 +5,7 @@ from planner.plan import Fill, FillChunk, FillJob, FillPair, FillPredictions, Fi
 
 from .assign import FillAssignment, RankFill
 from .spec import FillSpec
+from .waterwave import split_of
 
 __all__ = ["fill_section"]
 
@@ -42,7 +43,7 @@ def fill_section(fa: FillAssignment, spec: FillSpec, *, offload: bool, main_usef
             names = [next(job_key(t.fill.profile) for t in fa.turns if t.rank == pair.rank and t.job == j)
                      for j in pair.jobs]
             pairs[(pair.rank, pair.jobs)] = FillPair(
-                rank=pair.rank, jobs=names, budget_bytes=led.budget, split_bytes=pair.split_bytes,
+                rank=pair.rank, jobs=names, budget_bytes=led.budget, split_bytes=split_of(led.budget),
                 stops=[list(x) for x in led.stops], mem_bytes=[list(x) for x in led.mem],
                 state_bytes=[list(x) for x in led.state], iterations=s.iterations, peak_bytes=s.peak_bytes,
                 held_bytes=s.held_bytes, side_by_side_bytes=s.side_by_side_bytes)

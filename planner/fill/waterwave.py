@@ -31,12 +31,12 @@ batch size two jobs reach together, bench/paper_fill.py compares it).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 from .packing import FillUnit
 
-__all__ = ["SPLIT_FRACTION", "RELEASE_S", "NodeGroup", "node_groups", "PairLedger", "PairSchedule", "schedule_pair",
-           "pair_units"]
+__all__ = ["SPLIT_FRACTION", "RELEASE_S", "NodeGroup", "node_groups", "PairLedger", "PairSchedule", "split_of",
+           "schedule_pair", "pair_units"]
 
 SPLIT_FRACTION = 6 / 32
 """Waterwave 5.4: a 6 GB split size gave the largest batch sizes on its 32 GB V100; here the fraction of the bytes
@@ -102,6 +102,12 @@ class PairLedger:
                 s[k] = max(mem[k], s[k + 1])
             suffix.append(tuple(s))
         object.__setattr__(self, "rest", tuple(suffix))
+
+    @classmethod
+    def of(cls, pair: Any) -> "PairLedger":
+        """The ledger a plan records (planner.plan.FillPair: mem_bytes, state_bytes, stops, budget_bytes)."""
+        return cls(mem=tuple(map(tuple, pair.mem_bytes)), state=tuple(map(tuple, pair.state_bytes)),
+                   stops=tuple(map(tuple, pair.stops)), budget=pair.budget_bytes)
 
     def n(self, j: int) -> int:
         return len(self.mem[j])
@@ -170,6 +176,11 @@ class PairSchedule:
     """The most the pair's activations hold between two units (and so between bubbles)."""
     side_by_side_bytes: int
     """What the two jobs need when nothing staggers them: the sum of their peaks."""
+
+
+def split_of(budget: int) -> int:
+    """Waterwave's split size for a pair's budget (SPLIT_FRACTION of it)."""
+    return int(SPLIT_FRACTION * budget)
 
 
 def schedule_pair(a: Sequence[FillUnit], b: Sequence[FillUnit], budget: int, split_bytes: int) -> PairSchedule | None:

@@ -160,20 +160,19 @@ def _stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     """torchrun and every process it started (its session's group): SIGTERM, then SIGKILL after `grace_s`."""
     import signal
 
-    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 1.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            break
-        try:
-            proc.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-        try:  # torchrun is gone; its ranks may linger a moment
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        break
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:  # whatever is left of the group (torchrun, or ranks lingering after it)
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait(timeout=1.0)
 
 
 def child_env() -> dict[str, str]:

@@ -463,9 +463,7 @@ class Executor:
         self.pairs: dict[str, PairRun] = {}  # job -> its pair on this rank (Waterwave), both jobs' entries
         for fp in self.plan_pairs:
             if all(n in self.tasks for n in fp.jobs):
-                run = PairRun(jobs=tuple(fp.jobs), ledger=PairLedger(
-                    mem=tuple(tuple(x) for x in fp.mem_bytes), state=tuple(tuple(x) for x in fp.state_bytes),
-                    stops=tuple(tuple(x) for x in fp.stops), budget=fp.budget_bytes))
+                run = PairRun(jobs=tuple(fp.jobs), ledger=PairLedger.of(fp))
                 self.pairs.update({n: run for n in fp.jobs})
         self.current: TaskHandle | None = None
         self.turns: list[dict[str, Any]] = []

@@ -247,14 +247,18 @@ def _attr(module: nn.Module, target: str) -> Any:
 
 
 def boundary_specs(model_file: ModelFile, plan: Plan, inner: dict[str, dict[str, Any]] | None = None,
-                   cp: ContextParallel | None = None) -> dict[str, TensorSpec | Any]:
+                   cp: ContextParallel | None = None, meta_split: fx.GraphModule | None = None
+                   ) -> dict[str, TensorSpec | Any]:
     """Shape pass on the meta device: every top-level value of one microbatch (b samples). With `inner`,
     also every value inside each piece: piece name -> node name -> shape (tensors) or value (ints). With
-    `cp`, the split is rewritten for that context-parallel rank's tokens first (its shapes are local)."""
+    `cp`, the split is rewritten for that context-parallel rank's tokens first (its shapes are local).
+    `meta_split`: the plan's split of the model already built on meta in the precision's dtype (else built here)."""
     dtype = DTYPES[plan.config.precision]
-    meta = model_file.build("meta", torch.float32).to(dtype)  # boundary tensors take the precision's dtype
-    meta.train()
-    split, _ = _trace_split(meta, plan, model_file)
+    split = meta_split
+    if split is None:
+        meta = model_file.build("meta", torch.float32).to(dtype)  # boundary tensors take the precision's dtype
+        meta.train()
+        split, _ = _trace_split(meta, plan, model_file)
     inputs, _ = model_file.call("sample_batch", plan.config.microbatch, 0)
     if cp is not None:
         cp.apply(split)
@@ -557,7 +561,7 @@ def tensor_parallel_refusal(plan: Plan, model_file: ModelFile) -> tuple[str, str
     meta.train()
     split = build_split(meta, plan, model_file)
     inner: dict[str, dict[str, Any]] = {}
-    specs = boundary_specs(model_file, plan, inner)
+    specs = boundary_specs(model_file, plan, inner, meta_split=split.split)
     constants = {k: v for k, v in specs.items() if not isinstance(v, TensorSpec)}
     stages = [StageModule(split, prog.stage, constants) for prog in split.programs]
     paths = {id(m): path for path, m in meta.named_modules()}

@@ -307,8 +307,7 @@ def test_paired_jobs_share_a_ranks_bubbles_within_their_budget(run: dict) -> Non
     assert any(set(pair.jobs) <= {s.job for s in b.steps} for b in rep.bubbles), "no bubble ran both paired jobs"
     steps = sorted((s for b in rep.bubbles for s in b.steps if s.job in pair.jobs), key=lambda s: s.start)
     n = len(pair.mem_bytes[0])
-    led = PairLedger(mem=tuple(map(tuple, pair.mem_bytes)), state=tuple(map(tuple, pair.state_bytes)),
-                     stops=tuple(map(tuple, pair.stops)), budget=pair.budget_bytes)
+    led = PairLedger.of(pair)
     pos, last, ahead, expected = [0, 0], None, 0, []
     for _ in steps:
         j = led.next((pos[0], pos[1]), last, ahead)
