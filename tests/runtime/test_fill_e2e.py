@@ -139,7 +139,8 @@ def run(tmp_path_factory) -> dict[str, Any]:
             j.iterations_done for _, rep in _reports(runs["pair"]) for j in rep.jobs if j.kind == "train")
         raised = any(rep.errors for _, rep in _reports(runs["raise"]))  # its job reached the step that raises
         killed = any(rep.kills for _, rep in _reports(runs["stall"]))  # and the one that stalls
-        calm = not any(rep.kills for n in ("all", "pair") for _, rep in _reports(runs[n]))  # no step descheduled
+        calm = not any(rep.kills for n in ("planned", "offload", "all", "pair")
+                       for _, rep in _reports(runs[n]))  # no step descheduled
         # past its grace period (a killed paired job leaves its partner alone, off the pair's order)
         if progressed and raised and killed and calm:
             break
