@@ -95,7 +95,7 @@ class Hardware:
         GEMM, or of its flash attention kernel) times the share a step's products reach (gemm_max), less for
         a product too small to fill the device."""
         peak = self.gpu.peak(precision)
-        ceiling = self.gpu.attention_ceiling if attention else self.gpu.matmul_ceiling
+        ceiling = self.gpu.attention_ceiling if attention else self.gpu.ceiling(precision)
         return peak * ceiling * self.eff.gemm_max * flops / (flops + peak * self.eff.gemm_half_s)
 
     def with_eff(self, **changes: object) -> Hardware:

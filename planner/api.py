@@ -214,7 +214,7 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
                       reserve=m.reserve, total=m.total, capacity=ev.capacity) for i, m in enumerate(best.rank_memory)]
     tokens = profile.tokens_per_sample
     hw = ev.hw
-    nnodes, nproc, cmds = torchrun_commands(plan_path, ev.n_gpus, hw.cluster.gpus_per_node)
+    nnodes, nproc, cmds = torchrun_commands(plan_path, ev.n_gpus, hw.cluster.host_gpus)
     gpu = asdict(hw.gpu) | {"peak_flops": dict(hw.gpu.peak_flops)}
     return Plan(
         source=Source(model_file=profile.path, model_sha256=profile.sha256, model_args=profile.kwargs, frontend=profile.frontend,
@@ -240,6 +240,6 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
                                 optimizer_s=list(best.optimizer_s), memory=mem,
                                 action_overhead_s=hw.eff.action_overhead_s),
         launch=Launch(nnodes=nnodes, nproc_per_node=nproc, commands=cmds,
-                      script=launch_script(plan_path, ev.n_gpus, hw.cluster.gpus_per_node)),
+                      script=launch_script(plan_path, ev.n_gpus, hw.cluster.host_gpus)),
         search=SearchInfo(evaluated=r.evaluated, rejected=r.rejected, seconds=seconds, pinned=pins.pinned()),
     )

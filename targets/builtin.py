@@ -85,7 +85,10 @@ DGX_A100 = ClusterSpec(gpus_per_node=8, nvlink_bw=300 * GB, nvlink_latency_s=NVL
 # NVLink 900 GB/s (bidirectional), PCIe Gen5 128 GB/s (bidirectional -> 64 GB/s per direction).
 _H100_SXM_FLOPS = {"fp64": 67 * TFLOPS, "fp32": 67 * TFLOPS, "tf32": 989 / 2 * TFLOPS,
                    "bf16": 1979 / 2 * TFLOPS, "fp16": 1979 / 2 * TFLOPS, "fp8": 3958 / 2 * TFLOPS}
-_HOPPER_SHARES = {"matmul_ceiling": 792.1 / 989, "attention_ceiling": 740 / 989}  # MAMF table; FlashAttention-3
+# FP8: DeepSeek's DeepGEMM (github.com/deepseek-ai/DeepGEMM, README) reaches "up to 1550 TFLOPS" in FP8 GEMMs with
+# 1x128 / 128x128 block scaling on H800, the H100 SXM's compute (1979 TFLOPS dense FP8): 78.3% of the peak.
+_HOPPER_SHARES = {"matmul_ceiling": 792.1 / 989, "attention_ceiling": 740 / 989,  # MAMF table; FlashAttention-3
+                  "fp8_matmul_ceiling": 1550 / 1979}  # DeepGEMM
 H100_SXM = GPUSpec(name="H100 SXM 80GB", peak_flops=_H100_SXM_FLOPS, hbm_bytes=80 * GiB,
                    hbm_bw=3350 * GB, pcie_bw=64 * GB, **_HOPPER_SHARES)
 
@@ -100,6 +103,42 @@ H200 = GPUSpec(name="H200 SXM 141GB", peak_flops=_H100_SXM_FLOPS, hbm_bytes=141 
 # ConnectX-7 at 400 Gb/s (NDR) for compute = 50 GB/s per GPU.
 DGX_H100 = ClusterSpec(gpus_per_node=8, nvlink_bw=450 * GB, nvlink_latency_s=NVLINK_LATENCY_S,
                        internode_bw=400 * GBIT, internode_latency_s=NET_LATENCY_S)
+
+# --- B200 / GB200 ------------------------------------------------------------------------
+# NVIDIA DGX B200 datasheet and HGX B200 specifications (8 GPUs; per GPU = the 8-GPU figures / 8): FP4 Tensor Core
+# 144 PFLOPS*, FP8/FP6 72 PFLOPS*, BF16/FP16 36 PFLOPS*, TF32 18 PFLOPS*, FP64/FP64 Tensor Core 296 TFLOPS, FP32
+# 600 TFLOPS (* with sparsity, halved here: per GPU 9 / 4.5 / 2.25 / 1.125 PFLOPS dense, as ml-engineering's
+# compute/accelerator/README.md "TFLOPS comparison table" lists B200 SXM: tf32 1125, bf16 2250, fp8 4500, fp4 9000);
+# 1,440 GB HBM3e in all (180 GB per GPU) at 64 TB/s (8 TB/s per GPU); fifth-generation NVLink 1.8 TB/s per GPU
+# (bidirectional -> 900 GB/s per direction) on NVSwitch; PCIe Gen5 to the host (64 GB/s per direction). MXFP8 (OCP
+# microscaling, block of 32) runs on Blackwell's tensor cores at the FP8 rate (NVIDIA Blackwell architecture
+# technical brief: "FP8 and FP6" rates include the MX formats). No measured GEMM or attention ceiling is at hand for
+# Blackwell: the H100's shares stand in (an ASSUMPTION until a measurement replaces them).
+_B200_FLOPS = {"fp64": 37 * TFLOPS, "fp32": 75 * TFLOPS, "tf32": 1125 * TFLOPS, "bf16": 2250 * TFLOPS,
+               "fp16": 2250 * TFLOPS, "fp8": 4500 * TFLOPS, "mxfp8": 4500 * TFLOPS, "fp4": 9000 * TFLOPS}
+B200 = GPUSpec(name="B200 180GB", peak_flops=_B200_FLOPS, hbm_bytes=180 * GiB, hbm_bw=8000 * GB, pcie_bw=64 * GB,
+               **_HOPPER_SHARES)
+# DGX B200: 8 GPUs on NVLink5 NVSwitch (900 GB/s per direction per GPU); 8 single-port ConnectX-7 VPI at 400 Gb/s for
+# compute = 50 GB/s per GPU.
+DGX_B200 = ClusterSpec(gpus_per_node=8, nvlink_bw=900 * GB, nvlink_latency_s=NVLINK_LATENCY_S,
+                       internode_bw=400 * GBIT, internode_latency_s=NET_LATENCY_S)
+
+# NVIDIA GB200 NVL72 datasheet (72 Blackwell GPUs, 36 Grace CPUs per rack; per GPU = the rack's figures / 72):
+# FP4 Tensor Core 1,440 PFLOPS*, FP8/FP6 720 PFLOPS*, FP16/BF16 360 PFLOPS*, TF32 180 PFLOPS*, FP64 3,240 TFLOPS
+# (* with sparsity, halved here: per GPU 10 / 5 / 2.5 / 1.25 PFLOPS dense; ml-engineering's table lists GB200 per
+# chip: tf32 1250, bf16 2500, fp8 5000, fp4 10000), FP32 taken as the B200's (not stated per GPU); HBM3e 13.4 TB at
+# 576 TB/s (186 GB and 8 TB/s per GPU); NVLink 130 TB/s over the rack (1.8 TB/s per GPU, 900 GB/s per direction);
+# NVLink-C2C 900 GB/s (bidirectional) between a Grace and its two GPUs (225 GB/s per GPU per direction to the host).
+GB200 = GPUSpec(name="GB200 186GB", peak_flops={**_B200_FLOPS, "fp64": 45 * TFLOPS, "tf32": 1250 * TFLOPS,
+                                                "bf16": 2500 * TFLOPS, "fp16": 2500 * TFLOPS, "fp8": 5000 * TFLOPS,
+                                                "mxfp8": 5000 * TFLOPS, "fp4": 10000 * TFLOPS},
+                hbm_bytes=186 * GiB, hbm_bw=8000 * GB, pcie_bw=225 * GB, **_HOPPER_SHARES)
+# The rack is one NVLink domain of 72 GPUs on 18 compute trays (hosts) of 4 GPUs, one 400 Gb/s ConnectX-7 NIC per GPU
+# for the network between racks. A job's parallel groups are powers of two: the domain a job uses is taken as 64 GPUs
+# (16 trays) of each rack, the rest kept as spares (Slurm's --segment=16 places it so) -- an ASSUMPTION; a job
+# that uses all 72 plans with --gpus-per-node 72.
+NVL72 = ClusterSpec(gpus_per_node=64, gpus_per_host=4, nvlink_bw=900 * GB, nvlink_latency_s=NVLINK_LATENCY_S,
+                    internode_bw=400 * GBIT, internode_latency_s=NET_LATENCY_S)
 
 # --- PCIe parts --------------------------------------------------------------------------
 # NVIDIA H100 Tensor Core GPU datasheet (H100 PCIe column): FP64 Tensor Core 51 TFLOPS,
@@ -156,6 +195,11 @@ BUILTIN_TARGETS: tuple[Target, ...] = (
            description="H100 PCIe 80GB, 8 per server over PCIe Gen5, one NDR 400 Gb/s NIC per 2 GPUs"),
     Target(name="h200", gpu=H200, cluster=DGX_H100,
            description="H200 SXM 141GB in DGX H200 nodes (8 GPUs, NVLink4 450 GB/s, 8x NDR 400 Gb/s IB)"),
+    Target(name="b200", gpu=B200, cluster=DGX_B200,
+           description="B200 180GB in DGX B200 nodes (8 GPUs, NVLink5 900 GB/s, 8x NDR 400 Gb/s IB)"),
+    Target(name="gb200-nvl72", gpu=GB200, cluster=NVL72,
+           description="GB200 NVL72 racks (NVLink5 900 GB/s across a rack; 64 GPUs of each rack per job, 4 per host; "
+                       "400 Gb/s per GPU between racks)"),
     Target(name="rtx6000-ada", gpu=RTX6000_ADA, cluster=PCIE4_SERVER,
            description="RTX 6000 Ada 48GB, 8 per server over PCIe Gen4, one HDR 200 Gb/s NIC per 2 GPUs"),
     # One GPU per machine (FreeRide's Server-II); the Gen4 server's links are an ASSUMPTION no one-GPU job crosses.

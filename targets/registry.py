@@ -97,7 +97,7 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-OPTIONAL_GPU_FIELDS = ("name", "matmul_ceiling", "attention_ceiling")
+OPTIONAL_GPU_FIELDS = ("name", "matmul_ceiling", "attention_ceiling", "fp8_matmul_ceiling", "gpus_per_host")
 
 
 class GPUFile(_Strict):
@@ -110,6 +110,7 @@ class GPUFile(_Strict):
     pcie_bw: float | None = None
     matmul_ceiling: float | None = None  # optional: share of peak the best large GEMM reaches (A100's if absent)
     attention_ceiling: float | None = None  # optional: share of peak the flash attention kernel reaches
+    fp8_matmul_ceiling: float | None = None  # optional: share of the FP8 peak the best FP8 GEMM reaches
 
     @field_validator("peak_flops", mode="before")
     @classmethod
@@ -147,8 +148,9 @@ class ClusterFile(_Strict):
     nvlink_latency_s: float | None = None
     internode_bw: float | None = None
     internode_latency_s: float | None = None
+    gpus_per_host: int | None = None  # optional: GPUs per host where fewer than the NVLink domain (GB200: 4)
 
-    @field_validator("gpus_per_node", mode="before")
+    @field_validator("gpus_per_node", "gpus_per_host", mode="before")
     @classmethod
     def _count(cls, value: Any) -> Any:
         return None if value is None else _positive_int(value)
@@ -246,7 +248,7 @@ def _from_scratch(model: TargetFile, name: str) -> tuple[GPUSpec, ClusterSpec]:
                           f"(or add e.g. 'base: {DEFAULT_TARGET}' to override a built-in target)")
     fields = gpu.model_dump(exclude_none=True)
     fields["name"] = fields.get("name") or name
-    return GPUSpec(**fields), ClusterSpec(**cluster.model_dump())
+    return GPUSpec(**fields), ClusterSpec(**cluster.model_dump(exclude_none=True))
 
 
 def _build(model: TargetFile, path: Path) -> Target:

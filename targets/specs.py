@@ -14,7 +14,9 @@ from collections.abc import Mapping
 __all__ = ["DTYPES", "DTYPE_ALIASES", "TargetError", "GPUSpec", "ClusterSpec", "Target", "canonical_dtype"]
 
 #: Dtype names accepted as keys of ``GPUSpec.peak_flops`` (dense, no structured sparsity).
-DTYPES: tuple[str, ...] = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8")
+DTYPES: tuple[str, ...] = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8", "mxfp8", "fp4")
+"""mxfp8: FP8 with one shared power-of-two scale per 32 elements, run natively by Blackwell's tensor cores (OCP
+Microscaling); a GPU without the key cannot run an MXFP8 recipe. fp4: NVFP4/MXFP4 tensor rate."""
 
 #: Other spellings of the dtypes above (torch names, with or without ``torch.``).
 DTYPE_ALIASES: dict[str, str] = {
@@ -22,7 +24,7 @@ DTYPE_ALIASES: dict[str, str] = {
     "float32": "fp32", "float": "fp32",
     "float16": "fp16", "half": "fp16",
     "bfloat16": "bf16",
-    "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "float8": "fp8",
+    "float8_e4m3fn": "fp8", "float8_e5m2": "fp8", "float8": "fp8", "nvfp4": "fp4", "mxfp4": "fp4",
 }
 
 
@@ -67,11 +69,13 @@ class GPUSpec:
     attention_ceiling: float = 0.73
     """Share of the dense peak that the fused (flash) attention kernel the engines dispatch on this GPU
     reaches at its best; where a GPU has no measurement, FlashAttention-2's on the A100."""
+    fp8_matmul_ceiling: float = 0.0
+    """Share of the FP8 peak the best large FP8 GEMM reaches (0: the bf16 matmul_ceiling, an assumption)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise TargetError(f"GPUSpec: name must be a non-empty string, got {self.name!r}")
-        for share in ("matmul_ceiling", "attention_ceiling"):
+        for share in ("matmul_ceiling", "attention_ceiling") + (("fp8_matmul_ceiling",) if self.fp8_matmul_ceiling else ()):
             if not 0 < getattr(self, share) <= 1:
                 raise TargetError(f"GPU {self.name!r}: {share} is a share of the peak in (0, 1], "
                                   f"got {getattr(self, share)!r}")
@@ -106,6 +110,12 @@ class GPUSpec:
                               f"{', '.join(sorted(self.peak_flops))}; plan with --dtype {usable[0] if usable else 'fp32'}"
                               ) from None
 
+    def ceiling(self, dtype: str) -> float:
+        """Share of `dtype`'s peak the best large GEMM reaches: the FP8 measurement for the 8-bit rates (MXFP8 and
+        FP4 take it too where nothing else is measured), the bf16 one otherwise."""
+        low = dtype in ("fp8", "mxfp8", "fp4") and self.fp8_matmul_ceiling
+        return self.fp8_matmul_ceiling if low else self.matmul_ceiling
+
     @property
     def dtypes(self) -> tuple[str, ...]:
         """The dtypes this GPU has a peak for, in DTYPES order."""
@@ -117,7 +127,8 @@ class ClusterSpec:
     """How GPUs are wired: within a node (NVLink, or PCIe on PCIe parts) and across nodes."""
 
     gpus_per_node: int
-    """GPUs in one node."""
+    """GPUs in one NVLink domain (a node of 8 on DGX/HGX; the part of an NVL72 rack a job uses): the cost models'
+    'node', inside which collectives run over NVLink."""
     nvlink_bw: float
     """Per-GPU unidirectional intra-node bandwidth usable by collectives, bytes/s
     (NVLink, or the PCIe link on PCIe-only parts)."""
@@ -127,12 +138,24 @@ class ClusterSpec:
     """Per-GPU unidirectional inter-node bandwidth, bytes/s (node NIC bandwidth / GPUs per node)."""
     internode_latency_s: float
     """Per-step latency of an inter-node collective, seconds."""
+    gpus_per_host: int = 0
+    """GPUs one host (one torchrun agent) drives, where fewer than the NVLink domain (GB200: 4 per compute tray);
+    0: the same as gpus_per_node."""
+
+    @property
+    def host_gpus(self) -> int:
+        """GPUs per host: what torchrun's --nproc-per-node is."""
+        return self.gpus_per_host or self.gpus_per_node
 
     def __post_init__(self) -> None:
         owner = "cluster"
         if isinstance(self.gpus_per_node, bool) or not isinstance(self.gpus_per_node, int) \
                 or self.gpus_per_node < 1:
             raise TargetError(f"{owner}: gpus_per_node must be a positive integer, got {self.gpus_per_node!r}")
+        if isinstance(self.gpus_per_host, bool) or not isinstance(self.gpus_per_host, int) or self.gpus_per_host < 0 \
+                or (self.gpus_per_host and self.gpus_per_node % self.gpus_per_host):
+            raise TargetError(f"{owner}: gpus_per_host must be 0 (the node) or divide the {self.gpus_per_node} GPUs "
+                              f"per node, got {self.gpus_per_host!r}")
         _check_positive(owner, "nvlink_bw", self.nvlink_bw)
         _check_positive(owner, "internode_bw", self.internode_bw)
         _check_positive(owner, "nvlink_latency_s", self.nvlink_latency_s, allow_zero=True)
@@ -161,4 +184,6 @@ class Target:
 
     def with_gpus_per_node(self, gpus_per_node: int) -> Target:
         """This target with the cluster's GPUs per node replaced (e.g. a 4-GPU partition of a node)."""
-        return replace(self, cluster=replace(self.cluster, gpus_per_node=gpus_per_node))
+        host = self.cluster.gpus_per_host
+        return replace(self, cluster=replace(self.cluster, gpus_per_node=gpus_per_node,
+                                             gpus_per_host=host if host and gpus_per_node % host == 0 else 0))

@@ -14,7 +14,7 @@ from targets.registry import TargetError, get_target, list_targets, load_target_
 from targets.specs import DTYPES, GPUSpec
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "targets" / "my-cluster.yaml"
-NAMES = ["a100-40gb", "a100-80gb", "h100-pcie", "h100-sxm", "h200", "rtx3080", "rtx6000-ada", "v100-16gb",
+NAMES = ["a100-40gb", "a100-80gb", "b200", "gb200-nvl72", "h100-pcie", "h100-sxm", "h200", "rtx3080", "rtx6000-ada", "v100-16gb",
          "v100-32gb"]
 
 
@@ -56,6 +56,8 @@ def test_builtin_loads_with_positive_figures(name):
         ("h100-sxm", "bf16", 989.5e12), ("h100-sxm", "fp8", 1979e12), ("h200", "bf16", 989.5e12),
         ("h100-pcie", "bf16", 756.5e12), ("rtx6000-ada", "bf16", 364.2e12), ("rtx6000-ada", "fp8", 728.5e12),
         ("rtx3080", "fp16", 59.5e12), ("rtx3080", "fp32", 29.8e12),
+        ("b200", "bf16", 2250e12), ("b200", "fp8", 4500e12), ("b200", "mxfp8", 4500e12), ("b200", "fp4", 9000e12),
+        ("gb200-nvl72", "bf16", 2500e12), ("gb200-nvl72", "mxfp8", 5000e12), ("gb200-nvl72", "nvfp4", 10000e12),
     ],
 )
 def test_datasheet_peaks(name, dtype, flops):
@@ -71,6 +73,22 @@ def test_a100_80gb_figures_exact():
     assert get_target("h200").gpu.hbm_bw == 4.8e12 and get_target("h100-sxm").gpu.hbm_bw == 3.35e12
 
 
+def test_blackwell_racks_and_fp8_ceilings():
+    """GB200 NVL72: the NVLink domain a job uses (64 of a rack's 72) is the cost models' node, torchrun runs 4 per
+    host; the launch commands follow the hosts. FP8 GEMMs reach DeepGEMM's 1550 of 1979 TFLOP/s on Hopper."""
+    from planner.launch import torchrun_commands
+
+    nvl = get_target("gb200-nvl72").cluster
+    assert (nvl.gpus_per_node, nvl.host_gpus, nvl.nvlink_bw) == (64, 4, 900e9)
+    assert torchrun_commands("p.json", 128, nvl.host_gpus)[:2] == (32, 4)
+    assert get_target("gb200-nvl72", 72).cluster.host_gpus == 4  # a whole rack still runs 4 per host
+    assert get_target("b200").cluster.host_gpus == 8 and get_target("b200").gpu.hbm_bw == 8e12
+    h100 = get_target("h100-sxm").gpu
+    assert h100.ceiling("fp8") == pytest.approx(1550 / 1979) and h100.ceiling("bf16") == pytest.approx(792.1 / 989)
+    assert get_target("a100-80gb").gpu.ceiling("fp8") == get_target("a100-80gb").gpu.matmul_ceiling
+    assert "mxfp8" not in h100.peak_flops  # MXFP8 is Blackwell's
+
+
 def test_unsupported_dtype_is_a_clear_error():
     with pytest.raises(TargetError, match=r"'V100 SXM2 16GB' has no bf16 peak .* supports fp16, fp32, fp64"):
         get_target("v100-16gb").gpu.peak("bf16")
@@ -84,8 +102,8 @@ def test_specs_are_frozen_and_validated():
         gpu.hbm_bw = 1.0  # type: ignore[misc]
     with pytest.raises(TargetError, match=r"hbm_bw must be a positive finite number, got -1"):
         dataclasses.replace(gpu, hbm_bw=-1)
-    with pytest.raises(TargetError, match=r"unknown dtype 'fp4'"):
-        GPUSpec(name="x", peak_flops={"fp4": 1.0}, hbm_bytes=1, hbm_bw=1.0, pcie_bw=1.0)
+    with pytest.raises(TargetError, match=r"unknown dtype 'int4'"):
+        GPUSpec(name="x", peak_flops={"int4": 1.0}, hbm_bytes=1, hbm_bw=1.0, pcie_bw=1.0)
 
 
 def test_get_target_errors_and_overrides():
@@ -182,7 +200,7 @@ def test_example_file_loads():
         ("base: a100-80gb\ngpu: {hbm_byts: 1GiB}\n", ["unknown field 'gpu.hbm_byts'", "hbm_bytes"]),
         ("base: a100-80gb\ncolour: red\n", ["unknown field 'colour'", "allowed fields: schema_version"]),
         ("base: a100-80gb\ngpu: {hbm_bw: 2TB}\n", ["gpu.hbm_bw must be a positive bandwidth", "'2TB'"]),
-        ("base: a100-80gb\ngpu: {peak_flops: {fp4: 1PFLOPS}}\n", ["gpu.peak_flops has unknown dtype 'fp4'"]),
+        ("base: a100-80gb\ngpu: {peak_flops: {int4: 1PFLOPS}}\n", ["gpu.peak_flops has unknown dtype 'int4'"]),
         ("base: a100-80gb\ngpu: {peak_flops: {bf16: fast}}\n", ["gpu.peak_flops[bf16] must be", "'fast'"]),
         ("base: a100-80gb\ncluster: {gpus_per_node: 2.5}\n", ["cluster.gpus_per_node must be a positive integer",
                                                               "2.5"]),
