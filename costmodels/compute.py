@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING
 from passes.units import Part, Unit
 
 from .comm import allreduce_time, p2p_time
+from .fp8 import Fp8Recipe, runs_fp8
 from .hardware import Hardware
+from .memory import param_count
 
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
@@ -40,23 +42,36 @@ class UnitTime:
         return self.bwd_s - self.bwd_weight_s
 
 
-def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str) -> tuple[float, float, float]:
+def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str,
+               fp8: Fp8Recipe | None = None) -> tuple[float, float, float]:
     """(forward, backward, of the backward the weight gradients) seconds of one part, already divided over t
     GPUs. Each matrix product is its own kernel on the roofline: compute-bound at the GEMM efficiency its size
     reaches, or bound by the bytes it moves (attention's score products Q K^T and P V with a small head dimension
     are, on A100 and more so on H100); its backward FLOPs (two products per product, five for a fused attention's
-    two) run at its rate, the dW product's share of them being the weight gradient (with one launch of its own)."""
+    two) run at its rate, the dW product's share of them being the weight gradient (with one launch of its own).
+    Under an FP8 recipe (costmodels.fp8) a weight product's three GEMMs run at the FP8 rate, and the casts of its
+    input X (forward) and output gradient dY (backward; torchao casts X again there) move their bytes, each cast a
+    kernel of its own; the dW's share of the dY cast is the weight gradient's."""
     gpu, eff = hw.gpu, hw.eff
-    peak, bw, vec = gpu.peak(precision), gpu.hbm_bw * eff.hbm, gpu.peak("fp32")
+    bw, vec = gpu.hbm_bw * eff.hbm, gpu.peak("fp32")
     mm = mm_bwd = mm_bytes = fwd = bwd = wgrad = 0.0
-    wgrad_kernels = 0
-    for flops_of, bytes_of, bwd_flops_of, fused, wgrad_flops_of in part.products:
+    wgrad_kernels = casts = 0
+    for flops_of, bytes_of, bwd_flops_of, fused, wgrad_flops_of, x_of, y_of in part.products:
         f, by, fb, wf = flops_of(b) / t, bytes_of(b) / t, bwd_flops_of(b) / t, wgrad_flops_of(b) / t
         mm, mm_bwd, mm_bytes = mm + f, mm_bwd + fb, mm_bytes + by
-        rate = hw.matmul_rate(f, precision, attention=fused) if f > 0 else peak
+        low = fp8 is not None and wf > 0 and not fused
+        dtype = fp8.gemm_dtype if low else precision
+        rate = hw.matmul_rate(f, dtype, attention=fused) if f > 0 else gpu.peak(dtype)
         fwd += max(f / rate, by / bw)
         product_bwd = max(fb / rate, 2 * by / bw)
         bwd += product_bwd
+        if low:
+            x, y = x_of(b) / t, y_of(b) / t
+            fwd += fp8.cast_passes() * x / bw
+            cast_bwd = fp8.cast_passes() * (y + (0.0 if fp8.saves_fp8_input else x)) / bw
+            bwd += cast_bwd
+            wgrad += cast_bwd * wf / fb
+            casts += 1
         if wf > 0:  # dW and dX each move the forward's bytes: compute- or memory-bound, W is its FLOPs' share
             wgrad += product_bwd * wf / fb
             wgrad_kernels += 1
@@ -66,16 +81,17 @@ def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str) -> tu
     bwd_ew_flops = max(part.bwd_flops(b) / t - mm_bwd, 0.0)
     bwd_ew_bytes = max(part.bwd_bytes(b) / t - 2 * mm_bytes, 0.0) * (1 - eff.fusion)
     bwd += max(bwd_ew_flops / vec, bwd_ew_bytes / bw)
-    launches = part.kernels * eff.launch_s
+    launches = (part.kernels + casts) * eff.launch_s
     return ((fwd + launches) * eff.calibration, (bwd + 2 * launches) * eff.calibration,
             (wgrad + wgrad_kernels * eff.launch_s) * eff.calibration)
 
 
-def _gemm_s(part: Part, b: float, t: int, hw: Hardware, precision: str) -> float:
+def _gemm_s(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: Fp8Recipe | None = None) -> float:
     """Forward seconds of the part's products that are not a fused attention kernel, divided over t."""
     bw = hw.gpu.hbm_bw * hw.eff.hbm
-    return sum(max(f(b) / t / hw.matmul_rate(f(b) / t, precision), by(b) / t / bw)
-               for f, by, _, fused, _ in part.products if not fused and f(b) > 0) * hw.eff.calibration
+    return sum(max(f(b) / t / hw.matmul_rate(f(b) / t, fp8.gemm_dtype if fp8 and wf(b) > 0 else precision),
+                   by(b) / t / bw)
+               for f, by, _, fused, wf, _, _ in part.products if not fused and f(b) > 0) * hw.eff.calibration
 
 
 def tp_allreduce_s(nbytes: float, t: int, hw: Hardware) -> float:
@@ -110,14 +126,19 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     """Forward and backward seconds of `unit` for one microbatch of cfg.b samples at cfg.tp and cfg.cp,
     with cfg.recompute's recomputation inside the backward."""
     b, t = cfg.local_b, cfg.tp
-    sf, sb, sw = _part_time(unit.sharded, b, t, hw, cfg.precision)
+    fp8 = cfg.fp8_recipe if runs_fp8(unit.kind) else None
+    sf, sb, sw = _part_time(unit.sharded, b, t, hw, cfg.precision, fp8)
     if 0 < unit.kv_heads < t:  # grouped-query attention: each kv head is replicated on t / kv_heads ranks
-        rf_, rb_, rw_ = _part_time(unit.kv, b, unit.kv_heads, hw, cfg.precision)
-        df, db, dw = _part_time(unit.kv, b, t, hw, cfg.precision)
+        rf_, rb_, rw_ = _part_time(unit.kv, b, unit.kv_heads, hw, cfg.precision, fp8)
+        df, db, dw = _part_time(unit.kv, b, t, hw, cfg.precision, fp8)
         sf, sb, sw = sf + rf_ - df, sb + rb_ - db, sw + rw_ - dw
     # sequence parallelism: the norms, dropouts and residual adds run on 1/t of the sequence; the
     # all-reduces become a reduce-scatter and an all-gather of the same volume (the same ring time)
-    rf, rb, rw = _part_time(unit.replicated, b, cfg.sp_degree, hw, cfg.precision)
+    rf, rb, rw = _part_time(unit.replicated, b, cfg.sp_degree, hw, cfg.precision, fp8)
+    if fp8 is not None:  # the weights' casts: once per iteration (cached FP8 weights), or every microbatch both ways
+        cast = fp8.cast_passes() * param_count(unit, cfg) * cfg.numerics.weight_bytes / (hw.gpu.hbm_bw * hw.eff.hbm)
+        sf += cast / cfg.m if fp8.weight_cache else cast
+        sb += 0.0 if fp8.weight_cache else cast
     n = max(unit.tp_allreduces, 1)
     ar_f = n * tp_allreduce_s(unit.tp_fwd_allreduce_bytes(b) / n, t, hw) if unit.tp_allreduces else 0.0
     ar_b = tp_allreduce_s(unit.tp_bwd_allreduce_bytes(b) / n, t, hw) * n if t > 1 else 0.0
@@ -125,7 +146,7 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
         # Transformer Engine's userbuffers (Megatron --tp-comm-overlap): each all-gather / reduce-scatter of the
         # sequence-parallel regions is split into t chunks exchanged around the ring while the linear's GEMM runs
         # on the chunk already there: only what the GEMMs' (t-1)/t cannot cover stays exposed
-        cover = _gemm_s(unit.sharded, b, t, hw, cfg.precision) * (t - 1) / t
+        cover = _gemm_s(unit.sharded, b, t, hw, cfg.precision, fp8) * (t - 1) / t
         ar_f, ar_b = max(0.0, ar_f - cover), max(0.0, ar_b - 2 * cover)
     cp_f, cp_b = cp_ring_s(unit, hw, cfg)
     kf, kb = hw.eff.unit_factor(unit.kind)

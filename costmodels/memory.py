@@ -12,13 +12,15 @@ from typing import TYPE_CHECKING
 
 from passes.units import Unit
 
+from .fp8 import runs_fp8
 from .hardware import Hardware
 from .recompute import RECOMPUTE, weight_grad_bytes
 
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
-__all__ = ["StageMemory", "activation_bytes", "param_count", "rank_param_count", "stage_memory", "static_bytes_per_param"]
+__all__ = ["StageMemory", "activation_bytes", "fp8_weight_bytes", "held_bytes", "param_count", "rank_param_count",
+           "stage_memory", "static_bytes", "static_bytes_per_param"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -62,8 +64,38 @@ def rank_param_count(units: list[Unit], cfg: ParallelConfig) -> float:
 
 
 def activation_bytes(unit: Unit, cfg: ParallelConfig) -> float:
-    """Bytes one microbatch leaves on the device from the unit's forward until its backward."""
-    return cfg.recompute_mode.kept_bytes(unit, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp)
+    """Bytes one microbatch leaves on the device from the unit's forward until its backward (an FP8 recipe that
+    saves its GEMMs' cast inputs keeps those at 1 byte per element)."""
+    kept = cfg.recompute_mode.kept_bytes(unit, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp)
+    return kept - _fp8_input_saving(unit, cfg) if cfg.recompute_mode.keeps_gemm_inputs(unit) else kept
+
+
+def held_bytes(unit: Unit, cfg: ParallelConfig) -> float:
+    """Bytes one microbatch holds from the unit's input-gradient step to its weight-gradient step (split backward):
+    recompute.weight_grad_bytes, with the FP8 inputs as activation_bytes counts them."""
+    return weight_grad_bytes(unit, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) - _fp8_input_saving(unit, cfg)
+
+
+def _fp8_input_saving(unit: Unit, cfg: ParallelConfig) -> float:
+    """What keeping the weight products' inputs X in FP8 (1 byte per element, with its block scales) saves against
+    keeping them at the training precision."""
+    fp8 = cfg.fp8_recipe
+    if fp8 is None or not fp8.saves_fp8_input or not runs_fp8(unit.kind):
+        return 0.0
+    b = cfg.local_b
+    x = unit.sharded.gemm_input_bytes(b) / cfg.tp + unit.replicated.gemm_input_bytes(b) / cfg.sp_degree
+    return x * max(0.0, 1 - (1 + fp8.scale_bytes) / cfg.numerics.weight_bytes)
+
+
+def fp8_weight_bytes(unit: Unit, cfg: ParallelConfig) -> float:
+    """The FP8 weight copies (row- and column-wise) an FP8 recipe caches for the unit on one rank."""
+    fp8 = cfg.fp8_recipe
+    return param_count(unit, cfg) * fp8.weight_copy_bytes() if fp8 is not None and runs_fp8(unit.kind) else 0.0
+
+
+def static_bytes(unit: Unit, cfg: ParallelConfig) -> float:
+    """Weights + gradients + (sharded) optimizer state of the unit on one rank, FP8 weight copies included."""
+    return param_count(unit, cfg) * static_bytes_per_param(cfg) + fp8_weight_bytes(unit, cfg)
 
 
 def static_bytes_per_param(cfg: ParallelConfig) -> float:
@@ -76,12 +108,13 @@ def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int
     num = cfg.numerics
     params = rank_param_count(units, cfg)
     mode = cfg.recompute_mode
-    acts = sum(mode.kept_bytes(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units) * cfg.inflight(rank)
+    acts = sum(activation_bytes(u, cfg) for u in units) * cfg.inflight(rank)
     if pending := cfg.w_pending(rank):  # split backward: what the weight gradients still owed keep
-        acts += sum(weight_grad_bytes(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units) * pending
+        acts += sum(held_bytes(u, cfg) for u in units) * pending
     if mode.working_set:  # the unit being recomputed holds its full activations during its backward
         plain = RECOMPUTE["none"].kept_bytes
         acts += max((plain(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units), default=0.0)
-    return StageMemory(weights=params * num.weight_bytes, grads=params * num.grad_bytes,
+    fp8 = sum(fp8_weight_bytes(u, cfg) for u in units)
+    return StageMemory(weights=params * num.weight_bytes + fp8, grads=params * num.grad_bytes,
                        optimizer=params * num.optimizer_bytes / cfg.optimizer_shards, activations=acts,
                        reserve=hw.reserve_bytes)

@@ -31,6 +31,8 @@ class RecomputeMode:
     """unit -> FLOPs per sample the recomputation executes."""
     working_set: bool
     """The recomputed unit holds its full activations again during its backward."""
+    keeps_gemm_inputs: Callable[[Unit], bool] = lambda u: True
+    """Whether the unit's weight products' inputs X are among what it keeps (an FP8 recipe keeps them in FP8)."""
 
 
 def _plain_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
@@ -110,4 +112,4 @@ register_recompute(RecomputeMode(
     kept_bytes=_full_bytes,
     extra_backward_s=lambda u, b, t, hw, prec, fwd: fwd if u.kind == "block" else 0.0,
     extra_flops=lambda u: u.fwd_flops(1) if u.kind == "block" else 0.0,
-    working_set=True))
+    working_set=True, keeps_gemm_inputs=lambda u: u.kind != "block"))

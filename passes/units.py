@@ -34,10 +34,12 @@ class Part:
     # input gradient (I), which zero-bubble schedules run first (passes.costs.NodeCost.wgrad_flops)
     mm_flops: Poly = field(default_factory=Poly)  # forward FLOPs in matrix products
     mm_bytes: Poly = field(default_factory=Poly)  # forward bytes moved by matrix products
-    products: tuple[tuple[Poly, Poly, Poly, bool, Poly], ...] = ()  # (forward FLOPs, forward bytes, backward FLOPs,
-    # fused attention kernel?, of the backward FLOPs the dW product's) of each matrix product: each is its own kernel,
-    # compute- or memory-bound on its own (attention's score products are memory-bound where a layer's linears are
-    # not); a fused attention's backward is 5 products for 2; a product of two activations has no dW
+    products: tuple[tuple[Poly, Poly, Poly, bool, Poly, Poly, Poly], ...] = ()  # (forward FLOPs, forward bytes,
+    # backward FLOPs, fused attention kernel?, of the backward FLOPs the dW product's, a weight product's activation
+    # input X bytes, its output Y bytes) of each matrix product: each is its own kernel, compute- or memory-bound on
+    # its own (attention's score products are memory-bound where a layer's linears are not); a fused attention's
+    # backward is 5 products for 2; a product of two activations has no dW (and no X, Y: FP8 casts only weight
+    # products' operands, costmodels.fp8)
     model_flops: Poly = field(default_factory=Poly)  # mm_flops with causal attention counted in full (PaLM)
     fwd_bytes: Poly = field(default_factory=Poly)
     bwd_bytes: Poly = field(default_factory=Poly)
@@ -47,6 +49,8 @@ class Part:
     X (among saved_bytes) and the gradient of its output dY (made by I, kept until W: the product's output bytes),
     each tensor once (one X read by the q, k and v projections counts once). Bias and embedding-table gradients
     read a dY the W step keeps anyway, or run with I (an embedding's scatter-add): nothing more is counted."""
+    gemm_input_bytes: Poly = field(default_factory=Poly)  # of saved_bytes, the weight products' inputs X (each
+    # tensor once): what an FP8 recipe that saves the cast input keeps at 1 byte per element (costmodels.fp8)
     selective_bytes: Poly = field(default_factory=Poly)  # of saved_bytes, what selective recompute drops
     selective_flops: Poly = field(default_factory=Poly)  # forward FLOPs selective recompute redoes
     fused_core_bytes: Poly = field(default_factory=Poly)  # what a fused (flash) attention kernel keeps of the core
@@ -61,7 +65,7 @@ class Part:
     @property
     def fused_attention(self) -> bool:
         """The part's attention runs as one fused (flash) kernel."""
-        return any(fused for _, _, _, fused, _ in self.products)
+        return any(p[3] for p in self.products)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -170,7 +174,7 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
     z = sympy.Integer(0)
     fw = bw = wg = mm = mmb = fb = bb = sel_f = full = z
     saved: dict[str, sympy.Expr] = {}
-    products: list[tuple[sympy.Expr, sympy.Expr, sympy.Expr, bool, sympy.Expr]] = []
+    products: list[tuple[sympy.Expr, ...]] = []
     params: dict[str, int] = {}  # every weight a node of the part uses, once (a tied weight in each unit using it)
     for n in nodes:
         c: NodeCost = n.meta[COST]
@@ -183,8 +187,10 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
         saved.update(c.saved)
         if c.mm_flops != 0:
             mmb += c.fwd_bytes
+            weight = c.wgrad_mm_flops != 0
             products.append((c.mm_flops, c.fwd_bytes, c.bwd_flops - (c.fwd_flops - c.mm_flops), c.kind == "attention",
-                             c.wgrad_mm_flops))
+                             c.wgrad_mm_flops, sum((v for _, v in c.saved), z) if weight else z,
+                             c.out_bytes if weight else z))
         if n.name in selective:
             sel_f += c.fwd_flops
     sel_b = _selective_bytes(nodes, selective, saved)
@@ -194,8 +200,8 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
     p = lambda e: Poly.of(e, B)  # noqa: E731
     kernels = sum(1 for n in nodes if n.meta[COST].kind not in ("view", "none"))
     return Part(fwd_flops=p(fw), bwd_flops=p(bw), wgrad_flops=p(wg), mm_flops=p(mm), mm_bytes=p(mmb),
-                model_flops=p(full), products=tuple((p(f), p(by), p(bf), fused, p(wf))
-                                                    for f, by, bf, fused, wf in products),
+                model_flops=p(full), products=tuple((p(f), p(by), p(bf), fused, p(wf), p(x), p(y))
+                                                    for f, by, bf, fused, wf, x, y in products),
                 fwd_bytes=p(fb), bwd_bytes=p(bb), saved_bytes=p(sum(saved.values(), z)),
                 wgrad_bytes=p(sum(_wgrad_tensors(nodes).values(), z)), selective_bytes=p(sel_b),
                 selective_flops=p(sel_f), fused_core_bytes=p(fused_b), params=sum(params.values()),
@@ -205,13 +211,14 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
 def _wgrad_tensors(nodes: list[fx.Node]) -> dict[str, sympy.Expr]:
     """(name, bytes) of what the weight products' dW read (Part.wgrad_bytes): X by its storage's name, as saved
     bytes name it, and dY as '<product>.grad' (so it splits over tensor parallelism as the product's output)."""
-    tensors: dict[str, sympy.Expr] = {}
-    for n in nodes:
-        c: NodeCost = n.meta[COST]
-        if c.wgrad_mm_flops != 0:
-            tensors.update(c.saved)
-            tensors[f"{n.name}.grad"] = c.out_bytes
+    tensors = _gemm_inputs(nodes)
+    tensors.update((f"{n.name}.grad", n.meta[COST].out_bytes) for n in nodes if n.meta[COST].wgrad_mm_flops != 0)
     return tensors
+
+
+def _gemm_inputs(nodes: list[fx.Node]) -> dict[str, sympy.Expr]:
+    """(name, bytes) of the inputs X the weight products save, by their storage's name (each tensor once)."""
+    return {k: v for n in nodes if n.meta[COST].wgrad_mm_flops != 0 for k, v in n.meta[COST].saved}
 
 
 def _selective_bytes(nodes: list[fx.Node], core: set[str], saved: dict[str, sympy.Expr]) -> sympy.Expr:
@@ -241,13 +248,14 @@ def _saved_by_layout(nodes: list[fx.Node], core: set[str], role_of: dict[str, st
     op saves it. The input of a column-parallel linear (a norm's output) is whole on every rank
     (Korthikanti et al. 2022: sbh(10 + 24/t + 5as/ht) per GPT layer, not all of it over t). What the W step
     keeps (wgrad_bytes) splits the same way."""
-    saved, wgrad = {k: v for n in nodes for k, v in n.meta[COST].saved}, _wgrad_tensors(nodes)
+    saved, wgrad, inputs = {k: v for n in nodes for k, v in n.meta[COST].saved}, _wgrad_tensors(nodes), _gemm_inputs(nodes)
     freed = _selective_bytes(nodes, core, saved)  # the attention core works on shards
     split = lambda name: role_of.get(name, "replicated") in SPLIT_OUTPUTS  # noqa: E731
     whole = lambda name: not split(name)  # noqa: E731
     return ({"saved_bytes": _tensor_bytes(saved, split), "wgrad_bytes": _tensor_bytes(wgrad, split),
-             "selective_bytes": Poly.of(freed, B)},
+             "gemm_input_bytes": _tensor_bytes(inputs, split), "selective_bytes": Poly.of(freed, B)},
             {"saved_bytes": _tensor_bytes(saved, whole), "wgrad_bytes": _tensor_bytes(wgrad, whole),
+             "gemm_input_bytes": _tensor_bytes(inputs, whole),
              "selective_bytes": Poly()})
 
 

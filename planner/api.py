@@ -8,6 +8,7 @@ from typing import Any, Callable
 
 from costmodels.calibration import Calibration, apply_calibration
 from costmodels.compute import unit_time
+from costmodels.fp8 import FP8_RECIPES, default_recipe
 from costmodels.hardware import Hardware
 from costmodels.memory import activation_bytes
 from passes.check import PricingError
@@ -67,6 +68,30 @@ def profile_rows(profile: ModelProfile, hw: Hardware, cfg: ParallelConfig) -> li
     return rows
 
 
+def _engine_notes(c: ParallelConfig) -> list[str]:
+    """What of the chosen configuration only an engine runs (the fxplanner runtime refuses it at launch)."""
+    if not c.fp8:
+        return []
+    engine = "megatron" if FP8_RECIPES[c.fp8].megatron_recipe else "torchtitan"
+    return [f"FP8 ({c.fp8}) runs in {engine}, not in the fxplanner runtime: launch this plan with "
+            f"`planner export --to {engine}`"]
+
+
+def fp8_pins(pins: Pins, hw: Hardware) -> Pins:
+    """The pins with --fp8 auto resolved to the engine's default recipe for the GPU, and a recipe the GPU cannot run
+    refused in one sentence."""
+    if not pins.fp8:
+        return pins
+    keys = hw.gpu.peak_flops
+    name = default_recipe(keys) if pins.fp8 == "auto" else pins.fp8
+    need = FP8_RECIPES[name].gemm_dtype
+    if need not in keys:
+        has = "Blackwell's MX block-scaled tensor cores" if need == "mxfp8" else "FP8 tensor cores"
+        raise UserError(f"the FP8 recipe {name} needs {has}, which the {hw.gpu.name} lacks (its peaks: "
+                        f"{', '.join(hw.gpu.dtypes)}); choose another --fp8 recipe or --target, or plan without FP8")
+    return replace(pins, fp8=name)
+
+
 def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per_node: int | None = None,
               model_args: dict[str, Any] | None = None, pins: Pins = Pins(), leaves: tuple[str, ...] = (),
               plan_path: str = "plan.json", fill: FillSpec | None = None, main_slack: float = 0.0, offload: str = "auto",
@@ -80,6 +105,7 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     hw = Hardware(target=get_target(target, gpus_per_node))
     if calibration is not None:
         hw = apply_calibration(calibration, hw)
+    pins = fp8_pins(pins, hw)
     profile, _ = analyze(model, model_args, leaves=leaves, dtype=pins.precision, progress=progress)
     ev = Evaluator(units=profile.units, hw=hw, global_batch=global_batch, n_gpus=gpus,
                    tokens_per_sample=profile.tokens_per_sample)
@@ -181,7 +207,7 @@ MAX_MFU = 0.75  # no published dense training run comes near; above it the cost 
 def _check_physics(ev: Evaluator, best: Evaluation) -> None:
     """A plan faster than the GPU can compute is a pricing error: refuse it, naming the unit whose
     priced time implies the highest FLOP rate."""
-    c, peak = best.config, ev.hw.gpu.peak(best.config.precision)
+    c, peak = best.config, ev.hw.gpu.peak(best.config.peak_dtype)
     if best.mfu <= MAX_MFU and best.hardware_tflops_per_gpu * 1e12 <= peak:
         return
     rates = []
@@ -220,7 +246,7 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
         source=Source(model_file=profile.path, model_sha256=profile.sha256, model_args=profile.kwargs, frontend=profile.frontend,
                       model_shape=profile.model_shape,
                       notes=[*(f"unpriced op {op} ({share:.1%} of the forward's bytes)" for op, share in profile.unpriced),
-                             *profile.notes],
+                             *profile.notes, *_engine_notes(c)],
                       leaves=list(leaves), target=hw.name, gpu=gpu, cluster=asdict(hw.cluster),
                       efficiency=asdict(hw.eff), reserve_bytes=hw.reserve_bytes, gpus=ev.n_gpus,
                       gpus_per_node=hw.cluster.gpus_per_node, global_batch=ev.global_batch,

@@ -8,6 +8,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 
+from costmodels.fp8 import FP8_RECIPES
 from costmodels.precision import PRECISIONS
 from costmodels.recompute import RECOMPUTE
 from passes.errors import UserError
@@ -56,7 +57,9 @@ def plan(
     sequence_parallel: Optional[bool] = typer.Option(
         None, "--sequence-parallel/--no-sequence-parallel",
         help="pin sequence parallelism (Korthikanti et al. 2022); by default the search tries both where t > 1"),
-    dtype: str = typer.Option("bf16", "--dtype", help=f"training precision: {_choices(PRECISIONS)}"),
+    dtype: str = typer.Option("bf16", "--dtype", help=f"training precision: {_choices(PRECISIONS)}, or fp8 (bf16 "
+                              "with the linear layers' GEMMs in FP8 under the engine's default recipe for the GPU)"),
+    fp8: Optional[str] = typer.Option(None, "--fp8", help=f"FP8 recipe of the linear layers: {_choices(FP8_RECIPES)}"),
     calibration: Optional[str] = typer.Option(None, "--calibration", help="file from `planner calibrate`"),
     fill: Optional[str] = typer.Option(None, "--fill", help="fill-job YAML: pack these jobs into the bubbles"),
     main_slack: float = typer.Option(0.0, "--main-slack", help="how much slower than the fastest a main "
@@ -87,9 +90,11 @@ def plan(
         check_fill_value(fill_value)  # before the progress bar starts (make_plan checks too)
         spec = load_fill_spec(fill) if fill else None
         cal = load_calibration(calibration) if calibration else None
+        if dtype == "fp8":
+            dtype, fp8 = "bf16", fp8 or "auto"
         pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
                     zero=None if shard_optimizer is None else int(shard_optimizer), grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce,
-                    tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype,
+                    tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype, fp8=fp8 or "",
                     allow_cross_node_tp=allow_cross_node_tp)
         if global_batch < 1:
             raise UserError(f"--global-batch must be positive, got {global_batch}")

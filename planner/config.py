@@ -18,12 +18,15 @@ b, m, v         microbatch size, microbatches per iteration, model chunks per pi
 recompute       activation recomputation mode (registry: costmodels.recompute)
 schedule        pipeline schedule kind (registry: planner.schedules)
 precision       training precision (registry: costmodels.precision)
+fp8             FP8 recipe of the linear layers' GEMMs under bf16/fp16 mixed precision ("": none; registry:
+                costmodels.fp8 -- Megatron's --fp8-format hybrid --fp8-recipe, torchao's float8)
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from costmodels.fp8 import FP8_RECIPES, Fp8Recipe
 from costmodels.precision import PRECISIONS, Precision
 from costmodels.recompute import RECOMPUTE, RecomputeMode
 from passes.errors import UserError
@@ -64,6 +67,7 @@ class ParallelConfig:
     recompute: str = "none"
     schedule: str = "1f1b"
     precision: str = "bf16"
+    fp8: str = ""
 
     def __post_init__(self) -> None:
         for name, what in (("tp", "tensor-parallel degree"), ("pp", "pipeline-parallel degree"),
@@ -90,6 +94,10 @@ class ParallelConfig:
             raise ConfigError(f"recompute mode {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.fp8 and self.fp8 not in FP8_RECIPES:
+            raise ConfigError(f"FP8 recipe {self.fp8!r} is not one of {', '.join(FP8_RECIPES)}")
+        if self.fp8 and self.precision == "fp32":
+            raise ConfigError(f"the FP8 recipe {self.fp8} runs under bf16 or fp16 mixed precision, not fp32")
         from planner.schedules import SCHEDULES
 
         kind = SCHEDULES.get(self.schedule)
@@ -138,6 +146,17 @@ class ParallelConfig:
         return replace(num, grad_bytes=4.0) if self.grad_fp32 else num
 
     @property
+    def fp8_recipe(self) -> Fp8Recipe | None:
+        """The FP8 recipe the linear layers' GEMMs run under, or None."""
+        return FP8_RECIPES[self.fp8] if self.fp8 else None
+
+    @property
+    def peak_dtype(self) -> str:
+        """The peak MFU is measured against: the precision's, or under an FP8 recipe the FP8 rate its GEMMs run at
+        (so that MFU stays a share of what the hardware could do)."""
+        return self.fp8_recipe.gemm_dtype if self.fp8 else self.precision
+
+    @property
     def placement(self) -> Placement:
         """Which pipeline rank holds each virtual stage (the schedule kind's placement)."""
         return placement_of(self.schedule_kind.placement, self.pp, self.v)
@@ -165,12 +184,14 @@ class ParallelConfig:
 
     def unit_key(self) -> tuple:
         """The fields a unit's own time and memory depend on (the evaluator caches by it)."""
-        return (self.b, self.tp, self.cp, self.sp, self.tp_comm_overlap, self.recompute, self.precision)
+        cached = self.fp8 and FP8_RECIPES[self.fp8].weight_cache  # its weight casts are spread over the m microbatches
+        return (self.b, self.tp, self.cp, self.sp, self.tp_comm_overlap, self.recompute, self.precision, self.fp8,
+                self.m if cached else 0)
 
     def __str__(self) -> str:
         extra = "".join([f" cp={self.cp}" if self.cp > 1 else "", " sp" if self.sp else "",
                          f" zero={self.zero}" if self.zero else "", " grad-fp32" if self.grad_fp32 else "",
                          " overlap" if self.overlap_grad_reduce else "",
-                         " tp-overlap" if self.tp_comm_overlap else ""])
+                         " tp-overlap" if self.tp_comm_overlap else "", f" fp8={self.fp8}" if self.fp8 else ""])
         return (f"t={self.tp} p={self.pp} d={self.dp}{extra} b={self.b} m={self.m} v={self.v} "
                 f"{self.schedule} recompute={self.recompute}")

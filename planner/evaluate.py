@@ -13,8 +13,8 @@ from functools import cached_property
 from costmodels.comm import allreduce_time, exposed_reduction_s, megatron_bucket_params, p2p_time
 from costmodels.compute import unit_time
 from costmodels.hardware import Hardware
-from costmodels.memory import StageMemory, param_count, stage_memory, static_bytes_per_param
-from costmodels.recompute import recompute_mode, weight_grad_bytes
+from costmodels.memory import StageMemory, activation_bytes, held_bytes, param_count, stage_memory, static_bytes
+from costmodels.recompute import recompute_mode
 from passes.units import Unit
 
 from .config import ParallelConfig
@@ -46,7 +46,7 @@ class Evaluation:
     samples_per_s: float
     model_flops: float  # per iteration, as PaLM and Megatron count them (no recomputation)
     tflops_per_gpu: float  # thesis eq. 4.2: a fixed F (recomputation assumed) over the iteration time
-    mfu: float  # model FLOPs per second per GPU over the precision's dense peak (PaLM)
+    mfu: float  # model FLOPs per second per GPU over the dense peak its GEMMs run at (PaLM; FP8's under an FP8 recipe)
     hfu: float  # FLOPs executed (recomputation as planned, causal attention as run) per second per GPU over peak
     hardware_tflops_per_gpu: float  # FLOPs actually executed (recomputation only where planned)
     bubble_fraction: float
@@ -105,13 +105,11 @@ class Evaluator:
         cached by what they depend on."""
         key = c.unit_key()
         if key not in self._cache:
-            kept = c.recompute_mode.kept_bytes
             rows = {}
             for i in set(self._twins):
                 u = self.units[i]
                 ut = unit_time(u, self.hw, c)
-                rows[i] = (ut.fwd_s, ut.bwd_s, ut.tp_comm_s, kept(u, c.local_b, c.tp, c.sp_degree, c.cp),
-                           ut.bwd_weight_s, weight_grad_bytes(u, c.local_b, c.tp, c.sp_degree, c.cp))
+                rows[i] = (ut.fwd_s, ut.bwd_s, ut.tp_comm_s, activation_bytes(u, c), ut.bwd_weight_s, held_bytes(u, c))
             self._cache[key] = tuple(zip(*(rows[i] for i in self._twins)))
         return self._cache[key]
 
@@ -137,7 +135,7 @@ class Evaluator:
         key = ("bound", c.unit_key(), c.optimizer_shards, c.grad_fp32)
         if key not in self._cache:
             act = self.unit_costs(c)[3]
-            self._cache[key] = (sum(param_count(u, c) for u in self.units) * static_bytes_per_param(c), sum(act))
+            self._cache[key] = (sum(static_bytes(u, c) for u in self.units), sum(act))
         static, act = self._cache[key]
         return (static + c.inflight(c.pp - 1) * act) / c.pp + self.hw.reserve_bytes
 
@@ -165,7 +163,7 @@ class Evaluator:
         return self._finish(c, part.bounds, f_s, b_s, a_s, mems, p2p, ar, opt, sum(tpc), it, None, w_s, wb_s)
 
     def _finish(self, c, bounds, f_s, b_s, a_s, mems, p2p, ar, opt, tpc, it, bubble, w_s=(), wb_s=()) -> Evaluation:
-        flops, peak = self.model_flops(), self.hw.gpu.peak(c.precision)
+        flops, peak = self.model_flops(), self.hw.gpu.peak(c.peak_dtype)
         per_gpu = self.thesis_flops() / (self.n_gpus * it)
         executed = self.executed_flops(c.recompute) / (self.n_gpus * it)
         place = c.placement
@@ -180,7 +178,7 @@ class Evaluator:
 
     def _partition(self, c: ParallelConfig, fwd, bwd, act, wkeep):
         k = c.stages
-        static = [param_count(u, c) * static_bytes_per_param(c) for u in self.units]
+        static = [static_bytes(u, c) for u in self.units]
         work = max(act, default=0.0) if c.recompute_mode.working_set else 0.0
         rank_of = c.placement.rank_of
         fl = [c.inflight(rank_of[j]) for j in range(k)]

@@ -22,6 +22,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
 
+from costmodels.fp8 import FP8_RECIPES
 from passes.errors import UserError
 
 from .plan import Plan
@@ -187,6 +188,12 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
     if c.recompute == "selective":
         unexpressed.append("selective recomputation: torchtitan's selective AC recomputes per op (every second "
                            "matmul and cheap ops), not the attention core the plan prices")
+    if c.fp8:  # torchtitan 0.3 sets converters in the model spec its config function builds, not on the command line
+        recipe = FP8_RECIPES[c.fp8]
+        unexpressed.append(f"FP8 ({c.fp8}): add converters=[{recipe.titan_recipe}.Config(...)] to the model spec of "
+                           f"your config function (torchtitan's float8 converters)" if recipe.titan_recipe else
+                           f"the FP8 recipe {c.fp8} is Transformer Engine's (or one torchtitan's converters do not "
+                           "offer); torchtitan runs torchao's float8 rowwise: re-plan with --fp8 torchao-rowwise")
     return module, config, {"parallelism": parallel, "training": training}, unexpressed, files
 
 
@@ -310,6 +317,13 @@ def to_megatron(plan: Plan) -> Export:
         argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     if c.precision in ("bf16", "fp16"):
         argv.append(f"--{c.precision}")
+    if c.fp8:
+        recipe = FP8_RECIPES[c.fp8]
+        if recipe.megatron_recipe:  # hybrid: E4M3 forward, E5M2 gradients (Transformer Engine's Format.HYBRID)
+            argv += ["--fp8-format", "hybrid", "--fp8-recipe", recipe.megatron_recipe]
+        else:
+            unexpressed.append(f"the FP8 recipe {c.fp8} is torchao's; Megatron runs Transformer Engine's recipes only "
+                               "(re-plan with --fp8 delayed, tensorwise, blockwise or mxfp8)")
     if shape:
         argv += ["--num-layers", str(shape["layers"]), "--hidden-size", str(shape["hidden"]),
                  "--num-attention-heads", str(shape["heads"]), "--ffn-hidden-size", str(shape["ffn"]),
@@ -521,6 +535,7 @@ def check_megatron(ex: Export) -> dict[str, object]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.enums import Fp8Recipe
         from megatron.core.transformer.transformer_config import TransformerConfig
 
         a = megatron_args(ex.argv)
@@ -544,7 +559,8 @@ def check_megatron(ex: Export) -> dict[str, object]:
             bf16=bool(a.get("bf16")), fp16=bool(a.get("fp16")), params_dtype=dtype, pipeline_dtype=dtype,
             microbatch_group_size_per_vp_stage=num("microbatch_group_size_per_virtual_pipeline_stage"),
             hidden_dropout=float(a.get("hidden_dropout", 0.1)), attention_dropout=float(a.get("attention_dropout", 0.1)),
-            layernorm_epsilon=float(a.get("norm_epsilon", 1e-5)))
+            layernorm_epsilon=float(a.get("norm_epsilon", 1e-5)), fp8=a.get("fp8_format"),
+            fp8_recipe=Fp8Recipe(a.get("fp8_recipe", "delayed")).value)
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
                                             grad_reduce_in_fp32=bool(a.get("accumulate_allreduce_grads_in_fp32")),
                                             overlap_grad_reduce=bool(a.get("overlap_grad_reduce")),
@@ -560,4 +576,5 @@ def check_megatron(ex: Export) -> dict[str, object]:
                 "recompute": cfg.recompute_granularity or "none",
                 "microbatch": num("micro_batch_size"), "global_batch": num("global_batch_size"),
                 "layout": stages, "rotary_base": num("rotary_base", 10000),
-                "dropout": (cfg.attention_dropout, cfg.hidden_dropout), "norm_eps": cfg.layernorm_epsilon}
+                "dropout": (cfg.attention_dropout, cfg.hidden_dropout), "norm_eps": cfg.layernorm_epsilon,
+                "fp8": (cfg.fp8, cfg.fp8_recipe) if cfg.fp8 else None}

@@ -74,6 +74,8 @@ class ConfigModel(_Model):
     recompute: str = Field(description="activation recomputation mode (costmodels.recompute: none, selective, full)")
     schedule: str = Field(description="pipeline schedule kind (planner.schedules: gpipe, 1f1b, interleaved, zbh1, zbv)")
     precision: str = Field(description="training precision (costmodels.precision: bf16, fp16, fp32)")
+    fp8: str = Field("", description="FP8 recipe of the linear layers' GEMMs (costmodels.fp8: delayed, tensorwise, "
+                     "blockwise, mxfp8, torchao-rowwise, torchao-tensorwise); empty: none")
 
     @model_validator(mode="after")
     def _consistent(self) -> "ConfigModel":
@@ -84,14 +86,14 @@ class ConfigModel(_Model):
     def of(cls, c: ParallelConfig) -> "ConfigModel":
         return cls(tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp, sp=c.sp, zero=c.zero, grad_fp32=c.grad_fp32,
                    overlap_grad_reduce=c.overlap_grad_reduce, tp_comm_overlap=c.tp_comm_overlap, microbatch=c.b, microbatches=c.m,
-                   vp=c.v, recompute=c.recompute, schedule=c.schedule, precision=c.precision)
+                   vp=c.v, recompute=c.recompute, schedule=c.schedule, precision=c.precision, fp8=c.fp8)
 
     def to_config(self) -> ParallelConfig:
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, sp=self.sp, zero=self.zero,
                               grad_fp32=self.grad_fp32, overlap_grad_reduce=self.overlap_grad_reduce,
                               tp_comm_overlap=self.tp_comm_overlap,
                               b=self.microbatch, m=self.microbatches, v=self.vp, recompute=self.recompute,
-                              schedule=self.schedule, precision=self.precision)
+                              schedule=self.schedule, precision=self.precision, fp8=self.fp8)
 
 
 class Stage(_Model):

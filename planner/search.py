@@ -13,6 +13,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
+from costmodels.fp8 import FP8_RECIPES
 from costmodels.precision import PRECISIONS
 from costmodels.recompute import RECOMPUTE
 from passes.errors import UserError
@@ -49,6 +50,7 @@ class Pins:
     tp_comm_overlap: bool = False  # an option (Transformer Engine's userbuffers): on with every sequence-parallel config
     sp: bool | None = None  # sequence parallelism; None: the search tries both where t > 1
     precision: str = "bf16"
+    fp8: str = ""  # FP8 recipe of the linear layers (costmodels.fp8); "auto": the engine's default for the GPU
     max_microbatch: int = 16
     max_v: int = 8
     allow_cross_node_tp: bool = False
@@ -61,6 +63,10 @@ class Pins:
                 raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
         if self.precision not in PRECISIONS:
             raise UserError(f"--dtype must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.fp8 and self.fp8 != "auto" and self.fp8 not in FP8_RECIPES:
+            raise UserError(f"--fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
+        if self.fp8 and self.precision == "fp32":
+            raise UserError("FP8 recipes run under bf16 or fp16 mixed precision; drop --dtype fp32 or --fp8")
         if self.zero is not None and self.zero not in ZERO_STAGES:
             raise UserError(f"optimizer sharding stage must be one of {ZERO_STAGES}, got {self.zero!r}")
         for name in ("tp", "pp", "dp", "cp", "b", "v"):
@@ -195,7 +201,7 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                                              grad_fp32=pins.grad_fp32, overlap_grad_reduce=overlap,
                                              tp_comm_overlap=pins.tp_comm_overlap and sp,
                                              recompute=rc,
-                                             sp=sp, schedule=name, precision=pins.precision)
+                                             sp=sp, schedule=name, precision=pins.precision, fp8=pins.fp8)
 
 
 def _optimistic_iteration(ev: Evaluator, c: ParallelConfig) -> float:

@@ -74,6 +74,10 @@ def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
         raise UserError(f"plan {path} uses tensor-parallel communication overlap (Transformer Engine's userbuffers), "
                         "which this runtime does not run; re-plan without --tp-comm-overlap (or export it to "
                         "Megatron-LM with `planner export`)")
+    if c.fp8:
+        raise UserError(f"plan {path} runs its linear layers' GEMMs in FP8 ({c.fp8}), which this runtime does not run; "
+                        "export it with `planner export --to megatron` (Transformer Engine recipes) or re-plan without "
+                        "--fp8")
     need = c.world
     if need != world_size:
         raise UserError(f"plan {path} needs tp*cp*pp*dp = {c.tp}*{c.cp}*{c.pp}*{c.dp} = {need} processes, but this "

@@ -186,3 +186,19 @@ def test_torchtitan_check_compares_the_configs_model_with_the_plans(plans):
     forty = plan.model_copy(update={"source": plan.source.model_copy(update={"model_shape": shape})})
     with pytest.raises(ValueError, match="llama3_8b builds 32 layers of width 4096, the plan's model 40"):
         check_torchtitan(to_torchtitan(forty, module="llama3", config="llama3_8b"), plan.source.gpus, forty)
+
+
+@needs_megatron
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "blockwise", "mxfp8"])
+def test_megatron_runs_the_plans_fp8_recipe(plans, recipe):
+    """An FP8 plan exports Transformer Engine's recipe (E4M3 forward, E5M2 gradients) as megatron-core reads it; a
+    torchao recipe is listed as unexpressed for Megatron, and torchtitan is told which converter to add."""
+    plan = plans["modern"]
+    plan = plan.model_copy(update={"config": plan.config.model_copy(update={"fp8": recipe})})
+    assert check_megatron(to_megatron(plan))["fp8"] == ("hybrid", recipe)
+    titan = to_torchtitan(plan)
+    assert any(f"the FP8 recipe {recipe} is Transformer Engine's" in u for u in titan.unexpressed)
+    torchao = plan.model_copy(update={"config": plan.config.model_copy(update={"fp8": "torchao-rowwise"})})
+    ex = to_megatron(torchao)
+    assert "--fp8-recipe" not in ex.argv and any("torchao's" in u for u in ex.unexpressed)
+    assert any("Float8LinearConverter" in u for u in to_torchtitan(torchao).unexpressed)

@@ -21,7 +21,7 @@ def _part(*products) -> Part:
     return Part(fwd_flops=Poly.const(fwd), bwd_flops=Poly.const(sum(p[2] for p in products)),
                 wgrad_flops=Poly.const(sum(p[4] for p in products)), mm_flops=Poly.const(fwd),
                 mm_bytes=Poly.const(moved), fwd_bytes=Poly.const(moved), bwd_bytes=Poly.const(2 * moved),
-                products=tuple((Poly.const(f), Poly.const(by), Poly.const(bf), fused, Poly.const(w))
+                products=tuple((Poly.const(f), Poly.const(by), Poly.const(bf), fused, Poly.const(w), Poly(), Poly())
                                for f, by, bf, fused, w in products))
 
 

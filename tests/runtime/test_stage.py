@@ -119,6 +119,8 @@ def test_check_plan_accepts_good_plan(small_plan: Path) -> None:
                 d["launch"].update(nproc_per_node=4)), 4,
      "tensor-parallel communication overlap (Transformer Engine's userbuffers), which this runtime does not run"),
     (lambda d: d["config"].update(vp=2), 2, "field config: schedule 1f1b with pp=2 v=2"),
+    (lambda d: d["config"].update(fp8="delayed", precision="bf16"), 2, "runs its linear layers' GEMMs in FP8 (delayed), which this "
+     "runtime does not run"),
 ])
 def test_check_plan_rejects(small_plan: Path, tmp_path: Path, edit, world: int, message: str) -> None:
     data = json.loads(small_plan.read_text())

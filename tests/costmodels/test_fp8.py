@@ -1,0 +1,93 @@
+"""FP8 training as Transformer Engine and torchao run it: a Llama block's time and memory against the recipe's closed
+form, written here from the layer's shapes (not from the cost model's own sums)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from costmodels.compute import unit_time  # noqa: E402
+from costmodels.fp8 import FP8_RECIPES  # noqa: E402
+from costmodels.hardware import Hardware  # noqa: E402
+from costmodels.memory import activation_bytes, held_bytes, stage_memory, static_bytes  # noqa: E402
+from passes.errors import UserError  # noqa: E402
+from passes.pipeline import analyze  # noqa: E402
+from planner.api import fp8_pins  # noqa: E402
+from planner.config import ConfigError, ParallelConfig  # noqa: E402
+from planner.search import Pins  # noqa: E402
+from targets.registry import get_target  # noqa: E402
+from tests.conftest import EXAMPLES  # noqa: E402
+
+H, F, HEADS, KV, SEQ = 4096, 14336, 32, 8, 2048  # Llama 3 8B's layer
+KVD = H // HEADS * KV
+
+
+@pytest.fixture(scope="module")
+def llama():
+    prof, _ = analyze(EXAMPLES / "hf_llama.py", {"preset": "llama3-8b", "layers": 2, "seq": SEQ})
+    return {u.kind: u for u in prof.units}
+
+
+# each linear of the layer: (its input X width, its output Y width), per token
+LINEARS = {"q": (H, H), "k": (H, KVD), "v": (H, KVD), "o": (H, H), "gate": (H, F), "up": (H, F), "down": (F, H)}
+
+
+def config(fp8: str = "", **kw) -> ParallelConfig:
+    return ParallelConfig(**{"tp": 1, "pp": 1, "dp": 1, "b": 1, "m": 4, "fp8": fp8, **kw})
+
+
+@pytest.mark.parametrize(("target", "recipe"), [("h100-sxm", "delayed"), ("h100-sxm", "tensorwise"),
+                                                ("h100-sxm", "blockwise"), ("b200", "mxfp8"),
+                                                ("h100-sxm", "torchao-rowwise")])
+def test_block_time_is_its_gemms_at_the_fp8_rate_plus_the_casts(llama, target, recipe):
+    """FP8 block time - bf16 block time = each linear's forward, dgrad and wgrad FLOPs moved from the bf16 rate to the
+    FP8 rate (all seven are compute-bound at this size), plus the casts: X forward, dY backward (torchao casts X
+    again there), the weights once per iteration (TE's cached FP8 weights: spread over m) or each microbatch both
+    ways (torchao), each cast one more kernel launch forward and two backward. The LM head stays bf16."""
+    hw, r, block = Hardware(target=get_target(target)), FP8_RECIPES[recipe], llama["block"]
+    fp8, bf16 = unit_time(block, hw, config(recipe)), unit_time(block, hw, config())
+    n, bw, m = SEQ, hw.gpu.hbm_bw * hw.eff.hbm, 4
+    gemms = sum(3 * 2 * n * x * y * (1 / hw.matmul_rate(2 * n * x * y, r.gemm_dtype)
+                                     - 1 / hw.matmul_rate(2 * n * x * y, "bf16")) for x, y in LINEARS.values())
+    passes = 1 + r.amax_pass + 1 + r.scale_bytes  # read (amax: read again), write two FP8 copies and their scales
+    xs, ys = sum(2 * n * x for x, _ in LINEARS.values()), sum(2 * n * y for _, y in LINEARS.values())
+    weights = 2 * block.params * passes / bw * (1 / m if r.weight_cache else 2)
+    casts = passes * (2 * xs + ys - (xs if r.saves_fp8_input else 0)) / bw + weights
+    launches = 3 * len(LINEARS) * hw.eff.launch_s
+    assert fp8.fwd_s + fp8.bwd_s - bf16.fwd_s - bf16.bwd_s == pytest.approx(gemms + casts + launches, rel=1e-6)
+    assert gemms < 0 and fp8.fwd_s < bf16.fwd_s  # FP8 is faster at this size, casts and all
+    head = llama["head"]
+    assert unit_time(head, hw, config(recipe)) == unit_time(head, hw, config())
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise", "mxfp8", "torchao-rowwise"])
+def test_block_memory_keeps_fp8_inputs_and_cached_fp8_weights(llama, recipe):
+    """Transformer Engine keeps each linear's input X in FP8 (1 byte and its scales per element, not bf16's 2): the
+    four distinct inputs of a Llama layer (the two norms' outputs, the attention output, the SwiGLU product) are
+    n(3h + f) elements. It caches row- and column-wise FP8 weights, 2 bytes (and scales) per parameter. torchao keeps
+    bf16 inputs and no FP8 weights. Full recomputation keeps only the block's input, so FP8 saves nothing there."""
+    r, block = FP8_RECIPES[recipe], llama["block"]
+    saved = SEQ * (3 * H + F) * (1 - r.scale_bytes) if r.saves_fp8_input else 0.0
+    assert activation_bytes(block, config()) - activation_bytes(block, config(recipe)) == pytest.approx(saved)
+    assert held_bytes(block, config()) - held_bytes(block, config(recipe)) == pytest.approx(saved)
+    copies = block.params * 2 * (1 + r.scale_bytes) if r.weight_cache else 0.0
+    assert static_bytes(block, config(recipe)) - static_bytes(block, config()) == pytest.approx(copies)
+    full = dict(recompute="full")
+    assert activation_bytes(block, config(recipe, **full)) == activation_bytes(block, config(**full))
+    hw = Hardware(target=get_target("h100-sxm"))
+    mem, base = stage_memory([block], hw, config(recipe), 0), stage_memory([block], hw, config(), 0)
+    assert mem.weights - base.weights == pytest.approx(copies) and mem.optimizer == base.optimizer
+
+
+def test_recipes_a_gpu_cannot_run_are_refused_in_one_sentence():
+    hopper, blackwell, ampere = (Hardware(target=get_target(n)) for n in ("h100-sxm", "b200", "a100-80gb"))
+    assert fp8_pins(Pins(fp8="auto"), hopper).fp8 == "delayed"  # Megatron's default
+    assert fp8_pins(Pins(fp8="auto"), blackwell).fp8 == "mxfp8"  # native block scaling
+    with pytest.raises(UserError, match=r"mxfp8 needs Blackwell's MX block-scaled tensor cores, which the H100"):
+        fp8_pins(Pins(fp8="mxfp8"), hopper)
+    with pytest.raises(UserError, match=r"delayed needs FP8 tensor cores, which the A100 80GB SXM lacks"):
+        fp8_pins(Pins(fp8="auto"), ampere)
+    with pytest.raises(UserError, match="--fp8 must be one of"):
+        Pins(fp8="e4m3")
+    with pytest.raises(ConfigError, match="bf16 or fp16 mixed precision"):
+        config("delayed", precision="fp32")
