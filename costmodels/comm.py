@@ -15,7 +15,7 @@ from targets.specs import ClusterSpec, GPUSpec
 
 __all__ = [
     "p2p_time", "ring_allreduce_time", "allgather_time", "reduce_scatter_time",
-    "hierarchical_allreduce_time", "allreduce_time", "pcie_time", "megatron_bucket_params", "exposed_reduction_s",
+    "hierarchical_allreduce_time", "allreduce_time", "alltoall_time", "pcie_time", "megatron_bucket_params", "exposed_reduction_s",
     "TPCommVolume", "TPCommTime", "tp_block_comm_bytes", "tp_block_comm_time",
 ]
 
@@ -96,6 +96,21 @@ def allreduce_time(nbytes: float, ranks_per_node: int, n_nodes: int, cluster: Cl
                              f"{cluster.gpus_per_node} GPUs per node")
         return ring_allreduce_time(nbytes, ranks_per_node, cluster.nvlink_bw, cluster.nvlink_latency_s)
     return hierarchical_allreduce_time(nbytes, ranks_per_node * n_nodes, ranks_per_node, cluster)
+
+
+def alltoall_time(nbytes: float, n: int, ranks_per_node: int, cluster: ClusterSpec) -> float:
+    """All-to-all over ``n`` ranks laid out ``ranks_per_node`` per node, each rank holding ``nbytes`` of which it
+    keeps 1/n and sends 1/n to every other rank (an expert-parallel dispatch or combine). The peers in its node are
+    reached over NVLink, the others through the node's NICs, both at once: the slower of the two, plus one latency
+    per peer it posts sends to over the slower path (NCCL's all-to-all is a grouped send/recv to every peer)."""
+    _check(nbytes, n)
+    _check(nbytes, ranks_per_node)
+    if n == 1:
+        return 0.0
+    k = min(ranks_per_node, n)
+    near = (k - 1) / n * nbytes / cluster.nvlink_bw + (k - 1) * cluster.nvlink_latency_s
+    far = (n - k) / n * nbytes / cluster.internode_bw + (n - k) * cluster.internode_latency_s if n > k else 0.0
+    return max(near, far)
 
 
 def pcie_time(nbytes: float, gpu: GPUSpec) -> float:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from passes.units import Part, Unit
 
-from .comm import allreduce_time, p2p_time
+from .comm import allreduce_time, alltoall_time, p2p_time
 from .fp8 import Fp8Recipe, runs_fp8
 from .hardware import Hardware
 from .memory import param_count
@@ -24,7 +24,7 @@ from .memory import param_count
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
-__all__ = ["UnitTime", "unit_time", "tp_allreduce_s", "cp_ring_s"]
+__all__ = ["UnitTime", "unit_time", "tp_allreduce_s", "cp_ring_s", "expert_alltoall_s"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,16 +34,18 @@ class UnitTime:
     tp_comm_s: float  # of which TP communication, forward + backward
     cp_comm_s: float = 0.0  # of which the context-parallel ring's exposed part, forward + backward
     bwd_weight_s: float = 0.0  # of bwd_s, the weight gradients (W): each weight product's dW and its launch
+    ep_comm_s: float = 0.0  # of fwd_s + bwd_s, the expert-parallel all-to-alls (dispatch, combine, their gradients)
 
     @property
     def bwd_input_s(self) -> float:
         """Of bwd_s, the input gradient (I): the dX products, the elementwise backward, recomputation, the
-        backward's TP all-reduces and context-parallel ring (all on the path of the gradient sent upstream)."""
+        backward's TP all-reduces, context-parallel ring and expert all-to-alls (all on the path of the gradient
+        sent upstream)."""
         return self.bwd_s - self.bwd_weight_s
 
 
-def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str,
-               fp8: Fp8Recipe | None = None) -> tuple[float, float, float]:
+def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: Fp8Recipe | None = None,
+               groups: float = 1.0) -> tuple[float, float, float]:
     """(forward, backward, of the backward the weight gradients) seconds of one part, already divided over t
     GPUs. Each matrix product is its own kernel on the roofline: compute-bound at the GEMM efficiency its size
     reaches, or bound by the bytes it moves (attention's score products Q K^T and P V with a small head dimension
@@ -51,7 +53,8 @@ def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str,
     two) run at its rate, the dW product's share of them being the weight gradient (with one launch of its own).
     Under an FP8 recipe (costmodels.fp8) a weight product's three GEMMs run at the FP8 rate, and the casts of its
     input X (forward) and output gradient dY (backward; torchao casts X again there) move their bytes, each cast a
-    kernel of its own; the dW's share of the dY cast is the weight gradient's."""
+    kernel of its own; the dW's share of the dY cast is the weight gradient's. `groups`: each weight product is a
+    grouped GEMM of that many equal GEMMs (a rank's local experts), whose efficiency is that of one of them."""
     gpu, eff = hw.gpu, hw.eff
     bw, vec = gpu.hbm_bw * eff.hbm, gpu.peak("fp32")
     mm = mm_bwd = mm_bytes = fwd = bwd = wgrad = 0.0
@@ -61,7 +64,7 @@ def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str,
         mm, mm_bwd, mm_bytes = mm + f, mm_bwd + fb, mm_bytes + by
         low = fp8 is not None and wf > 0 and not fused
         dtype = fp8.gemm_dtype if low else precision
-        rate = hw.matmul_rate(f, dtype, attention=fused) if f > 0 else gpu.peak(dtype)
+        rate = hw.matmul_rate(f / (groups if wf > 0 else 1.0), dtype, attention=fused) if f > 0 else gpu.peak(dtype)
         fwd += max(f / rate, by / bw)
         product_bwd = max(fb / rate, 2 * by / bw)
         bwd += product_bwd
@@ -135,6 +138,15 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     # sequence parallelism: the norms, dropouts and residual adds run on 1/t of the sequence; the
     # all-reduces become a reduce-scatter and an all-gather of the same volume (the same ring time)
     rf, rb, rw = _part_time(unit.replicated, b, cfg.sp_degree, hw, cfg.precision, fp8)
+    ep_f = ep_b = 0.0
+    if unit.experts:  # each rank runs its experts/ep local experts as grouped GEMMs over their tokens (balanced
+        # routing: a rank's share of the routed work is what it dispatches, 1/r of the stage's tokens times top-k)
+        r = cfg.sp_degree
+        one = _part_time(unit.moe, b, r, hw, cfg.precision, fp8)  # as `replicated` priced it: one GEMM per product
+        grouped = _part_time(unit.moe, b, r, hw, cfg.precision, fp8, groups=unit.experts / cfg.ep)
+        rf, rb, rw = (x + g - o for x, g, o in zip((rf, rb, rw), grouped, one))
+        ep_f = 2 * expert_alltoall_s(unit.moe_dispatch_bytes(b) / r, cfg, hw)  # dispatch and combine
+        ep_b = ep_f  # their gradients, the other way
     if fp8 is not None:  # the weights' casts: once per iteration (cached FP8 weights), or every microbatch both ways
         cast = fp8.cast_passes() * param_count(unit, cfg) * cfg.numerics.weight_bytes / (hw.gpu.hbm_bw * hw.eff.hbm)
         sf += cast / cfg.m if fp8.weight_cache else cast
@@ -150,7 +162,19 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
         ar_f, ar_b = max(0.0, ar_f - cover), max(0.0, ar_b - 2 * cover)
     cp_f, cp_b = cp_ring_s(unit, hw, cfg)
     kf, kb = hw.eff.unit_factor(unit.kind)
-    fwd = (sf + rf) * kf + ar_f + cp_f
-    bwd = (sb + rb) * kb + ar_b + cp_b
+    fwd = (sf + rf) * kf + ar_f + cp_f + ep_f
+    bwd = (sb + rb) * kb + ar_b + cp_b + ep_b
     bwd += cfg.recompute_mode.extra_backward_s(unit, b, t, hw, cfg.precision, fwd)
-    return UnitTime(fwd_s=fwd, bwd_s=bwd, tp_comm_s=ar_f + ar_b, cp_comm_s=cp_f + cp_b, bwd_weight_s=(sw + rw) * kb)
+    return UnitTime(fwd_s=fwd, bwd_s=bwd, tp_comm_s=ar_f + ar_b, cp_comm_s=cp_f + cp_b, bwd_weight_s=(sw + rw) * kb,
+                    ep_comm_s=ep_f + ep_b)
+
+
+def expert_alltoall_s(nbytes: float, cfg: ParallelConfig, hw: Hardware) -> float:
+    """One all-to-all of a rank's `nbytes` routed tokens over its cfg.ep expert-parallel ranks: consecutive ranks
+    of the stage (ranks ordered tp, cp, dp; the tensor-parallel ones among them only under sequence parallelism),
+    inside a node while the group fits in one."""
+    if cfg.ep == 1:
+        return 0.0
+    stride = cfg.tp // cfg.sp_degree  # without sp the group skips over the tensor-parallel ranks (ep>1 needs sp there)
+    per_node = max(1, min(cfg.ep, hw.cluster.gpus_per_node // stride))
+    return alltoall_time(nbytes, cfg.ep, per_node, hw.links)

@@ -19,7 +19,7 @@ from .recompute import RECOMPUTE, weight_grad_bytes
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
-__all__ = ["StageMemory", "activation_bytes", "fp8_weight_bytes", "held_bytes", "param_count", "rank_param_count",
+__all__ = ["StageMemory", "activation_bytes", "expert_count", "fp8_weight_bytes", "held_bytes", "param_count", "rank_param_count",
            "stage_memory", "static_bytes", "static_bytes_per_param"]
 
 
@@ -41,9 +41,16 @@ class StageMemory:
 
 
 def param_count(unit: Unit, cfg: ParallelConfig) -> float:
-    """Parameters of the unit one tensor-parallel rank holds."""
+    """Parameters of the unit one rank holds: the sharded part over t, experts over ep."""
     kv = unit.kv.params * (1 / unit.kv_heads - 1 / cfg.tp) if 0 < unit.kv_heads < cfg.tp else 0.0
-    return unit.sharded.params / cfg.tp + unit.replicated.params + kv  # GQA: kv heads replicated past kv_heads
+    return (unit.sharded.params / cfg.tp + unit.replicated.params + kv  # GQA: kv heads replicated past kv_heads
+            - unit.moe.params * (1 - 1 / cfg.ep))
+
+
+def expert_count(unit: Unit, cfg: ParallelConfig) -> float:
+    """Of param_count, the experts' parameters (1/ep of the layer's), whose gradients are reduced and whose optimizer
+    state is sharded over the expert-data-parallel ranks (cfg.expert_dp), not over d x cp."""
+    return unit.moe.params / cfg.ep
 
 
 def rank_param_count(units: list[Unit], cfg: ParallelConfig) -> float:
@@ -95,7 +102,9 @@ def fp8_weight_bytes(unit: Unit, cfg: ParallelConfig) -> float:
 
 def static_bytes(unit: Unit, cfg: ParallelConfig) -> float:
     """Weights + gradients + (sharded) optimizer state of the unit on one rank, FP8 weight copies included."""
-    return param_count(unit, cfg) * static_bytes_per_param(cfg) + fp8_weight_bytes(unit, cfg)
+    experts = expert_count(unit, cfg)
+    return ((param_count(unit, cfg) - experts) * static_bytes_per_param(cfg)
+            + experts * cfg.numerics.bytes_per_param(cfg.expert_optimizer_shards) + fp8_weight_bytes(unit, cfg))
 
 
 def static_bytes_per_param(cfg: ParallelConfig) -> float:
@@ -115,6 +124,9 @@ def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int
         plain = RECOMPUTE["none"].kept_bytes
         acts += max((plain(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units), default=0.0)
     fp8 = sum(fp8_weight_bytes(u, cfg) for u in units)
-    return StageMemory(weights=params * num.weight_bytes + fp8, grads=params * num.grad_bytes,
-                       optimizer=params * num.optimizer_bytes / cfg.optimizer_shards, activations=acts,
+    experts = sum(expert_count(u, cfg) for u in units)
+    optimizer = (params - experts) * num.optimizer_bytes / cfg.optimizer_shards \
+        + experts * num.optimizer_bytes / cfg.expert_optimizer_shards
+    return StageMemory(weights=params * num.weight_bytes + fp8, grads=params * num.grad_bytes, optimizer=optimizer,
+                       activations=acts,
                        reserve=hw.reserve_bytes)

@@ -24,7 +24,7 @@ from .shape import model_shape
 from .trace import trace_model
 from .poly import Poly
 from .shapes import B, tensor_info
-from .units import Unit, lower_units
+from .units import Unit, expert_layers, lower_units
 
 __all__ = ["Context", "ModelProfile", "PASSES", "analyze", "DTYPES"]
 
@@ -80,28 +80,18 @@ def _build(ctx: Context) -> None:
 
 
 def experts_routed(model: torch.nn.Module) -> list[str]:
-    """Mixture-of-experts layers (modules with an integer `num_experts`): Hugging Face experts run as
-    `batched_mm`, which computes exactly the top-k experts of each token with no data-dependent
-    shapes, so they can be captured and are priced at the routed top-k, not as dense. One note says
-    what is not planned."""
-    def holds_experts(m: torch.nn.Module) -> bool:
-        n = getattr(m, "num_experts", None)
-        return isinstance(n, int) and (any(p.dim() >= 3 and p.shape[0] == n for p in m.parameters(recurse=False))
-                                       or any(isinstance(c, torch.nn.ModuleList) and len(c) == n for c in m.children()))
-
-    layers = [(name, m) for name, m in model.named_modules() if holds_experts(m)]
+    """Mixture-of-experts layers (passes.units.expert_layers): Hugging Face experts run as `batched_mm`, which
+    computes exactly the top-k experts of each token with no data-dependent shapes, so they can be captured and are
+    priced at the routed top-k, not as dense; expert parallelism divides them (ParallelConfig.ep)."""
+    layers = expert_layers(model)
     if not layers:
         return []
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "_experts_implementation"):
         config._experts_implementation = "batched_mm"
-    parents = dict(model.named_modules())
-    name, first = layers[0]
-    parent = parents.get(name.rsplit(".", 1)[0]) if "." in name else model
-    k = getattr(parent, "top_k", None) or getattr(config, "num_experts_per_tok", None) or "?"
-    return [f"{len(layers)} mixture-of-experts layers ({first.num_experts} experts, top-{k} routing, e.g. {name}) are "
-            f"priced at the {k} experts each token is routed to; expert parallelism is not planned yet, so every "
-            f"GPU of a stage holds all {first.num_experts} experts of its layers"]
+    name, (experts, k) = next(iter(layers.items()))
+    return [f"{len(layers)} mixture-of-experts layers ({experts} experts, top-{k or '?'} routing, e.g. {name}) are "
+            f"priced at the {k or '?'} experts each token is routed to; expert parallelism divides the experts"]
 
 
 def _inputs(ctx: Context, b: int) -> tuple[Any, ...]:

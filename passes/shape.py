@@ -28,7 +28,8 @@ def model_shape(root: nn.Module, units: tuple[Unit, ...], seq: int) -> dict[str,
         return {}
     cfg = getattr(root, "config", None)
     if cfg is not None and hasattr(cfg, "hidden_size") and hasattr(cfg, "num_hidden_layers"):
-        return _from_hf(cfg, seq)
+        shape = _from_hf(cfg, seq)
+        return shape | _moe_shape(blocks, shape["hidden"], shape["gated"], cfg)
     emb = max((m for m in root.modules() if isinstance(m, nn.Embedding)), key=lambda m: m.num_embeddings, default=None)
     if emb is None:
         return {}
@@ -50,7 +51,24 @@ def model_shape(root: nn.Module, units: tuple[Unit, ...], seq: int) -> dict[str,
             "position": "learned_absolute" if positions else "rope", "tied": tied,
             "bias": any(m.bias is not None for m in first.modules() if isinstance(m, nn.Linear)),
             "rope_theta": None if positions else _rope_theta(root), "rope_scaling": None,
-            "attention_dropout": max(drops, default=0.0), "hidden_dropout": max(drops, default=0.0), "norm_eps": eps}
+            "attention_dropout": max(drops, default=0.0), "hidden_dropout": max(drops, default=0.0), "norm_eps": eps,
+            **_moe_shape(blocks, hidden, ups.count(ffn) >= 2, None)}
+
+
+def _moe_shape(blocks: list[Unit], hidden: int, gated: bool, cfg: Any) -> dict[str, Any]:
+    """The mixture-of-experts fields (none for a dense model): experts, top-k, each expert's hidden width (from its
+    weights: 3 h f per gated expert, 2 h f otherwise), which layers route (Megatron's --moe-layer-freq pattern when
+    not all do), and a shared expert's width where the config states one."""
+    moe = [u for u in blocks if u.experts]
+    if not moe:
+        return {}
+    first = moe[0]
+    width = round(first.moe.params / first.experts / ((3 if gated else 2) * hidden))
+    shared = (getattr(cfg, "shared_expert_intermediate_size", None)
+              or (getattr(cfg, "n_shared_experts", 0) or 0) * (getattr(cfg, "moe_intermediate_size", 0) or 0)) or None
+    flags = [int(bool(u.experts)) for u in blocks]
+    return {"experts": first.experts, "top_k": first.top_k, "moe_ffn": width, "shared_expert_ffn": shared,
+            "moe_layer_freq": None if all(flags) else "[" + ",".join(map(str, flags)) + "]"}
 
 
 def _rope_theta(root: nn.Module) -> float | None:

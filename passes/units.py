@@ -21,7 +21,7 @@ from .poly import Poly
 from .shapes import B, TensorInfo
 from .tp import Heads, activation_input, annotate_tp_roles, linear_shape
 
-__all__ = ["Part", "Unit", "attention_core", "group_nodes", "lower_units"]
+__all__ = ["Part", "Unit", "attention_core", "expert_layers", "group_nodes", "lower_units"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,6 +90,12 @@ class Unit:
     kv: Part = field(default_factory=Part)  # the key/value projections (inside `sharded`): replicated past kv_heads
     attn_kv_bytes: Poly = field(default_factory=Poly)  # keys + values the attention core reads (all heads): what
     # context parallelism passes around its ring
+    experts: int = 0  # experts of the unit's mixture-of-experts layer (0: none); expert parallelism divides them
+    top_k: int = 0  # experts each token is routed to
+    moe: Part = field(default_factory=Part)  # the experts' nodes (inside `replicated`): their weights are divided over
+    # the expert-parallel ranks, their products run as grouped GEMMs of each local expert's tokens
+    moe_dispatch_bytes: Poly = field(default_factory=Poly)  # the routed tokens' hidden states (tokens x top_k x h):
+    # what one all-to-all of the dispatch (or of the combine) moves under expert parallelism
     loss_bytes: Poly = field(default_factory=Poly)  # the last unit only: what the model file's loss_fn keeps for its
     # backward (cross-entropy: an fp32 log-softmax of the logits), measured on meta tensors
 
@@ -294,9 +300,48 @@ def attention_core(nodes: list[fx.Node], kind: Callable[[fx.Node], str] | None =
     return chosen
 
 
+def expert_layers(root: nn.Module) -> dict[str, tuple[int, int]]:
+    """Mixture-of-experts layers: {path of the module holding the experts: (experts, top-k)}. Such a module has an
+    integer `num_experts` and its experts' weights stacked (first dimension E) or E expert modules; top-k is its
+    parent's `top_k` or the config's `num_experts_per_tok` (0 if neither says)."""
+    def holds(m: nn.Module) -> bool:
+        n = getattr(m, "num_experts", None)
+        return isinstance(n, int) and (any(p.dim() >= 3 and p.shape[0] == n for p in m.parameters(recurse=False))
+                                       or any(isinstance(c, nn.ModuleList) and len(c) == n for c in m.children()))
+
+    mods = dict(root.named_modules())
+    config = getattr(root, "config", None)
+    out = {}
+    for name, m in mods.items():
+        if holds(m):
+            parent = mods.get(name.rsplit(".", 1)[0] if "." in name else "")
+            k = getattr(parent, "top_k", None) or getattr(config, "num_experts_per_tok", None) or 0
+            out[name] = (m.num_experts, int(k))
+    return out
+
+
+def _moe(nodes: list[fx.Node], layers: dict[str, tuple[int, int]], selective: set[str]) -> dict:
+    """The Unit fields of its mixture-of-experts layer (none if it has none): the experts' nodes as a Part, and the
+    bytes one dispatch moves (the hidden states entering the experts, once per routed expert)."""
+    path = next((p for n in nodes for p in layers if n.meta.get(MODULE, "") in (p,) or
+                 n.meta.get(MODULE, "").startswith(p + ".")), None)
+    if path is None:
+        return {}
+    inside = [n for n in nodes if n.meta[TP] == "replicated" and (n.meta.get(MODULE, "") == path
+                                                                   or n.meta.get(MODULE, "").startswith(path + "."))]
+    names = {n.name for n in inside}
+    entering = [i.nbytes for n in inside for a in n.all_input_nodes
+                if a.name not in names and a.op != "get_attr" and isinstance(i := a.meta.get(TENSOR), TensorInfo)
+                and i.dtype.is_floating_point]
+    experts, k = layers[path]
+    return {"experts": experts, "top_k": k, "moe": _part(inside, selective),
+            "moe_dispatch_bytes": Poly.of(k * max(entering, key=lambda e: e.subs(B, 1), default=sympy.Integer(0)), B)}
+
+
 def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
     """Group, mark tensor-parallel roles, and lower node costs to plain `Unit`s."""
     groups = group_nodes(gm, root)
+    moe_layers = expert_layers(root)
     heads = annotate_tp_roles(gm, [nodes for _, _, nodes in groups])
     role_of = {n.name: n.meta.get(TP, "replicated") for n in gm.graph.nodes}
     units = []
@@ -325,7 +370,8 @@ def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
                           tp_allreduces=count, tp_layout=layout,
                           heads=heads[index].heads, kv_heads=heads[index].kv_heads,
                           kv=_kv_part(nodes, heads[index], gm, selective), attn_kv_bytes=Poly.of(_attention_kv_bytes(nodes), B),
-                          matmuls=sum(1 for n in nodes if n.meta[COST].mm_flops != 0)))
+                          matmuls=sum(1 for n in nodes if n.meta[COST].mm_flops != 0),
+                          **_moe(nodes, moe_layers, selective)))
     return units
 
 

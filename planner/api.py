@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from dataclasses import asdict, replace
 from typing import Any, Callable
 
@@ -68,28 +69,56 @@ def profile_rows(profile: ModelProfile, hw: Hardware, cfg: ParallelConfig) -> li
     return rows
 
 
-def _engine_notes(c: ParallelConfig) -> list[str]:
-    """What of the chosen configuration only an engine runs (the fxplanner runtime refuses it at launch)."""
-    if not c.fp8:
-        return []
-    engine = "megatron" if FP8_RECIPES[c.fp8].megatron_recipe else "torchtitan"
-    return [f"FP8 ({c.fp8}) runs in {engine}, not in the fxplanner runtime: launch this plan with "
-            f"`planner export --to {engine}`"]
+MEGATRON_SCHEDULES = ("1f1b", "interleaved")
+"""The pipeline schedules Megatron-Core runs (forward_backward_pipelining_without_interleaving / with_interleaving);
+torchtitan runs any of the plan's schedules from the CSV of its actions the export writes."""
 
 
-def fp8_pins(pins: Pins, hw: Hardware) -> Pins:
-    """The pins with --fp8 auto resolved to the engine's default recipe for the GPU, and a recipe the GPU cannot run
-    refused in one sentence."""
+def engine_pins(pins: Pins, hw: Hardware) -> Pins:
+    """The pins for what the plan's engine runs: fxplanner's runtime runs neither FP8 nor expert parallelism (asking
+    for them is refused in one sentence naming the engines that do); Megatron-Core runs Transformer Engine's FP8
+    recipes and its two pipeline schedules, torchtitan torchao's float8. --fp8 auto becomes the engine's default
+    recipe for the GPU, and a recipe the GPU cannot run is refused."""
+    if pins.engine == "fxplanner":
+        if pins.fp8:
+            raise UserError("FP8 runs in Megatron-Core (Transformer Engine's recipes) or torchtitan (torchao's float8), "
+                            "not in the fxplanner runtime: add --engine megatron or --engine torchtitan")
+        if (pins.ep or 1) > 1:
+            raise UserError(f"expert parallelism (--ep {pins.ep}) runs in Megatron-Core or torchtitan, not in the "
+                            "fxplanner runtime: add --engine megatron or --engine torchtitan")
+        return replace(pins, ep=1)
+    if pins.engine == "megatron":
+        allowed = tuple(k for k in (pins.schedules or MEGATRON_SCHEDULES) if k in MEGATRON_SCHEDULES)
+        if pins.schedule is not None and pins.schedule not in MEGATRON_SCHEDULES:
+            raise UserError(f"Megatron-Core runs the {' and '.join(MEGATRON_SCHEDULES)} schedules, not "
+                            f"{pins.schedule}: pin one of those or plan with --engine torchtitan")
+        pins = replace(pins, schedules=allowed)
     if not pins.fp8:
         return pins
     keys = hw.gpu.peak_flops
-    name = default_recipe(keys) if pins.fp8 == "auto" else pins.fp8
-    need = FP8_RECIPES[name].gemm_dtype
+    default = default_recipe(keys) if pins.engine == "megatron" else "torchao-rowwise"
+    name = default if pins.fp8 == "auto" else pins.fp8
+    recipe = FP8_RECIPES[name]
+    if pins.engine == "megatron" and not recipe.megatron_recipe or pins.engine == "torchtitan" and not recipe.titan_recipe:
+        runs = [r for r, x in FP8_RECIPES.items() if (x.megatron_recipe if pins.engine == "megatron" else x.titan_recipe)]
+        raise UserError(f"{pins.engine} does not run the FP8 recipe {name}; it runs {', '.join(runs)}")
+    need = recipe.gemm_dtype
     if need not in keys:
         has = "Blackwell's MX block-scaled tensor cores" if need == "mxfp8" else "FP8 tensor cores"
         raise UserError(f"the FP8 recipe {name} needs {has}, which the {hw.gpu.name} lacks (its peaks: "
                         f"{', '.join(hw.gpu.dtypes)}); choose another --fp8 recipe or --target, or plan without FP8")
     return replace(pins, fp8=name)
+
+
+def engine_launch(plan: Plan, plan_path: str) -> Launch:
+    """An engine's launch: the export's script (torchrun rendezvous assigns the node ranks), run on every node."""
+    from .export import to_megatron, to_torchtitan
+
+    ex = to_megatron(plan) if plan.source.engine == "megatron" else to_torchtitan(plan)
+    script = f"{Path(plan_path).with_suffix('')}.{plan.source.engine}.sh"
+    return Launch(nnodes=plan.launch.nnodes, nproc_per_node=plan.launch.nproc_per_node,
+                  commands=[f"planner export {plan_path} --to {plan.source.engine} -o {script} && bash {script}"]
+                  * plan.launch.nnodes, script=ex.text)
 
 
 def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per_node: int | None = None,
@@ -105,7 +134,10 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     hw = Hardware(target=get_target(target, gpus_per_node))
     if calibration is not None:
         hw = apply_calibration(calibration, hw)
-    pins = fp8_pins(pins, hw)
+    pins = engine_pins(pins, hw)
+    if fill is not None and pins.engine != "fxplanner":
+        raise UserError(f"fill jobs run in the pipeline bubbles of the fxplanner runtime, not in {pins.engine}: "
+                        "plan them without --engine (or the main job alone with it)")
     profile, _ = analyze(model, model_args, leaves=leaves, dtype=pins.precision, progress=progress)
     ev = Evaluator(units=profile.units, hw=hw, global_batch=global_batch, n_gpus=gpus,
                    tokens_per_sample=profile.tokens_per_sample)
@@ -141,6 +173,11 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
                                           else greedy_proven_optimal(fill_solver))
         section.predictions.choice = joint.choice
         plan = plan.model_copy(update={"fill": section})
+    if pins.engine != "fxplanner":
+        return plan.model_copy(update={"launch": engine_launch(plan, plan_path)}), result
+    if any(u.experts for u in profile.units):
+        plan.search.rejected["expert parallelism, which the fxplanner runtime does not run (--engine megatron or "
+                             "torchtitan plans it)"] = 1
     refusal = _runtime_refusal(model, model_args, plan)  # (sentence, op and source line) or None
     if refusal and plan.config.sp and pins.sp is None:  # sequence parallelism was the search's choice: without it
         plan, result = make_plan(**{**args, "pins": replace(pins, sp=False)})
@@ -243,10 +280,11 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
     nnodes, nproc, cmds = torchrun_commands(plan_path, ev.n_gpus, hw.cluster.host_gpus)
     gpu = asdict(hw.gpu) | {"peak_flops": dict(hw.gpu.peak_flops)}
     return Plan(
-        source=Source(model_file=profile.path, model_sha256=profile.sha256, model_args=profile.kwargs, frontend=profile.frontend,
+        source=Source(model_file=profile.path, model_sha256=profile.sha256, model_args=profile.kwargs,
+                      frontend=profile.frontend, engine=pins.engine,
                       model_shape=profile.model_shape,
                       notes=[*(f"unpriced op {op} ({share:.1%} of the forward's bytes)" for op, share in profile.unpriced),
-                             *profile.notes, *_engine_notes(c)],
+                             *profile.notes],
                       leaves=list(leaves), target=hw.name, gpu=gpu, cluster=asdict(hw.cluster),
                       efficiency=asdict(hw.eff), reserve_bytes=hw.reserve_bytes, gpus=ev.n_gpus,
                       gpus_per_node=hw.cluster.gpus_per_node, global_batch=ev.global_batch,

@@ -37,6 +37,7 @@ def plan(
     pp: Optional[int] = typer.Option(None, "--pp", help="pin the pipeline-parallel degree"),
     dp: Optional[int] = typer.Option(None, "--dp", help="pin the data-parallel degree"),
     cp: Optional[int] = typer.Option(None, "--cp", help="pin the context-parallel degree (ring attention)"),
+    ep: Optional[int] = typer.Option(None, "--ep", help="pin the expert-parallel degree (mixture-of-experts models)"),
     microbatch: Optional[int] = typer.Option(None, "--microbatch", help="pin the microbatch size"),
     vp: Optional[int] = typer.Option(None, "--vp", help="pin model chunks per rank (interleaving)"),
     recompute: Optional[str] = typer.Option(None, "--recompute", help=f"pin: {_choices(RECOMPUTE)}"),
@@ -59,6 +60,8 @@ def plan(
         help="pin sequence parallelism (Korthikanti et al. 2022); by default the search tries both where t > 1"),
     dtype: str = typer.Option("bf16", "--dtype", help=f"training precision: {_choices(PRECISIONS)}, or fp8 (bf16 "
                               "with the linear layers' GEMMs in FP8 under the engine's default recipe for the GPU)"),
+    engine: str = typer.Option("fxplanner", "--engine", help="what runs the plan: fxplanner (its runtime), megatron "
+                               "or torchtitan (plans what that engine runs; the launch commands are the export's)"),
     fp8: Optional[str] = typer.Option(None, "--fp8", help=f"FP8 recipe of the linear layers: {_choices(FP8_RECIPES)}"),
     calibration: Optional[str] = typer.Option(None, "--calibration", help="file from `planner calibrate`"),
     fill: Optional[str] = typer.Option(None, "--fill", help="fill-job YAML: pack these jobs into the bubbles"),
@@ -92,9 +95,9 @@ def plan(
         cal = load_calibration(calibration) if calibration else None
         if dtype == "fp8":
             dtype, fp8 = "bf16", fp8 or "auto"
-        pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
+        pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
                     zero=None if shard_optimizer is None else int(shard_optimizer), grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce,
-                    tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype, fp8=fp8 or "",
+                    tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype, fp8=fp8 or "", engine=engine,
                     allow_cross_node_tp=allow_cross_node_tp)
         if global_batch < 1:
             raise UserError(f"--global-batch must be positive, got {global_batch}")
@@ -117,6 +120,11 @@ def plan(
     print_summary(plan_)
     for note in plan_.source.notes:
         out.print(f"note: {note}", highlight=False)
+    if plan_.source.engine != "fxplanner":  # the export's script, the same on every node
+        out.print(f"plan written to [bold]{output}[/] for {plan_.source.engine}; launch on each of the "
+                  f"{plan_.launch.nnodes} nodes with:", highlight=False)
+        out.print(f"  {plan_.launch.commands[0]}", highlight=False, soft_wrap=True)
+        return
     out.print(f"plan written to [bold]{output}[/]; launch on each node with:", highlight=False)
     for cmd in plan_.launch.commands[:2]:
         out.print(f"  {cmd}", highlight=False, soft_wrap=True)

@@ -5,6 +5,10 @@ and the cost models price them, the plan file stores one (`planner.plan.ConfigMo
 `ConfigModel.of` / `ConfigModel.to_config`) and the runtime runs it. Its names follow Megatron-LM:
 
 tp, pp, dp, cp  tensor-, pipeline-, data- and context-parallel degrees (ranks ordered tp, cp, dp, pp)
+ep              expert-parallel degree: the experts of each mixture-of-experts layer divided over ep ranks of a stage
+                that hold different tokens (Megatron-Core with --expert-tensor-parallel-size 1: the ep ranks are
+                drawn from the tp x cp x dp ranks, tensor-parallel ones only under sequence parallelism, where each
+                dispatches its share of the tokens); the experts' gradients are reduced over the rest
 sp              sequence parallelism on top of tensor parallelism (Korthikanti et al. 2022)
 zero            optimizer sharding stage over the data-parallel replicas (1 = ZeRO-1 / distributed optimizer)
 grad_fp32       gradients accumulated and reduced in fp32 under bf16/fp16 (Megatron's main_grad buffer with
@@ -59,6 +63,7 @@ class ParallelConfig:
     m: int
     v: int = 1
     cp: int = 1
+    ep: int = 1
     sp: bool = False
     zero: int = 0
     grad_fp32: bool = False
@@ -72,8 +77,15 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         for name, what in (("tp", "tensor-parallel degree"), ("pp", "pipeline-parallel degree"),
                            ("dp", "data-parallel degree"), ("cp", "context-parallel degree"),
-                           ("b", "microbatch size"), ("m", "microbatch count"), ("v", "model chunks per rank")):
+                           ("b", "microbatch size"), ("m", "microbatch count"), ("v", "model chunks per rank"),
+                           ("ep", "expert-parallel degree")):
             _positive(name, what, getattr(self, name))
+        if self.ep > 1 and self.tp > 1 and not self.sp:
+            raise ConfigError("expert parallelism with tensor parallelism needs sequence parallelism (sp): each "
+                              "tensor-parallel rank then dispatches its own share of the tokens (Megatron-Core)")
+        if self.expert_ranks % self.ep:
+            raise ConfigError(f"expert-parallel degree ep={self.ep} does not divide the {self.expert_ranks} ranks of a "
+                              f"stage that hold different tokens (sp_degree*cp*dp)")
         if type(self.sp) is not bool:
             raise ConfigError(f"sequence parallelism sp must be true or false, got {self.sp!r}")
         if self.sp and self.tp == 1:
@@ -129,6 +141,12 @@ class ParallelConfig:
         return self.dp * self.cp if self.zero >= 1 else 1
 
     @property
+    def expert_optimizer_shards(self) -> int:
+        """Replicas the experts' optimizer state is divided over: the expert-data-parallel ranks (Megatron-Core's
+        distributed optimizer over its expert-data-parallel group)."""
+        return self.expert_dp if self.zero >= 1 else 1
+
+    @property
     def schedule_kind(self) -> ScheduleKind:
         from planner.schedules import SCHEDULES
 
@@ -171,6 +189,17 @@ class ParallelConfig:
         return self.schedule_kind.w_pending(self.pp, self.v, self.m, rank)
 
     @property
+    def expert_ranks(self) -> int:
+        """Ranks of a pipeline stage that hold different tokens at a mixture-of-experts layer: what expert
+        parallelism divides, ep of them sharing each layer's experts."""
+        return self.sp_degree * self.cp * self.dp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks each expert is replicated over (its gradients reduced, its optimizer state sharded over them)."""
+        return self.expert_ranks // self.ep
+
+    @property
     def local_b(self) -> float:
         """Samples' worth of tokens one rank works on per microbatch: context parallelism gives each of its
         cp ranks 1/cp of every sequence (Megatron's load-balanced split: equal attention work per rank)."""
@@ -186,10 +215,10 @@ class ParallelConfig:
         """The fields a unit's own time and memory depend on (the evaluator caches by it)."""
         cached = self.fp8 and FP8_RECIPES[self.fp8].weight_cache  # its weight casts are spread over the m microbatches
         return (self.b, self.tp, self.cp, self.sp, self.tp_comm_overlap, self.recompute, self.precision, self.fp8,
-                self.m if cached else 0)
+                self.m if cached else 0, self.ep)
 
     def __str__(self) -> str:
-        extra = "".join([f" cp={self.cp}" if self.cp > 1 else "", " sp" if self.sp else "",
+        extra = "".join([f" cp={self.cp}" if self.cp > 1 else "", f" ep={self.ep}" if self.ep > 1 else "", " sp" if self.sp else "",
                          f" zero={self.zero}" if self.zero else "", " grad-fp32" if self.grad_fp32 else "",
                          " overlap" if self.overlap_grad_reduce else "",
                          " tp-overlap" if self.tp_comm_overlap else "", f" fp8={self.fp8}" if self.fp8 else ""])

@@ -13,7 +13,8 @@ from functools import cached_property
 from costmodels.comm import allreduce_time, exposed_reduction_s, megatron_bucket_params, p2p_time
 from costmodels.compute import unit_time
 from costmodels.hardware import Hardware
-from costmodels.memory import StageMemory, activation_bytes, held_bytes, param_count, stage_memory, static_bytes
+from costmodels.memory import (StageMemory, activation_bytes, expert_count, held_bytes, param_count, stage_memory,
+                               static_bytes)
 from costmodels.recompute import recompute_mode
 from passes.units import Unit
 
@@ -211,13 +212,13 @@ class Evaluator:
         lat = cl.nvlink_latency_s if same_node else cl.internode_latency_s
         return p2p_time(nbytes, bw, lat)
 
-    def _stage_params(self, c: ParallelConfig, bounds: tuple[int, ...]) -> list[float]:
-        """Parameters one tensor-parallel rank holds of each virtual stage."""
-        key = ("params", c.tp)
+    def _stage_params(self, c: ParallelConfig, bounds: tuple[int, ...], count=param_count) -> list[float]:
+        """Parameters one rank holds of each virtual stage (`count`: of each unit, e.g. only its experts')."""
+        key = ("params", count.__name__, c.tp, c.ep)
         if key not in self._cache:
             acc = [0.0]
             for u in self.units:
-                acc.append(acc[-1] + param_count(u, c))
+                acc.append(acc[-1] + count(u, c))
             self._cache[key] = acc
         acc = self._cache[key]
         return [acc[b] - acc[a] for a, b in zip(bounds, bounds[1:])]
@@ -228,22 +229,30 @@ class Evaluator:
         optimizer step."""
         ar, opt, num = [], [], c.numerics
         group = c.dp * c.cp  # gradients are reduced over the data- and context-parallel ranks (Megatron)
-        per_node = max(1, min(group, self.hw.cluster.gpus_per_node // c.tp))
+        node = self.hw.cluster.gpus_per_node
+        # an expert's replicas: every ep-th rank of those holding different tokens (the tensor-parallel ranks count
+        # among them under sequence parallelism)
+        expert_stride = c.ep * c.tp // c.sp_degree
         params = self._stage_params(c, bounds)
+        experts = self._stage_params(c, bounds, expert_count)
         hbm = self.hw.gpu.hbm_bw * self.hw.eff.hbm
 
-        def reduce_s(n: float, nbytes: float) -> float:
-            return allreduce_time(n * nbytes, per_node, group // per_node, self.hw.links) if group > 1 and n else 0.0
+        def reduce_s(n: float, nbytes: float, ranks: int = group, stride: int = c.tp) -> float:
+            per_node = max(1, min(ranks, node // stride))
+            return allreduce_time(n * nbytes, per_node, ranks // per_node, self.hw.links) if ranks > 1 and n else 0.0
+
+        def both_s(j: int, nbytes: float) -> float:  # the dense parameters' reduction, then the experts'
+            return reduce_s(params[j] - experts[j], nbytes) + reduce_s(experts[j], nbytes, c.expert_dp, expert_stride)
 
         place = c.placement
         for r in range(c.pp):
             chunks = place.stages(r)
-            total = sum(params[j] for j in chunks)
+            total, local = sum(params[j] for j in chunks), sum(experts[j] for j in chunks)
             if c.zero:  # a reduce-scatter of the gradients and an all-gather of the weights, each half an all-reduce
-                grads = [reduce_s(params[j], num.grad_bytes / 2) for j in chunks]
-                gather = [reduce_s(params[j], num.weight_bytes / 2) for j in chunks]
+                grads = [both_s(j, num.grad_bytes / 2) for j in chunks]
+                gather = [both_s(j, num.weight_bytes / 2) for j in chunks]
             else:
-                grads, gather = [reduce_s(params[j], num.grad_bytes) for j in chunks], [0.0] * c.v
+                grads, gather = [both_s(j, num.grad_bytes) for j in chunks], [0.0] * c.v
             if c.overlap_grad_reduce:
                 bucket = [min(1.0, megatron_bucket_params(group) / params[j]) if params[j] else 1.0 for j in chunks]
                 fwd = [f_s[j] for j in chunks]
@@ -254,7 +263,8 @@ class Evaluator:
                 ar.append(sum(grads) + sum(gather))
             # Adam reads and writes weights, grads, master weights and both moments once, on the 1/(d*cp) of the
             # parameters a rank owns under a sharded optimizer
-            opt.append(2 * total * num.bytes_per_param() / c.optimizer_shards / hbm)
+            opt.append(2 * ((total - local) / c.optimizer_shards + local / c.expert_optimizer_shards)
+                       * num.bytes_per_param() / hbm)
         return tuple(ar), tuple(opt)
 
     def simulate_config(self, ev: Evaluation) -> tuple[Evaluation, SimResult]:

@@ -145,7 +145,7 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
                             f"({src.model_shape.get('family', 'unknown family')}); name the config_registry "
                             "function to use with --titan-module and --titan-config (e.g. llama3 llama3_8b)")
         module, config = module or known[0], config or known[1]
-    parallel = {"data_parallel_replicate_degree": 1 if c.zero else c.dp,
+    parallel = {"data_parallel_replicate_degree": 1 if c.zero else c.dp, "expert_parallel_degree": c.ep,
                 "data_parallel_shard_degree": c.dp if c.zero else 1, "tensor_parallel_degree": c.tp,
                 "pipeline_parallel_degree": c.pp, "context_parallel_degree": c.cp}
     if c.zero:
@@ -337,6 +337,15 @@ def to_megatron(plan: Plan) -> Export:
             argv.append("--untie-embeddings-and-output-weights")
         if not shape["bias"]:
             argv.append("--disable-bias-linear")
+        if shape.get("experts"):  # Megatron-Core's MoE layer: grouped GEMMs, all-to-all dispatch, experts over ep
+            argv += ["--num-experts", str(shape["experts"]), "--moe-router-topk", str(shape["top_k"]),
+                     "--moe-ffn-hidden-size", str(shape["moe_ffn"]), "--expert-model-parallel-size", str(c.ep),
+                     "--expert-tensor-parallel-size", "1", "--moe-grouped-gemm",
+                     "--moe-token-dispatcher-type", "alltoall"]
+            if shape.get("moe_layer_freq"):
+                argv += ["--moe-layer-freq", str(shape["moe_layer_freq"])]
+            if shape.get("shared_expert_ffn"):
+                argv += ["--moe-shared-expert-intermediate-size", str(shape["shared_expert_ffn"])]
         argv, missing = _megatron_model_details(shape, argv)
         unexpressed += missing
     else:
@@ -560,7 +569,13 @@ def check_megatron(ex: Export) -> dict[str, object]:
             microbatch_group_size_per_vp_stage=num("microbatch_group_size_per_virtual_pipeline_stage"),
             hidden_dropout=float(a.get("hidden_dropout", 0.1)), attention_dropout=float(a.get("attention_dropout", 0.1)),
             layernorm_epsilon=float(a.get("norm_epsilon", 1e-5)), fp8=a.get("fp8_format"),
-            fp8_recipe=Fp8Recipe(a.get("fp8_recipe", "delayed")).value)
+            fp8_recipe=Fp8Recipe(a.get("fp8_recipe", "delayed")).value, num_moe_experts=num("num_experts"),
+            moe_router_topk=num("moe_router_topk", 2), moe_ffn_hidden_size=num("moe_ffn_hidden_size"),
+            expert_model_parallel_size=num("expert_model_parallel_size", 1),
+            expert_tensor_parallel_size=num("expert_tensor_parallel_size"), moe_grouped_gemm=bool(a.get(
+                "moe_grouped_gemm")), moe_token_dispatcher_type=a.get("moe_token_dispatcher_type", "allgather"),
+            moe_layer_freq=eval_layer_freq(a["moe_layer_freq"]) if "moe_layer_freq" in a else 1,
+            moe_shared_expert_intermediate_size=num("moe_shared_expert_intermediate_size"))
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
                                             grad_reduce_in_fp32=bool(a.get("accumulate_allreduce_grads_in_fp32")),
                                             overlap_grad_reduce=bool(a.get("overlap_grad_reduce")),
@@ -577,4 +592,12 @@ def check_megatron(ex: Export) -> dict[str, object]:
                 "microbatch": num("micro_batch_size"), "global_batch": num("global_batch_size"),
                 "layout": stages, "rotary_base": num("rotary_base", 10000),
                 "dropout": (cfg.attention_dropout, cfg.hidden_dropout), "norm_eps": cfg.layernorm_epsilon,
-                "fp8": (cfg.fp8, cfg.fp8_recipe) if cfg.fp8 else None}
+                "fp8": (cfg.fp8, cfg.fp8_recipe) if cfg.fp8 else None,
+                "moe": (cfg.num_moe_experts, cfg.moe_router_topk, cfg.expert_model_parallel_size)
+                if cfg.num_moe_experts else None}
+
+
+def eval_layer_freq(pattern: str) -> list[int]:
+    """Megatron's --moe-layer-freq as a list (the export writes it as a plain list of 0/1, which Megatron's own
+    parser evaluates; here without eval)."""
+    return [int(x) for x in pattern.strip("[]() ").split(",")]

@@ -33,6 +33,9 @@ class Source(_Model):
     model_sha256: str = Field(description="sha256 of the model file; the runtime refuses a different file")
     model_args: dict[str, ArgValue] = Field(description="keyword arguments of build_model / example_inputs")
     leaves: list[str] = Field(default_factory=list, description="modules traced as leaves")
+    engine: Literal["fxplanner", "megatron", "torchtitan"] = Field(
+        "fxplanner", description="what runs the plan: fxplanner's runtime, or the engine it is exported to (its launch "
+        "commands are the export's)")
     notes: list[str] = Field(default_factory=list, description="how the model was priced: unpriced ops, unused "
                              "parameters, layers priced without a parallelism they need")
     frontend: Literal["export", "fx"] = Field("export", description="how the model was captured: torch.export, or "
@@ -61,6 +64,8 @@ class ConfigModel(_Model):
     pp: int = Field(description="pipeline-parallel degree p")
     dp: int = Field(description="data-parallel degree d")
     cp: int = Field(1, description="context-parallel degree")
+    ep: int = Field(1, description="expert-parallel degree (experts of each mixture-of-experts layer over ep ranks "
+                    "holding different tokens; Megatron-Core's --expert-model-parallel-size)")
     sp: bool = Field(False, description="sequence parallelism within the tensor-parallel group")
     zero: int = Field(0, description="optimizer sharding stage (1: optimizer state sharded over dp x cp)")
     grad_fp32: bool = Field(False, description="gradients accumulated and reduced in fp32 (Megatron's main_grad)")
@@ -84,12 +89,12 @@ class ConfigModel(_Model):
 
     @classmethod
     def of(cls, c: ParallelConfig) -> "ConfigModel":
-        return cls(tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp, sp=c.sp, zero=c.zero, grad_fp32=c.grad_fp32,
+        return cls(tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp, ep=c.ep, sp=c.sp, zero=c.zero, grad_fp32=c.grad_fp32,
                    overlap_grad_reduce=c.overlap_grad_reduce, tp_comm_overlap=c.tp_comm_overlap, microbatch=c.b, microbatches=c.m,
                    vp=c.v, recompute=c.recompute, schedule=c.schedule, precision=c.precision, fp8=c.fp8)
 
     def to_config(self) -> ParallelConfig:
-        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, sp=self.sp, zero=self.zero,
+        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, ep=self.ep, sp=self.sp, zero=self.zero,
                               grad_fp32=self.grad_fp32, overlap_grad_reduce=self.overlap_grad_reduce,
                               tp_comm_overlap=self.tp_comm_overlap,
                               b=self.microbatch, m=self.microbatches, v=self.vp, recompute=self.recompute,
@@ -194,6 +199,9 @@ class FillJob(_Model):
                                          "groups, [start, stop) ranges of its forward units, loaded in order in each "
                                          "bubble (the next group's transfer overlapping the current group's compute)")
     leaves: list[str] = Field(default_factory=list, description="modules traced as leaves")
+    engine: Literal["fxplanner", "megatron", "torchtitan"] = Field(
+        "fxplanner", description="what runs the plan: fxplanner's runtime, or the engine it is exported to (its launch "
+        "commands are the export's)")
     notes: list[str] = Field(default_factory=list, description="how the model was priced: unpriced ops, unused "
                              "parameters, layers priced without a parallelism they need")
     iterations: Optional[int] = Field(None, description="work: the job's batches (iterations of batch_size on one "

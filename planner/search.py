@@ -9,6 +9,7 @@ the simulated times rank them.
 """
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
@@ -23,7 +24,13 @@ from .evaluate import Evaluation, Evaluator, Rejected
 from .schedules import SCHEDULES
 from .simulate import SimResult
 
-__all__ = ["Pins", "SearchResult", "search", "divisors", "NoFeasibleConfig"]
+__all__ = ["ENGINES", "Pins", "SearchResult", "search", "divisors", "NoFeasibleConfig"]
+
+
+ENGINES = ("fxplanner", "megatron", "torchtitan")
+"""What runs a plan: fxplanner's own runtime (`python -m planner.runtime`), or an engine the plan is exported to
+(Megatron-LM / Megatron-Core with Transformer Engine, torchtitan): a plan for an engine chooses among what that engine
+runs, and its launch commands are the export's."""
 
 
 class NoFeasibleConfig(UserError):
@@ -44,6 +51,7 @@ class Pins:
     schedules: tuple[str, ...] | None = None  # the kinds the search may choose (None: every registered kind), e.g.
     # the ones an engine runs (Megatron-LM: gpipe, 1f1b, interleaved)
     cp: int | None = None  # context parallelism; None: the search tries the degrees a ring inside one node allows
+    ep: int | None = None  # expert parallelism; None: the search tries every degree dividing the experts (MoE only)
     zero: int | None = None  # None: 1 wherever d*cp > 1 (it dominates: the same bytes, a shorter step, less memory)
     grad_fp32: bool = False
     overlap_grad_reduce: bool | None = None  # None: on wherever d*cp > 1 (overlap never exposes more)
@@ -51,6 +59,7 @@ class Pins:
     sp: bool | None = None  # sequence parallelism; None: the search tries both where t > 1
     precision: str = "bf16"
     fp8: str = ""  # FP8 recipe of the linear layers (costmodels.fp8); "auto": the engine's default for the GPU
+    engine: str = "fxplanner"  # what runs the plan (ENGINES): its launch commands, and what it can run
     max_microbatch: int = 16
     max_v: int = 8
     allow_cross_node_tp: bool = False
@@ -63,19 +72,21 @@ class Pins:
                 raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
         if self.precision not in PRECISIONS:
             raise UserError(f"--dtype must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.engine not in ENGINES:
+            raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.fp8 and self.fp8 != "auto" and self.fp8 not in FP8_RECIPES:
             raise UserError(f"--fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
         if self.fp8 and self.precision == "fp32":
             raise UserError("FP8 recipes run under bf16 or fp16 mixed precision; drop --dtype fp32 or --fp8")
         if self.zero is not None and self.zero not in ZERO_STAGES:
             raise UserError(f"optimizer sharding stage must be one of {ZERO_STAGES}, got {self.zero!r}")
-        for name in ("tp", "pp", "dp", "cp", "b", "v"):
+        for name in ("tp", "pp", "dp", "cp", "ep", "b", "v"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"a pinned {name} must be a positive integer, got {value}")
 
     def pinned(self) -> list[str]:
-        return [k for k in ("tp", "pp", "dp", "cp", "b", "v", "recompute", "schedule", "sp")
+        return [k for k in ("tp", "pp", "dp", "cp", "ep", "b", "v", "recompute", "schedule", "sp")
                 if getattr(self, k) is not None]
 
 
@@ -142,8 +153,24 @@ def cp_choices(t: int, rest: int, gpus_per_node: int, seq: int, pins: Pins, reje
     return out
 
 
+def ep_choices(experts: int, ranks: int, pins: Pins, rejected: Counter) -> list[int]:
+    """Expert-parallel degrees for a stage whose `ranks` hold different tokens: the pinned one, or every degree that
+    divides both them and the experts (1 for a model without experts)."""
+    if pins.ep is not None:
+        why = (f"ep={pins.ep} needs a model with mixture-of-experts layers" if pins.ep > 1 and not experts else
+               f"ep={pins.ep} does not divide the {experts} experts" if pins.ep > 1 and experts % pins.ep else
+               f"ep={pins.ep} does not divide the {ranks} ranks holding different tokens (sp_degree*cp*dp)"
+               if ranks % pins.ep else None)
+        if why:
+            rejected[why] += 1
+            return []
+        return [pins.ep]
+    return [e for e in divisors(ranks) if experts % e == 0] if experts else [1]
+
+
 def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int, pins: Pins,
-               rejected: Counter, heads: Iterable[tuple[int, int]] = (), seq: int = 0) -> Iterator[ParallelConfig]:
+               rejected: Counter, heads: Iterable[tuple[int, int]] = (), seq: int = 0,
+               experts: int = 0) -> Iterator[ParallelConfig]:
     heads = set(heads)
     t_pool = divisors(n_gpus) if pins.allow_cross_node_tp else divisors(min(gpus_per_node, n_gpus))
     if pins.tp is not None and pins.tp not in t_pool:
@@ -168,11 +195,11 @@ def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int,
                 if global_batch % d:
                     rejected["global batch not divisible by d"] += 1
                     continue
-                yield from _per_replica(t, p, d, cp, n_units, global_batch // d, pins, rejected)
+                yield from _per_replica(t, p, d, cp, n_units, global_batch // d, pins, rejected, experts)
 
 
 def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int, pins: Pins,
-                 rejected: Counter) -> Iterator[ParallelConfig]:
+                 rejected: Counter, experts: int = 0) -> Iterator[ParallelConfig]:
     replicas = d * cp > 1
     zero = pins.zero if pins.zero is not None else int(replicas)
     overlap = pins.overlap_grad_reduce if pins.overlap_grad_reduce is not None else replicas
@@ -197,11 +224,17 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                     if pins.recompute not in (None, rc):
                         continue
                     for sp in ((False, True) if pins.sp is None else (pins.sp,)) if t > 1 else (False,):
-                        yield ParallelConfig(tp=t, pp=p, dp=d, cp=cp, b=b, m=m, v=v, zero=zero,
-                                             grad_fp32=pins.grad_fp32, overlap_grad_reduce=overlap,
-                                             tp_comm_overlap=pins.tp_comm_overlap and sp,
-                                             recompute=rc,
-                                             sp=sp, schedule=name, precision=pins.precision, fp8=pins.fp8)
+                        # Megatron-Core runs expert parallelism beside tensor parallelism only under sp
+                        eps = ep_choices(experts, (t if sp else 1) * cp * d, pins, rejected) if sp or t == 1 else \
+                            [1] if (pins.ep or 1) == 1 else []
+                        if not eps and not sp and t > 1:
+                            rejected["expert parallelism beside tensor parallelism needs sequence parallelism"] += 1
+                        for ep in eps:
+                            yield ParallelConfig(tp=t, pp=p, dp=d, cp=cp, ep=ep, b=b, m=m, v=v, zero=zero,
+                                                 grad_fp32=pins.grad_fp32, overlap_grad_reduce=overlap,
+                                                 tp_comm_overlap=pins.tp_comm_overlap and sp,
+                                                 recompute=rc, sp=sp, schedule=name, precision=pins.precision,
+                                                 fp8=pins.fp8)
 
 
 def _optimistic_iteration(ev: Evaluator, c: ParallelConfig) -> float:
@@ -224,7 +257,8 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
     check_cluster(ev.n_gpus, cl.gpus_per_node)
     rejected: Counter = Counter()
     pool = list(candidates(len(ev.units), ev.n_gpus, cl.gpus_per_node, ev.global_batch, pins, rejected,
-                           heads=((u.heads, u.kv_heads) for u in ev.units), seq=ev.tokens_per_sample))
+                           heads=((u.heads, u.kv_heads) for u in ev.units), seq=ev.tokens_per_sample,
+                           experts=math.gcd(*(u.experts for u in ev.units))))
     if not pool:
         raise NoFeasibleConfig(_no_candidates_message(ev, pins, rejected))
     leanest: tuple[float, ParallelConfig] | None = None

@@ -74,6 +74,12 @@ def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
         raise UserError(f"plan {path} uses tensor-parallel communication overlap (Transformer Engine's userbuffers), "
                         "which this runtime does not run; re-plan without --tp-comm-overlap (or export it to "
                         "Megatron-LM with `planner export`)")
+    if plan.source.engine != "fxplanner":
+        raise UserError(f"plan {path} was made for {plan.source.engine}: launch it with `planner export {path} --to "
+                        f"{plan.source.engine}` (its plan.launch commands), not with the fxplanner runtime")
+    if c.ep > 1:
+        raise UserError(f"plan {path} divides its experts over {c.ep} expert-parallel ranks, which this runtime does "
+                        "not run; export it with `planner export --to megatron` or re-plan with --ep 1")
     if c.fp8:
         raise UserError(f"plan {path} runs its linear layers' GEMMs in FP8 ({c.fp8}), which this runtime does not run; "
                         "export it with `planner export --to megatron` (Transformer Engine recipes) or re-plan without "

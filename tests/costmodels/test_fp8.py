@@ -12,7 +12,7 @@ from costmodels.hardware import Hardware  # noqa: E402
 from costmodels.memory import activation_bytes, held_bytes, stage_memory, static_bytes  # noqa: E402
 from passes.errors import UserError  # noqa: E402
 from passes.pipeline import analyze  # noqa: E402
-from planner.api import fp8_pins  # noqa: E402
+from planner.api import engine_pins  # noqa: E402
 from planner.config import ConfigError, ParallelConfig  # noqa: E402
 from planner.search import Pins  # noqa: E402
 from targets.registry import get_target  # noqa: E402
@@ -79,14 +79,20 @@ def test_block_memory_keeps_fp8_inputs_and_cached_fp8_weights(llama, recipe):
     assert mem.weights - base.weights == pytest.approx(copies) and mem.optimizer == base.optimizer
 
 
-def test_recipes_a_gpu_cannot_run_are_refused_in_one_sentence():
+def test_recipes_a_gpu_or_an_engine_cannot_run_are_refused_in_one_sentence():
     hopper, blackwell, ampere = (Hardware(target=get_target(n)) for n in ("h100-sxm", "b200", "a100-80gb"))
-    assert fp8_pins(Pins(fp8="auto"), hopper).fp8 == "delayed"  # Megatron's default
-    assert fp8_pins(Pins(fp8="auto"), blackwell).fp8 == "mxfp8"  # native block scaling
+    mega, titan = Pins(fp8="auto", engine="megatron"), Pins(fp8="auto", engine="torchtitan")
+    assert engine_pins(mega, hopper).fp8 == "delayed"  # Megatron's default
+    assert engine_pins(mega, blackwell).fp8 == "mxfp8"  # native block scaling
+    assert engine_pins(titan, hopper).fp8 == "torchao-rowwise"  # torchtitan's float8 converter
     with pytest.raises(UserError, match=r"mxfp8 needs Blackwell's MX block-scaled tensor cores, which the H100"):
-        fp8_pins(Pins(fp8="mxfp8"), hopper)
+        engine_pins(Pins(fp8="mxfp8", engine="megatron"), hopper)
     with pytest.raises(UserError, match=r"delayed needs FP8 tensor cores, which the A100 80GB SXM lacks"):
-        fp8_pins(Pins(fp8="auto"), ampere)
+        engine_pins(mega, ampere)
+    with pytest.raises(UserError, match=r"megatron does not run the FP8 recipe torchao-rowwise; it runs delayed"):
+        engine_pins(Pins(fp8="torchao-rowwise", engine="megatron"), hopper)
+    with pytest.raises(UserError, match=r"^FP8 runs in Megatron-Core .* not in the fxplanner runtime: add --engine"):
+        engine_pins(Pins(fp8="auto"), hopper)
     with pytest.raises(UserError, match="--fp8 must be one of"):
         Pins(fp8="e4m3")
     with pytest.raises(ConfigError, match="bf16 or fp16 mixed precision"):
