@@ -1,13 +1,16 @@
-"""Price the published runs of ../shared/references/reference_runs.json at their own configuration.
+"""Price the published runs of ../shared/references/reference_runs.json, and the 2025-2026 FP8 and mixture-of-experts
+runs of bench/reference_runs_2026.json, at their own configuration.
 
-    python bench/reference_runs.py [--json out.json]
+    python bench/reference_runs.py [--json out.json] [--only ID-SUBSTRING]
 
 Every row is planned with all its stated dimensions pinned (t, p, d, cp, microbatch, vp, sequence
 parallelism; H100 rows also shard the optimizer and overlap its reduce-scatter and all-gather with compute,
 as NeMo's recipes do with Megatron-Core's distributed optimizer; the 2021 Megatron of the SC21 rows did
-neither). The planner
+neither). Every row is planned for Megatron-Core (--engine megatron: its schedules), with the row's FP8 recipe,
+expert-parallel degree and tensor-parallel communication overlap where it states them. The planner
 chooses only what the row leaves open (recompute when null). Prints predicted against measured
-iteration time. No constant is fitted to these rows.
+iteration time. No constant is fitted to these rows (gemm_max was fitted to the 13 rows of the first file before the
+second existed).
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from planner.api import make_plan  # noqa: E402
 from planner.search import Pins  # noqa: E402
 
 REFS = ROOT.parent / "shared" / "references"
-TARGETS = {"a100-80": "a100-80gb", "h100": "h100-sxm"}
+TARGETS = {"a100-80": "a100-80gb", "h100": "h100-sxm", "gb200": "gb200-nvl72", "b200": "b200"}
 MEGATRON_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # what the published Megatron-LM / NeMo runs ran (no split backward)
 
 
@@ -33,7 +36,8 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--only", help="substring of the row ids to run")
     args = ap.parse_args()
-    rows = json.loads((REFS / "reference_runs.json").read_text())["runs"]
+    rows = [r for f in (REFS / "reference_runs.json", ROOT / "bench" / "reference_runs_2026.json")
+            for r in json.loads(f.read_text())["runs"]]
     out = []
     for r in rows:
         if args.only and args.only not in r["id"]:
@@ -42,8 +46,11 @@ def main() -> None:
         pins = Pins(tp=r["tp"], pp=r["pp"], dp=r["dp"], cp=r["cp"], b=r["microbatch"], v=r["vp"], recompute=r["recompute"],
                     sp=r["sequence_parallel"], zero=1 if h100 else 0, overlap_grad_reduce=h100, max_v=max(8, r["vp"] or 0),
                     schedule=("interleaved" if r["vp"] else None) if r["pp"] > 1 else None,
-                    schedules=MEGATRON_SCHEDULES)
-        plan, _ = make_plan(str(REFS / "models" / r["model"]), gpus=r["gpus"], global_batch=r["global_batch"],
+                    schedules=MEGATRON_SCHEDULES, engine="megatron", fp8=r.get("fp8") or "", ep=r.get("ep", 1),
+                    tp_comm_overlap=bool(r.get("tp_comm_overlap")))
+        model = (ROOT / "examples" / f"hf_{r['model'][3:]}.py" if r["model"].startswith("hf:")
+                 else REFS / "models" / r["model"])
+        plan, _ = make_plan(str(model), gpus=r["gpus"], global_batch=r["global_batch"],
                             target=TARGETS[r["gpu"]], model_args=r["model_args"], pins=pins)
         pred, meas = plan.predictions.iteration_s, r["measured_iter_s"]
         row = {"id": r["id"], "predicted_s": pred, "measured_s": meas, "error": pred / meas - 1,

@@ -35,6 +35,7 @@ class UnitTime:
     cp_comm_s: float = 0.0  # of which the context-parallel ring's exposed part, forward + backward
     bwd_weight_s: float = 0.0  # of bwd_s, the weight gradients (W): each weight product's dW and its launch
     ep_comm_s: float = 0.0  # of fwd_s + bwd_s, the expert-parallel all-to-alls (dispatch, combine, their gradients)
+    weight_cast_s: float = 0.0  # cached FP8 weights' casts, once per iteration: fwd_s holds 1/m of it
 
     @property
     def bwd_input_s(self) -> float:
@@ -147,10 +148,11 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
         rf, rb, rw = (x + g - o for x, g, o in zip((rf, rb, rw), grouped, one))
         ep_f = 2 * expert_alltoall_s(unit.moe_dispatch_bytes(b) / r, cfg, hw)  # dispatch and combine
         ep_b = ep_f  # their gradients, the other way
-    if fp8 is not None:  # the weights' casts: once per iteration (cached FP8 weights), or every microbatch both ways
+    cast = 0.0  # the weights' FP8 casts: once per iteration (cached FP8 weights), or every microbatch both ways
+    if fp8 is not None:
         cast = fp8.cast_passes() * param_count(unit, cfg) * cfg.numerics.weight_bytes / (hw.gpu.hbm_bw * hw.eff.hbm)
-        sf += cast / cfg.m if fp8.weight_cache else cast
-        sb += 0.0 if fp8.weight_cache else cast
+        if not fp8.weight_cache:
+            sf, sb, cast = sf + cast, sb + cast, 0.0
     n = max(unit.tp_allreduces, 1)
     ar_f = n * tp_allreduce_s(unit.tp_fwd_allreduce_bytes(b) / n, t, hw) if unit.tp_allreduces else 0.0
     ar_b = tp_allreduce_s(unit.tp_bwd_allreduce_bytes(b) / n, t, hw) * n if t > 1 else 0.0
@@ -162,11 +164,11 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
         ar_f, ar_b = max(0.0, ar_f - cover), max(0.0, ar_b - 2 * cover)
     cp_f, cp_b = cp_ring_s(unit, hw, cfg)
     kf, kb = hw.eff.unit_factor(unit.kind)
-    fwd = (sf + rf) * kf + ar_f + cp_f + ep_f
+    fwd = (sf + rf) * kf + ar_f + cp_f + ep_f + cast / cfg.m
     bwd = (sb + rb) * kb + ar_b + cp_b + ep_b
     bwd += cfg.recompute_mode.extra_backward_s(unit, b, t, hw, cfg.precision, fwd)
     return UnitTime(fwd_s=fwd, bwd_s=bwd, tp_comm_s=ar_f + ar_b, cp_comm_s=cp_f + cp_b, bwd_weight_s=(sw + rw) * kb,
-                    ep_comm_s=ep_f + ep_b)
+                    ep_comm_s=ep_f + ep_b, weight_cast_s=cast)
 
 
 def expert_alltoall_s(nbytes: float, cfg: ParallelConfig, hw: Hardware) -> float:

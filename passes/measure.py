@@ -145,6 +145,11 @@ class _Run(fx.Interpreter):
                 self.alive.append(y)
             (_, k), (_, v) = kv
         self.causal[n] = causal
+        if v.shape[-1] != q.shape[-1]:  # values narrower than the queries (multi-head latent attention): a fused
+            # kernel that takes both widths (the memory-efficient one here; cuDNN / FlashAttention-3 on Hopper), which
+            # keeps the same for backward (q, k, v, output, log-sum-exp)
+            return torch.ops.aten._scaled_dot_product_efficient_attention(
+                q, k, v, None, True, float(dropout), causal, scale=kwargs.get("scale"))[0]
         out = torch.ops.aten._scaled_dot_product_flash_attention(
             q, k, v, float(dropout), causal, scale=kwargs.get("scale"))
         return out[0]

@@ -19,7 +19,8 @@ from .units import Unit
 
 __all__ = ["model_shape"]
 
-_GATED_HF = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma", "gemma2")
+_GATED_HF = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "gemma", "gemma2", "qwen2_moe", "qwen3_moe",
+             "deepseek_v3", "gpt_oss")
 
 
 def model_shape(root: nn.Module, units: tuple[Unit, ...], seq: int) -> dict[str, Any]:
@@ -63,7 +64,8 @@ def _moe_shape(blocks: list[Unit], hidden: int, gated: bool, cfg: Any) -> dict[s
     if not moe:
         return {}
     first = moe[0]
-    width = round(first.moe.params / first.experts / ((3 if gated else 2) * hidden))
+    width = getattr(cfg, "moe_intermediate_size", None) or getattr(cfg, "intermediate_size", None) or \
+        round(first.moe.params / first.experts / ((3 if gated else 2) * hidden))  # biases aside
     shared = (getattr(cfg, "shared_expert_intermediate_size", None)
               or (getattr(cfg, "n_shared_experts", 0) or 0) * (getattr(cfg, "moe_intermediate_size", 0) or 0)) or None
     flags = [int(bool(u.experts)) for u in blocks]

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch import nn
 
 from .costs import node_kind
-from .meta_keys import COST, TP
+from .meta_keys import COST, MODULE, TP
 from .shapes import tensor_info
 
 __all__ = ["annotate_tp_roles", "activation_input", "linear_shape", "VOCAB_MIN", "Heads"]
@@ -97,7 +97,7 @@ def _shardable(region: list[fx.Node], sources: set[fx.Node], widths: set[int], g
     inside = set(region)
     for n in region:
         kind = node_kind(n, gm)
-        if kind in NORMS:
+        if kind in NORMS or _in_norm(n, gm):
             return False
         info = tensor_info(n.args[0]) if n.args else None
         if kind in REDUCTIONS and info is not None and info.shape and info.shape[-1] in widths:
@@ -111,11 +111,28 @@ def _shardable(region: list[fx.Node], sources: set[fx.Node], widths: set[int], g
     return True
 
 
+def _in_norm(n: fx.Node, gm: fx.GraphModule) -> bool:
+    """The op is part of a normalization module written out in ops (an RMSNorm class of a model file): it reduces
+    over the features, so a region holding it cannot be split over them."""
+    stack = n.meta.get("nn_module_stack") or {}
+    if stack:
+        kind = list(stack.values())[-1][1]
+        name = getattr(kind, "__name__", str(kind))
+    else:
+        try:
+            name = type(gm.get_submodule(n.meta.get(MODULE, ""))).__name__ if n.meta.get(MODULE) else ""
+        except AttributeError:
+            name = ""
+    return "norm" in name.rsplit(".", 1)[-1].lower()
+
+
 def _heads(nodes: list[fx.Node], gm: fx.GraphModule, sources: Iterable[fx.Node]) -> Heads:
     for n in nodes:
         kind = n.meta[COST].kind
         acts = [a for a in n.all_input_nodes if a.op != "get_attr"]
         if kind == "attention" or (kind == "matmul" and len(acts) >= 2 and linear_shape(n, gm) is None):
+            if n.meta[TP] == "replicated":  # an attention kept whole on every rank (its region cannot be split):
+                return Heads()  # no heads for tensor parallelism to divide
             q = tensor_info(acts[0])
             if q is None or len(q.shape) != 4 or not q.shape[1].is_number:
                 continue
@@ -164,7 +181,9 @@ def annotate_tp_roles(gm: fx.GraphModule, units: Iterable[list[fx.Node]]) -> lis
 
 
 def _vocab(nodes: list[fx.Node], shapes: dict[fx.Node, tuple[int, int]], gm: fx.GraphModule) -> None:
-    free = [n for n in shapes if n.meta[TP] == "replicated" and shapes[n][1] >= VOCAB_MIN and shapes[n][1] > shapes[n][0]]
+    last = max(shapes, key=nodes.index, default=None)  # a vocabulary projection is the unit's last product
+    free = [n for n in shapes if n is last and n.meta[TP] == "replicated" and shapes[n][1] >= VOCAB_MIN
+            and shapes[n][1] > shapes[n][0]]
     if free:
         max(free, key=lambda n: shapes[n][1]).meta[TP] = "vocab-col"
     for n in nodes:

@@ -212,10 +212,10 @@ class ParallelConfig:
         return self.tp if self.sp else 1
 
     def unit_key(self) -> tuple:
-        """The fields a unit's own time and memory depend on (the evaluator caches by it)."""
-        cached = self.fp8 and FP8_RECIPES[self.fp8].weight_cache  # its weight casts are spread over the m microbatches
+        """The fields a unit's own time and memory depend on (the evaluator caches by it; cached FP8 weights' casts,
+        spread over the m microbatches, are added apart: UnitTime.weight_cast_s)."""
         return (self.b, self.tp, self.cp, self.sp, self.tp_comm_overlap, self.recompute, self.precision, self.fp8,
-                self.m if cached else 0, self.ep)
+                self.ep)
 
     def __str__(self) -> str:
         extra = "".join([f" cp={self.cp}" if self.cp > 1 else "", f" ep={self.ep}" if self.ep > 1 else "", " sp" if self.sp else "",

@@ -13,8 +13,8 @@ from functools import cached_property
 from costmodels.comm import allreduce_time, exposed_reduction_s, megatron_bucket_params, p2p_time
 from costmodels.compute import unit_time
 from costmodels.hardware import Hardware
-from costmodels.memory import (StageMemory, activation_bytes, expert_count, held_bytes, param_count, stage_memory,
-                               static_bytes)
+from costmodels.memory import (StageMemory, activation_bytes, expert_count, fp8_weight_bytes, held_bytes, param_count,
+                               stage_memory, static_bytes, static_bytes_per_param)
 from costmodels.recompute import recompute_mode
 from passes.units import Unit
 
@@ -105,14 +105,20 @@ class Evaluator:
         """(fwd_s, bwd_s, tp_comm_s, activation bytes, weight-gradient s, bytes held from I to W) per unit,
         cached by what they depend on."""
         key = c.unit_key()
-        if key not in self._cache:
+        if key not in self._cache:  # the forward without its share of the weights' FP8 casts, and those casts
             rows = {}
             for i in set(self._twins):
                 u = self.units[i]
                 ut = unit_time(u, self.hw, c)
-                rows[i] = (ut.fwd_s, ut.bwd_s, ut.tp_comm_s, activation_bytes(u, c), ut.bwd_weight_s, held_bytes(u, c))
+                rows[i] = (ut.fwd_s - ut.weight_cast_s / c.m, ut.bwd_s, ut.tp_comm_s, activation_bytes(u, c),
+                           ut.bwd_weight_s, held_bytes(u, c), ut.weight_cast_s)
             self._cache[key] = tuple(zip(*(rows[i] for i in self._twins)))
-        return self._cache[key]
+        *costs, casts = self._cache[key]
+        if not any(casts):
+            return tuple(costs)
+        if (key, c.m) not in self._cache:
+            self._cache[key, c.m] = (tuple(f + w / c.m for f, w in zip(costs[0], casts)), *costs[1:])
+        return self._cache[key, c.m]
 
     def model_flops(self) -> float:
         """Model FLOPs of one iteration for MFU (PaLM, appendix B): 3x the forward matrix products."""
@@ -133,12 +139,18 @@ class Evaluator:
 
     def memory_lower_bound(self, c: ParallelConfig) -> float:
         """No rank can need less than the average rank (the last rank holds the fewest activations)."""
-        key = ("bound", c.unit_key(), c.optimizer_shards, c.grad_fp32)
+        key = ("counts", c.tp, c.ep, c.fp8)
+        if key not in self._cache:  # parameters (dense, experts') and FP8 weight copies one rank of each stage holds
+            experts = sum(expert_count(u, c) for u in self.units)
+            self._cache[key] = (sum(param_count(u, c) for u in self.units) - experts, experts,
+                                sum(fp8_weight_bytes(u, c) for u in self.units))
+        dense, experts, copies = self._cache[key]
+        key = ("acts", c.unit_key())
         if key not in self._cache:
-            act = self.unit_costs(c)[3]
-            self._cache[key] = (sum(static_bytes(u, c) for u in self.units), sum(act))
-        static, act = self._cache[key]
-        return (static + c.inflight(c.pp - 1) * act) / c.pp + self.hw.reserve_bytes
+            self._cache[key] = sum(self.unit_costs(c)[3])
+        static = (dense * static_bytes_per_param(c) + experts * c.numerics.bytes_per_param(c.expert_optimizer_shards)
+                  + copies)
+        return (static + c.inflight(c.pp - 1) * self._cache[key]) / c.pp + self.hw.reserve_bytes
 
     def evaluate(self, c: ParallelConfig) -> Evaluation:
         fwd, bwd, tpc, act, wgt, wkeep = self.unit_costs(c)

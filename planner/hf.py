@@ -24,7 +24,14 @@ FAMILIES: dict[str, tuple[str, str, str, int]] = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", "n_layer", 1024),
     "bert": ("BertConfig", "BertForMaskedLM", "num_hidden_layers", 512),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", "num_hidden_layers", 4096),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "num_hidden_layers", 4096),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", "num_hidden_layers", 4096),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", "num_hidden_layers", 4096),
 }
+
+EAGER = {"gpt_oss": "eager"}
+"""Families whose transformers code has no SDPA path (gpt-oss: attention sinks): their attention is written out,
+and priced so (the engines' fused kernels with sinks keep less)."""
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, num_key_value_heads=8, max_position_embeddings=8192,
                rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -50,6 +57,41 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                                      num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
                                      rope_theta=1000000.0)),
+    # Qwen3-30B-A3B and Qwen3-235B-A22B: every layer routes each token to 8 of 128 experts (no shared expert)
+    "qwen3-30b-a3b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                                        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                                        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                        tie_word_embeddings=False)),
+    "qwen3-235b-a22b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                                          moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64,
+                                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                                          decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                          tie_word_embeddings=False)),
+    # DeepSeek-V3 (671B, 37B active): multi-head latent attention, 3 dense layers then 58 MoE layers of 256 routed
+    # experts (top-8, grouped routing) and one shared expert; pre-trained at 4096 tokens (its 128K YaRN extension
+    # and multi-token-prediction module are not part of this config)
+    "deepseek-v3": ("deepseek_v3", dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                                        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                                        num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
+                                        num_experts_per_tok=8, first_k_dense_replace=3, n_group=8, topk_group=4,
+                                        routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=1536,
+                                        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                                        max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-6,
+                                        tie_word_embeddings=False)),
+    # gpt-oss-120b and -20b: 128 (32) experts, top-4, alternating 128-token sliding-window and full attention
+    "gpt-oss-120b": ("gpt_oss", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                                     num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                     num_local_experts=128, num_experts_per_tok=4, sliding_window=128,
+                                     max_position_embeddings=131072, rope_theta=150000.0, rms_norm_eps=1e-5,
+                                     tie_word_embeddings=False)),
+    "gpt-oss-20b": ("gpt_oss", dict(vocab_size=201088, hidden_size=2880, intermediate_size=2880,
+                                    num_hidden_layers=24, num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                    num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                                    max_position_embeddings=131072, rope_theta=150000.0, rms_norm_eps=1e-5,
+                                    tie_word_embeddings=False)),
 }
 
 
@@ -80,7 +122,7 @@ def _config(family: str, preset: str | None, config: str | None, layers: int | N
         fields[layers_field] = int(layers)
     cfg = getattr(tf, config_cls).from_dict(fields)
     cfg.use_cache = False
-    cfg._attn_implementation = "sdpa"
+    cfg._attn_implementation = EAGER.get(family, "sdpa")
     return cfg
 
 

@@ -167,7 +167,7 @@ def test_a_linear_mlps_weight_gradients_are_its_products_dw(tmp_path):
             dw = 2 * b * fan_in * fan_out
             assert u.wgrad_flops(b) == dw
             assert u.bwd_flops(b) - u.wgrad_flops(b) == (0 if i == 0 else dw)
-            assert [(f(b), bf(b), w(b)) for f, _, bf, _, w in u.sharded.products + u.replicated.products] \
+            assert [(f(b), bf(b), w(b)) for f, _, bf, _, w, *_ in u.sharded.products + u.replicated.products] \
                 == [(dw, u.bwd_flops(b), dw)]
 
 
@@ -180,7 +180,7 @@ def test_a_gpt_layers_weight_gradients_are_its_linears_dw(gpt8):
     block = next(u for u in prof.units if u.kind == "block")
     for b in (1, 3):
         assert block.wgrad_flops(b) == 2 * b * s * 12 * h * h
-        products = [(f(b), bf(b), w(b)) for f, _, bf, _, w in block.sharded.products + block.replicated.products]
+        products = [(f(b), bf(b), w(b)) for f, _, bf, _, w, *_ in block.sharded.products + block.replicated.products]
         assert sum(w for _, _, w in products) == block.wgrad_flops(b)
         linears = [p for p in products if p[2]]
         assert len(linears) == 4 and all(w == f and bf == 2 * f for f, bf, w in linears)

@@ -177,8 +177,9 @@ def test_mixture_of_experts_is_priced_at_the_routed_top_k():
     h, ffn, kv = c["hidden_size"], c["intermediate_size"], 1024
     routed = 2 * SEQ * (2 * h * h + 2 * h * kv + 2 * 3 * h * ffn + h * 8) + 4 * SEQ * SEQ * h  # top-2, router
     assert block.sharded.model_flops(1) + block.replicated.model_flops(1) == pytest.approx(routed, rel=0.02)
-    assert block.params == 2 * h * h + 2 * h * kv + 8 * 3 * h * ffn + 8 * h + 2 * h  # all 8 experts held
-    assert any("expert parallelism is not planned" in n for n in prof.notes)
+    assert block.params == 2 * h * h + 2 * h * kv + 8 * 3 * h * ffn + 8 * h + 2 * h  # all 8 experts in the unit
+    assert (block.experts, block.top_k, block.moe.params) == (8, 2, 8 * 3 * h * ffn)  # what expert parallelism divides
+    assert any("expert parallelism divides the experts" in n for n in prof.notes)
 
 
 def test_planning_the_llama_example_on_64_a100s_prints_an_honest_mfu():

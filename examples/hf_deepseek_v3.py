@@ -1,0 +1,11 @@
+"""DeepSeek-V3 (671B, 37B active; multi-head latent attention) from its transformers config, on meta tensors (no download; needs `pip install -e ".[hf]"`).
+
+    planner plan examples/hf_deepseek_v3.py --gpus 256 --engine megatron [--model-arg preset=deepseek-v3]
+        [--model-arg layers=4] [--model-arg seq=4096] [--model-arg config=path/to/config.json]
+
+Presets: deepseek-v3. Any other config field can be set too (`--model-arg hidden_size=1024`).
+Expert parallelism runs in Megatron-Core or torchtitan: plan with --engine megatron (or torchtitan).
+"""
+from planner import hf
+
+build_model, example_inputs, sample_batch, loss_fn = hf.model_file("deepseek_v3", "deepseek-v3")

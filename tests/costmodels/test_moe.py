@@ -1,0 +1,100 @@
+"""Mixture of experts with expert parallelism: a Mixtral layer's expert FLOPs, all-to-all bytes and expert parameters
+against their closed forms, written here from the layer's shapes."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from costmodels.compute import unit_time  # noqa: E402
+from costmodels.hardware import Hardware  # noqa: E402
+from costmodels.memory import expert_count, param_count, stage_memory  # noqa: E402
+from passes.pipeline import analyze  # noqa: E402
+from planner.config import ConfigError, ParallelConfig  # noqa: E402
+from planner.evaluate import Evaluator  # noqa: E402
+from targets.registry import get_target  # noqa: E402
+from tests.conftest import EXAMPLES  # noqa: E402
+
+H, F, E, K, SEQ = 4096, 14336, 8, 2, 1024  # Mixtral 8x7B's layer, at a short sequence
+HW = Hardware(target=get_target("h100-sxm"))
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    prof, _ = analyze(EXAMPLES / "hf_mixtral.py", {"layers": 2, "seq": SEQ})
+    return prof
+
+
+def block(prof):
+    return next(u for u in prof.units if u.kind == "block")
+
+
+def config(**kw) -> ParallelConfig:
+    return ParallelConfig(**{"tp": 1, "pp": 1, "dp": 8, "b": 2, "m": 4, **kw})
+
+
+def test_expert_flops_are_the_routed_top_k_and_parameters_divide_over_ep(mixtral):
+    """Each token runs its top-2 experts' three products (gate, up, down: 2 h f FLOPs each), not all eight; the
+    layer holds E experts of 3 h f weights, and a rank holds E/ep of them (the rest of the layer whole)."""
+    u, b = block(mixtral), 2
+    tokens = b * SEQ
+    assert (u.experts, u.top_k) == (E, K)
+    assert u.moe.mm_flops(b) == 2 * tokens * K * 3 * H * F
+    assert u.moe.params == E * 3 * H * F
+    whole = param_count(u, config())
+    for ep in (2, 4, 8):
+        c = config(ep=ep)
+        assert expert_count(u, c) == E * 3 * H * F / ep
+        assert param_count(u, c) == pytest.approx(whole - E * 3 * H * F * (1 - 1 / ep))
+
+
+def test_all_to_all_moves_2_tokens_k_h_each_way(mixtral):
+    """A dispatch sends each routed copy of a token's hidden state (tokens x k x h elements, bf16) and the combine
+    brings them back: 2 tokens k h elements per direction (forward; their gradients the same backward). Each rank
+    keeps 1/ep of them; inside a node the rest cross NVLink in (ep - 1) sends."""
+    u, b = block(mixtral), 2
+    nbytes = b * SEQ * K * H * 2
+    assert u.moe_dispatch_bytes(b) == nbytes
+    links = HW.links
+    for ep in (2, 8):
+        one = (ep - 1) / ep * nbytes / links.nvlink_bw + (ep - 1) * links.nvlink_latency_s
+        assert unit_time(u, HW, config(ep=ep)).ep_comm_s == pytest.approx(2 * 2 * one)
+    assert unit_time(u, HW, config()).ep_comm_s == 0
+    # across nodes (ep = 16 on 8-GPU nodes): the NICs carry the 8 of 16 shares bound for the other node
+    far = 8 / 16 * nbytes / links.internode_bw + 8 * links.internode_latency_s
+    assert unit_time(u, HW, config(dp=16, ep=16)).ep_comm_s == pytest.approx(4 * max(
+        far, 7 / 16 * nbytes / links.nvlink_bw + 7 * links.nvlink_latency_s))
+
+
+def test_each_local_expert_is_its_own_gemm(mixtral):
+    """A rank runs its E/ep experts as a grouped GEMM: each expert's product is 1/(E/ep) of the routed work, and
+    its efficiency is that size's -- more experts per rank, smaller GEMMs, a lower rate."""
+    u, b = block(mixtral), 2
+    f = 2 * b * SEQ * K * 2 * H * F  # gate and up, as one product of the routed tokens
+    rates = {ep: HW.matmul_rate(f * ep / E, "bf16") for ep in (1, 8)}
+    assert rates[1] < rates[8]
+    t1, t8 = (unit_time(u, HW, config(ep=ep)) for ep in (1, 8))
+    assert t1.fwd_s > t8.fwd_s - t8.ep_comm_s / 2
+
+
+def test_expert_state_is_sharded_over_the_expert_data_parallel_ranks(mixtral):
+    """Under the distributed optimizer, experts' optimizer state divides over the ranks holding the same experts
+    (d*cp/ep of them), the rest over d*cp; gradients are reduced over those same groups."""
+    units = mixtral.units
+    ev = Evaluator(units=units, hw=HW, global_batch=64, n_gpus=8, tokens_per_sample=SEQ)
+    c1, c8 = config(zero=1), config(zero=1, ep=8)
+    m1, m8 = stage_memory(units, HW, c1, 0), stage_memory(units, HW, c8, 0)
+    experts = sum(u.moe.params for u in units)
+    dense = sum(param_count(u, c1) for u in units) - experts
+    assert m1.optimizer == pytest.approx((dense + experts) * 12 / 8)
+    assert m8.optimizer == pytest.approx(dense * 12 / 8 + experts / 8 * 12)  # expert_dp = 1: not sharded
+    e1, e8 = ev.evaluate(c1), ev.evaluate(c8)
+    assert e8.allreduce_s[0] < e1.allreduce_s[0]  # experts' gradients are no longer reduced at all
+
+
+def test_expert_parallelism_beside_tensor_parallelism_needs_sequence_parallelism():
+    with pytest.raises(ConfigError, match="needs sequence parallelism"):
+        ParallelConfig(tp=2, pp=1, dp=4, b=1, m=1, ep=2)
+    with pytest.raises(ConfigError, match="ep=3 does not divide the 8 ranks"):
+        ParallelConfig(tp=2, pp=1, dp=4, b=1, m=1, ep=3, sp=True)
+    assert ParallelConfig(tp=2, pp=1, dp=4, b=1, m=1, ep=8, sp=True).expert_dp == 1

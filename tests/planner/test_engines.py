@@ -1,0 +1,63 @@
+"""Plans for an engine (--engine megatron | torchtitan): they choose among what that engine runs (expert parallelism,
+FP8, its schedules), their launch is the export's, and fxplanner's runtime refuses them in one sentence."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from passes.errors import UserError  # noqa: E402
+from planner.api import MEGATRON_SCHEDULES, make_plan  # noqa: E402
+from planner.plan import save_plan  # noqa: E402
+from planner.runtime import check_plan  # noqa: E402
+from planner.search import Pins  # noqa: E402
+from tests.conftest import EXAMPLES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    """Mixtral 8x7B on 64 H100, planned for Megatron-Core and for fxplanner's runtime."""
+    path = tmp_path_factory.mktemp("engines") / "plan.json"
+    kw = dict(gpus=64, global_batch=256, target="h100-sxm", plan_path=str(path))
+    mega, _ = make_plan(str(EXAMPLES / "hf_mixtral.py"), pins=Pins(engine="megatron"), **kw)
+    own, _ = make_plan(str(EXAMPLES / "hf_mixtral.py"), **kw)
+    return mega, own, path
+
+
+def test_megatron_plan_divides_the_experts_where_it_wins(mixtral):
+    mega, own, _ = mixtral
+    assert mega.source.engine == "megatron" and mega.config.ep > 1
+    assert mega.config.schedule in MEGATRON_SCHEDULES
+    assert mega.predictions.iteration_s < own.predictions.iteration_s  # what EP wins, with the experts' all-to-alls
+    assert own.config.ep == 1 and any("expert parallelism, which the fxplanner runtime does not run" in k
+                                      for k in own.search.rejected)
+    assert {"experts": 8, "top_k": 2, "moe_ffn": 14336}.items() <= mega.source.model_shape.items()
+
+
+def test_an_engine_plans_launch_is_its_export_and_the_runtime_refuses_it(mixtral, tmp_path):
+    mega, _, path = mixtral
+    assert mega.launch.commands[0].startswith(f"planner export {path} --to megatron -o ")
+    assert "--expert-model-parallel-size" in mega.launch.script and len(mega.launch.commands) == mega.launch.nnodes
+    save_plan(mega, tmp_path / "mega.json")
+    with pytest.raises(UserError, match=r"was made for megatron: launch it with `planner export"):
+        check_plan(tmp_path / "mega.json", 64)
+    data = json.loads((tmp_path / "mega.json").read_text())
+    data["source"]["engine"] = "fxplanner"
+    (tmp_path / "hand.json").write_text(json.dumps(data))
+    with pytest.raises(UserError, match=r"divides its experts over \d+ expert-parallel ranks, which this runtime"):
+        check_plan(tmp_path / "hand.json", 64)
+
+
+def test_what_fxplanners_runtime_cannot_run_is_refused_at_plan_time():
+    kw = dict(gpus=8, global_batch=16, target="h100-sxm")
+    with pytest.raises(UserError, match=r"expert parallelism \(--ep 2\) runs in Megatron-Core or torchtitan"):
+        make_plan(str(EXAMPLES / "hf_mixtral.py"), model_args={"layers": 2}, pins=Pins(ep=2), **kw)
+    with pytest.raises(UserError, match="fill jobs run in the pipeline bubbles of the fxplanner runtime"):
+        from planner.fill.spec import load_fill_spec
+
+        make_plan(str(EXAMPLES / "gpt.py"), pins=Pins(engine="megatron"),
+                  fill=load_fill_spec(EXAMPLES / "fill" / "jobs.yaml"), **kw)
+    with pytest.raises(UserError, match="Megatron-Core runs the 1f1b and interleaved schedules, not zbv"):
+        make_plan(str(EXAMPLES / "gpt.py"), pins=Pins(engine="megatron", schedule="zbv"), **kw)
