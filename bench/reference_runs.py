@@ -18,13 +18,15 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.api import make_plan  # noqa: E402
-from planner.search import Pins  # noqa: E402
+from planner.search import NoFeasibleConfig, Pins  # noqa: E402
+from targets.registry import get_target  # noqa: E402
 
 REFS = ROOT.parent / "shared" / "references"
 TARGETS = {"a100-80": "a100-80gb", "h100": "h100-sxm", "gb200": "gb200-nvl72", "b200": "b200"}
@@ -42,22 +44,34 @@ def main() -> None:
     for r in rows:
         if args.only and args.only not in r["id"]:
             continue
-        h100 = r["gpu"] == "h100"
+        h100 = r["gpu"] != "a100-80"  # NeMo / Megatron-Bridge runs: distributed optimizer, overlapped reductions
         pins = Pins(tp=r["tp"], pp=r["pp"], dp=r["dp"], cp=r["cp"], b=r["microbatch"], v=r["vp"], recompute=r["recompute"],
                     sp=r["sequence_parallel"], zero=1 if h100 else 0, overlap_grad_reduce=h100, max_v=max(8, r["vp"] or 0),
                     schedule=("interleaved" if r["vp"] else None) if r["pp"] > 1 else None,
                     schedules=MEGATRON_SCHEDULES, engine="megatron", fp8=r.get("fp8") or "", ep=r.get("ep", 1),
-                    tp_comm_overlap=bool(r.get("tp_comm_overlap")))
+                    tp_comm_overlap=bool(r.get("tp_comm_overlap")), fp8_params=bool(r.get("fp8_params")),
+                    moe_dispatcher=r.get("moe_dispatcher", "alltoall"), moe_a2a_overlap=bool(r.get("moe_a2a_overlap")))
         model = (ROOT / "examples" / f"hf_{r['model'][3:]}.py" if r["model"].startswith("hf:")
                  else REFS / "models" / r["model"])
-        plan, _ = make_plan(str(model), gpus=r["gpus"], global_batch=r["global_batch"],
-                            target=TARGETS[r["gpu"]], model_args=r["model_args"], pins=pins)
+        kw = dict(gpus=r["gpus"], global_batch=r["global_batch"], model_args=r["model_args"], pins=pins)
+        try:
+            plan, _ = make_plan(str(model), target=TARGETS[r["gpu"]], **kw)
+            over = None
+        except NoFeasibleConfig:  # the run fitted, the memory model says it does not: price its time all the same, on
+            # the GPU with twice the memory, and report what the memory model predicts against the real capacity
+            with tempfile.TemporaryDirectory() as tmp:
+                big = Path(tmp) / "big.yaml"
+                hbm = get_target(TARGETS[r["gpu"]]).gpu.hbm_bytes
+                big.write_text(f"schema_version: 1\nbase: {TARGETS[r['gpu']]}\ngpu: {{hbm_bytes: {2 * hbm}}}\n")
+                plan, _ = make_plan(str(model), target=str(big), **kw)
+            over = max(m.total for m in plan.predictions.memory) / hbm
         pred, meas = plan.predictions.iteration_s, r["measured_iter_s"]
         row = {"id": r["id"], "predicted_s": pred, "measured_s": meas, "error": pred / meas - 1,
-               "config": str(plan.config.to_config()), "mfu": plan.predictions.mfu}
+               "config": str(plan.config.to_config()), "mfu": plan.predictions.mfu, "memory_over_capacity": over}
         out.append(row)
+        flag = f"  MEMORY predicted {over:.0%} of capacity (the run fitted)" if over else ""
         print(f"{r['id']:22s} predicted {pred:8.3f}s measured {meas:8.3f}s {row['error']:+7.1%}  MFU {row['mfu']:.1%}  "
-              f"{row['config']}")
+              f"{row['config']}{flag}")
     if out:
         errs = [abs(r["error"]) for r in out]
         print(f"{len(out)} rows: median |error| {statistics.median(errs):.1%}, max {max(errs):.1%}, "

@@ -46,7 +46,7 @@ class UnitTime:
 
 
 def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: Fp8Recipe | None = None,
-               groups: float = 1.0) -> tuple[float, float, float]:
+               groups: float = 1.0, weights: float = 1.0) -> tuple[float, float, float]:
     """(forward, backward, of the backward the weight gradients) seconds of one part, already divided over t
     GPUs. Each matrix product is its own kernel on the roofline: compute-bound at the GEMM efficiency its size
     reaches, or bound by the bytes it moves (attention's score products Q K^T and P V with a small head dimension
@@ -55,14 +55,17 @@ def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: 
     Under an FP8 recipe (costmodels.fp8) a weight product's three GEMMs run at the FP8 rate, and the casts of its
     input X (forward) and output gradient dY (backward; torchao casts X again there) move their bytes, each cast a
     kernel of its own; the dW's share of the dY cast is the weight gradient's. `groups`: each weight product is a
-    grouped GEMM of that many equal GEMMs (a rank's local experts), whose efficiency is that of one of them."""
+    grouped GEMM of that many equal GEMMs (a rank's local experts), whose efficiency is that of one of them, and
+    which reads `weights` of the product's weights (the bytes it moves whatever the batch: 1/ep of the experts')."""
     gpu, eff = hw.gpu, hw.eff
     bw, vec = gpu.hbm_bw * eff.hbm, gpu.peak("fp32")
     mm = mm_bwd = mm_bytes = fwd = bwd = wgrad = 0.0
     wgrad_kernels = casts = 0
     for flops_of, bytes_of, bwd_flops_of, fused, wgrad_flops_of, x_of, y_of in part.products:
         f, by, fb, wf = flops_of(b) / t, bytes_of(b) / t, bwd_flops_of(b) / t, wgrad_flops_of(b) / t
-        mm, mm_bwd, mm_bytes = mm + f, mm_bwd + fb, mm_bytes + by
+        mm, mm_bwd, mm_bytes = mm + f, mm_bwd + fb, mm_bytes + by  # (what the rest of the part's bytes are net of)
+        if weights != 1.0 and wf > 0:
+            by -= (1 - weights) * bytes_of(0) / t
         low = fp8 is not None and wf > 0 and not fused
         dtype = fp8.gemm_dtype if low else precision
         rate = hw.matmul_rate(f / (groups if wf > 0 else 1.0), dtype, attention=fused) if f > 0 else gpu.peak(dtype)
@@ -142,11 +145,12 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     ep_f = ep_b = 0.0
     if unit.experts:  # each rank runs its experts/ep local experts as grouped GEMMs over their tokens (balanced
         # routing: a rank's share of the routed work is what it dispatches, 1/r of the stage's tokens times top-k)
-        r = cfg.sp_degree
+        r, load = cfg.sp_degree, cfg.expert_load  # the busiest rank's tokens: load x its balanced share
         one = _part_time(unit.moe, b, r, hw, cfg.precision, fp8)  # as `replicated` priced it: one GEMM per product
-        grouped = _part_time(unit.moe, b, r, hw, cfg.precision, fp8, groups=unit.experts / cfg.ep)
+        grouped = _part_time(unit.moe, b * load, r, hw, cfg.precision, fp8, groups=unit.experts / cfg.ep,
+                             weights=1 / cfg.ep)
         rf, rb, rw = (x + g - o for x, g, o in zip((rf, rb, rw), grouped, one))
-        ep_f = 2 * expert_alltoall_s(unit.moe_dispatch_bytes(b) / r, cfg, hw)  # dispatch and combine
+        ep_f = 2 * expert_alltoall_s(unit.moe_dispatch_bytes(b) * load / r, unit.top_k, cfg, hw)  # dispatch, combine
         ep_b = ep_f  # their gradients, the other way
     cast = 0.0  # the weights' FP8 casts: once per iteration (cached FP8 weights), or every microbatch both ways
     if fp8 is not None:
@@ -164,6 +168,9 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
         ar_f, ar_b = max(0.0, ar_f - cover), max(0.0, ar_b - 2 * cover)
     cp_f, cp_b = cp_ring_s(unit, hw, cfg)
     kf, kb = hw.eff.unit_factor(unit.kind)
+    if cfg.moe_a2a_overlap and ep_f:  # Megatron's 1F1B all-to-all overlap: a microbatch's forward all-to-alls run
+        # while another's backward computes, and its backward's while the other's forward computes
+        ep_f, ep_b = max(0.0, ep_f - (sb + rb) * kb), max(0.0, ep_b - (sf + rf) * kf)
     fwd = (sf + rf) * kf + ar_f + cp_f + ep_f + cast / cfg.m
     bwd = (sb + rb) * kb + ar_b + cp_b + ep_b
     bwd += cfg.recompute_mode.extra_backward_s(unit, b, t, hw, cfg.precision, fwd)
@@ -171,12 +178,21 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
                     ep_comm_s=ep_f + ep_b, weight_cast_s=cast)
 
 
-def expert_alltoall_s(nbytes: float, cfg: ParallelConfig, hw: Hardware) -> float:
-    """One all-to-all of a rank's `nbytes` routed tokens over its cfg.ep expert-parallel ranks: consecutive ranks
-    of the stage (ranks ordered tp, cp, dp; the tensor-parallel ones among them only under sequence parallelism),
-    inside a node while the group fits in one."""
+def expert_alltoall_s(nbytes: float, top_k: int, cfg: ParallelConfig, hw: Hardware) -> float:
+    """One all-to-all of a rank's `nbytes` routed tokens (top_k copies of each) over its cfg.ep expert-parallel ranks:
+    consecutive ranks of the stage (ranks ordered tp, cp, dp; the tensor-parallel ones among them only under sequence
+    parallelism), inside a node while the group fits in one. Megatron's alltoall dispatcher sends every copy to its
+    expert's rank; the flex dispatchers (DeepEP, HybridEP) send a token once to each other node holding one of its
+    experts and fan it out there over NVLink: with balanced routing over N nodes a token reaches each other node with
+    probability 1 - (1 - 1/N)^k."""
     if cfg.ep == 1:
         return 0.0
     stride = cfg.tp // cfg.sp_degree  # without sp the group skips over the tensor-parallel ranks (ep>1 needs sp there)
     per_node = max(1, min(cfg.ep, hw.cluster.gpus_per_node // stride))
-    return alltoall_time(nbytes, cfg.ep, per_node, hw.links)
+    if cfg.moe_dispatcher == "alltoall" or per_node >= cfg.ep:
+        return alltoall_time(nbytes, cfg.ep, per_node, hw.links)
+    links, nodes, k = hw.links, cfg.ep // per_node, max(top_k, 1)
+    far = nbytes / k * (nodes - 1) * (1 - (1 - 1 / nodes) ** k)  # one copy per other node reached
+    near = nbytes * (per_node - 1) / cfg.ep + far  # copies to this node's other ranks, and the fan-out of what arrives
+    return max(near / links.nvlink_bw + (per_node - 1) * links.nvlink_latency_s,
+               far / links.internode_bw + (nodes - 1) * links.internode_latency_s)

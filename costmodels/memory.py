@@ -74,6 +74,8 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig) -> float:
     """Bytes one microbatch leaves on the device from the unit's forward until its backward (an FP8 recipe that
     saves its GEMMs' cast inputs keeps those at 1 byte per element)."""
     kept = cfg.recompute_mode.kept_bytes(unit, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp)
+    if cfg.expert_load != 1 and cfg.recompute_mode.keeps_gemm_inputs(unit):  # the busiest rank's experts keep more
+        kept += (cfg.expert_load - 1) * unit.moe.saved_bytes(cfg.local_b) / cfg.sp_degree
     return kept - _fp8_input_saving(unit, cfg) if cfg.recompute_mode.keeps_gemm_inputs(unit) else kept
 
 
@@ -95,9 +97,12 @@ def _fp8_input_saving(unit: Unit, cfg: ParallelConfig) -> float:
 
 
 def fp8_weight_bytes(unit: Unit, cfg: ParallelConfig) -> float:
-    """The FP8 weight copies (row- and column-wise) an FP8 recipe caches for the unit on one rank."""
+    """The FP8 weight copies (row- and column-wise) an FP8 recipe caches for the unit on one rank; with FP8 parameters
+    they are the weights, and the bf16 copy they replace is taken off."""
     fp8 = cfg.fp8_recipe
-    return param_count(unit, cfg) * fp8.weight_copy_bytes() if fp8 is not None and runs_fp8(unit.kind) else 0.0
+    if fp8 is None or not runs_fp8(unit.kind):
+        return 0.0
+    return param_count(unit, cfg) * (fp8.weight_copy_bytes() - (cfg.numerics.weight_bytes if cfg.fp8_params else 0))
 
 
 def static_bytes(unit: Unit, cfg: ParallelConfig) -> float:

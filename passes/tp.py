@@ -97,11 +97,17 @@ def _shardable(region: list[fx.Node], sources: set[fx.Node], widths: set[int], g
     inside = set(region)
     for n in region:
         kind = node_kind(n, gm)
-        if kind in NORMS or _in_norm(n, gm):
+        if kind in NORMS:
             return False
         info = tensor_info(n.args[0]) if n.args else None
-        if kind in REDUCTIONS and info is not None and info.shape and info.shape[-1] in widths:
-            return False
+        if kind in REDUCTIONS and info is not None and info.shape and info.shape[-1].is_number:
+            d = int(info.shape[-1])
+            if d in widths:
+                return False
+            # a normalization written out in ops (an RMSNorm class) over features that are not whole heads of every
+            # source (a per-head q/k norm is: each rank normalizes its own heads; a latent's norm is not)
+            if _in_norm(n, gm) and not all(w % d == 0 and w > d for w in widths):
+                return False
         for a in n.all_input_nodes:
             if a in inside or a in sources or a.op == "get_attr":
                 continue
@@ -112,8 +118,7 @@ def _shardable(region: list[fx.Node], sources: set[fx.Node], widths: set[int], g
 
 
 def _in_norm(n: fx.Node, gm: fx.GraphModule) -> bool:
-    """The op is part of a normalization module written out in ops (an RMSNorm class of a model file): it reduces
-    over the features, so a region holding it cannot be split over them."""
+    """The op is part of a normalization module written out in ops (an RMSNorm class of a model file)."""
     stack = n.meta.get("nn_module_stack") or {}
     if stack:
         kind = list(stack.values())[-1][1]

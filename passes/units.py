@@ -292,9 +292,13 @@ def attention_core(nodes: list[fx.Node], kind: Callable[[fx.Node], str] | None =
     `kind` names a node's op (default: its priced cost's kind; the runtime, which prices nothing, passes
     passes.costs.node_kind)."""
     kind = kind or (lambda n: n.meta[COST].kind)
-    core = [i for i, n in enumerate(nodes) if kind(n) == "matmul"
-            and all(a.op != "get_attr" for a in n.all_input_nodes)]
     chosen = {n.name for n in nodes if kind(n) == "attention"}  # a fused kernel is the whole core
+    if chosen:
+        return chosen
+    # products of two activations; a product whose operand is a weight gathered per token (grouped experts) is not
+    core = [i for i, n in enumerate(nodes) if kind(n) == "matmul"
+            and all(a.op != "get_attr" for a in n.all_input_nodes)
+            and not (COST in n.meta and n.meta[COST].wgrad_mm_flops != 0)]
     for first, second in zip(core[::2], core[1::2]):
         chosen.update(n.name for n in nodes[first:second + 1] if kind(n) != "none")
     return chosen

@@ -38,6 +38,12 @@ def plan(
     dp: Optional[int] = typer.Option(None, "--dp", help="pin the data-parallel degree"),
     cp: Optional[int] = typer.Option(None, "--cp", help="pin the context-parallel degree (ring attention)"),
     ep: Optional[int] = typer.Option(None, "--ep", help="pin the expert-parallel degree (mixture-of-experts models)"),
+    moe_dispatcher: str = typer.Option("alltoall", "--moe-dispatcher", help="token dispatcher: alltoall (Megatron's), "
+                                       "deepep or hybridep (the flex dispatcher: one copy per node)"),
+    moe_a2a_overlap: bool = typer.Option(False, "--moe-a2a-overlap", help="overlap the expert all-to-alls with another "
+                                         "microbatch's compute (Megatron --overlap-moe-expert-parallel-comm)"),
+    expert_load: float = typer.Option(1.0, "--expert-load", help="tokens the busiest expert-parallel rank handles "
+                                      "over the balanced share: a padded capacity factor, or your router's balance"),
     microbatch: Optional[int] = typer.Option(None, "--microbatch", help="pin the microbatch size"),
     vp: Optional[int] = typer.Option(None, "--vp", help="pin model chunks per rank (interleaving)"),
     recompute: Optional[str] = typer.Option(None, "--recompute", help=f"pin: {_choices(RECOMPUTE)}"),
@@ -62,6 +68,8 @@ def plan(
                               "with the linear layers' GEMMs in FP8 under the engine's default recipe for the GPU)"),
     engine: str = typer.Option("fxplanner", "--engine", help="what runs the plan: fxplanner (its runtime), megatron "
                                "or torchtitan (plans what that engine runs; the launch commands are the export's)"),
+    fp8_params: bool = typer.Option(False, "--fp8-params", help="keep the linear layers' weights in FP8 only, no "
+                                    "bf16 copy (Megatron --fp8-param-gather; Transformer Engine recipes)"),
     fp8: Optional[str] = typer.Option(None, "--fp8", help=f"FP8 recipe of the linear layers: {_choices(FP8_RECIPES)}"),
     calibration: Optional[str] = typer.Option(None, "--calibration", help="file from `planner calibrate`"),
     fill: Optional[str] = typer.Option(None, "--fill", help="fill-job YAML: pack these jobs into the bubbles"),
@@ -97,7 +105,8 @@ def plan(
             dtype, fp8 = "bf16", fp8 or "auto"
         pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
                     zero=None if shard_optimizer is None else int(shard_optimizer), grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce,
-                    tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype, fp8=fp8 or "", engine=engine,
+                    tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype, fp8=fp8 or "", engine=engine, fp8_params=fp8_params,
+                    expert_load=expert_load, moe_dispatcher=moe_dispatcher, moe_a2a_overlap=moe_a2a_overlap,
                     allow_cross_node_tp=allow_cross_node_tp)
         if global_batch < 1:
             raise UserError(f"--global-batch must be positive, got {global_batch}")

@@ -24,6 +24,15 @@ schedule        pipeline schedule kind (registry: planner.schedules)
 precision       training precision (registry: costmodels.precision)
 fp8             FP8 recipe of the linear layers' GEMMs under bf16/fp16 mixed precision ("": none; registry:
                 costmodels.fp8 -- Megatron's --fp8-format hybrid --fp8-recipe, torchao's float8)
+expert_load     tokens the busiest expert-parallel rank computes and exchanges, as a multiple of the balanced share:
+                a capacity factor c with padding makes it c (Megatron --moe-expert-capacity-factor c
+                --moe-pad-expert-input-to-capacity); dropless routing, the router's balance (1: balanced)
+moe_dispatcher  how tokens reach their experts: "alltoall" (Megatron's all-to-all, one copy per routed expert) or
+                "deepep" / "hybridep" (the flex dispatcher: one copy per other node, fanned out over NVLink there)
+moe_a2a_overlap the expert all-to-alls of one microbatch overlapped with another's compute in 1F1B (Megatron's
+                --overlap-moe-expert-parallel-comm with --delay-wgrad-compute)
+fp8_params      the linear layers' weights kept in FP8 only (row- and column-wise), no bf16 copy beside them; the fp32
+                master weights stay in the optimizer (Megatron's --fp8-param-gather, NeMo's fp8_params)
 """
 from __future__ import annotations
 
@@ -39,7 +48,10 @@ from planner.schedule import Placement, placement_of
 if TYPE_CHECKING:
     from planner.schedules import ScheduleKind
 
-__all__ = ["ParallelConfig", "ConfigError", "ZERO_STAGES"]
+__all__ = ["ParallelConfig", "ConfigError", "MOE_DISPATCHERS", "ZERO_STAGES"]
+
+MOE_DISPATCHERS = ("alltoall", "deepep", "hybridep")
+"""Megatron-Core's token dispatchers priced: its all-to-all, and the flex dispatcher's backends."""
 
 ZERO_STAGES = (0, 1)
 """Optimizer sharding stages the cost models price (0: replicated, 1: optimizer state sharded)."""
@@ -73,6 +85,10 @@ class ParallelConfig:
     schedule: str = "1f1b"
     precision: str = "bf16"
     fp8: str = ""
+    fp8_params: bool = False
+    expert_load: float = 1.0
+    moe_dispatcher: str = "alltoall"
+    moe_a2a_overlap: bool = False
 
     def __post_init__(self) -> None:
         for name, what in (("tp", "tensor-parallel degree"), ("pp", "pipeline-parallel degree"),
@@ -108,6 +124,13 @@ class ParallelConfig:
             raise ConfigError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.fp8 and self.fp8 not in FP8_RECIPES:
             raise ConfigError(f"FP8 recipe {self.fp8!r} is not one of {', '.join(FP8_RECIPES)}")
+        if not (isinstance(self.expert_load, (int, float)) and 1 <= self.expert_load <= 64):
+            raise ConfigError(f"expert_load is the busiest rank's tokens over the balanced share, at least 1, got "
+                              f"{self.expert_load!r}")
+        if self.moe_dispatcher not in MOE_DISPATCHERS:
+            raise ConfigError(f"moe_dispatcher {self.moe_dispatcher!r} is not one of {', '.join(MOE_DISPATCHERS)}")
+        if self.fp8_params and not (self.fp8 and FP8_RECIPES[self.fp8].weight_cache):
+            raise ConfigError("FP8 parameters (fp8_params) are Transformer Engine's: they need one of its FP8 recipes")
         if self.fp8 and self.precision == "fp32":
             raise ConfigError(f"the FP8 recipe {self.fp8} runs under bf16 or fp16 mixed precision, not fp32")
         from planner.schedules import SCHEDULES
@@ -215,12 +238,15 @@ class ParallelConfig:
         """The fields a unit's own time and memory depend on (the evaluator caches by it; cached FP8 weights' casts,
         spread over the m microbatches, are added apart: UnitTime.weight_cast_s)."""
         return (self.b, self.tp, self.cp, self.sp, self.tp_comm_overlap, self.recompute, self.precision, self.fp8,
-                self.ep)
+                self.ep, self.expert_load, self.moe_dispatcher, self.moe_a2a_overlap)
 
     def __str__(self) -> str:
         extra = "".join([f" cp={self.cp}" if self.cp > 1 else "", f" ep={self.ep}" if self.ep > 1 else "", " sp" if self.sp else "",
                          f" zero={self.zero}" if self.zero else "", " grad-fp32" if self.grad_fp32 else "",
                          " overlap" if self.overlap_grad_reduce else "",
-                         " tp-overlap" if self.tp_comm_overlap else "", f" fp8={self.fp8}" if self.fp8 else ""])
+                         " tp-overlap" if self.tp_comm_overlap else "", f" fp8={self.fp8}" if self.fp8 else "",
+                         " fp8-params" if self.fp8_params else "",
+                         f" {self.moe_dispatcher}" if self.moe_dispatcher != "alltoall" and self.ep > 1 else "",
+                         " a2a-overlap" if self.moe_a2a_overlap and self.ep > 1 else ""])
         return (f"t={self.tp} p={self.pp} d={self.dp}{extra} b={self.b} m={self.m} v={self.v} "
                 f"{self.schedule} recompute={self.recompute}")

@@ -196,15 +196,22 @@ class Evaluator:
         rank_of = c.placement.rank_of
         fl = [c.inflight(rank_of[j]) for j in range(k)]
         pending = [c.w_pending(rank_of[j]) for j in range(k)]
-        room = (self.capacity - self.hw.reserve_bytes - work) / c.v
+        room = self.capacity - self.hw.reserve_bytes - work
         inp = PartitionInput(time_s=tuple(f + b for f, b in zip(fwd, bwd)), static_bytes=tuple(static),
-                             activation_bytes=tuple(act), inflight=tuple(fl), cap_bytes=(room,) * k,
+                             activation_bytes=tuple(act), inflight=tuple(fl), cap_bytes=(room / c.v,) * k,
                              weight_bytes=tuple(wkeep) if any(pending) else (), w_pending=tuple(pending))
         try:
             return partition(inp)
         except NoFeasiblePartition:
-            need = self.memory_lower_bound(c)
-            raise Rejected("memory", "no partition fits", max(need, self.capacity * 1.0001)) from None
+            pass
+        if c.v > 1:  # a rank's memory is shared by its v chunks: one (the embedding's, the head's) may take more than
+            # 1/v of it. Each stage may then take the whole rank; evaluate checks what every rank really holds.
+            try:
+                return partition(replace(inp, cap_bytes=(room,) * k))
+            except NoFeasiblePartition:
+                pass
+        need = self.memory_lower_bound(c)
+        raise Rejected("memory", "no partition fits", max(need, self.capacity * 1.0001))
 
     def _rank_memory(self, c: ParallelConfig, stages: list[range]) -> list[StageMemory]:
         place = c.placement

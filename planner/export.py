@@ -321,6 +321,7 @@ def to_megatron(plan: Plan) -> Export:
         recipe = FP8_RECIPES[c.fp8]
         if recipe.megatron_recipe:  # hybrid: E4M3 forward, E5M2 gradients (Transformer Engine's Format.HYBRID)
             argv += ["--fp8-format", "hybrid", "--fp8-recipe", recipe.megatron_recipe]
+            argv += ["--fp8-param-gather"] if c.fp8_params else []
         else:
             unexpressed.append(f"the FP8 recipe {c.fp8} is torchao's; Megatron runs Transformer Engine's recipes only "
                                "(re-plan with --fp8 delayed, tensorwise, blockwise or mxfp8)")
@@ -340,8 +341,13 @@ def to_megatron(plan: Plan) -> Export:
         if shape.get("experts"):  # Megatron-Core's MoE layer: grouped GEMMs, all-to-all dispatch, experts over ep
             argv += ["--num-experts", str(shape["experts"]), "--moe-router-topk", str(shape["top_k"]),
                      "--moe-ffn-hidden-size", str(shape["moe_ffn"]), "--expert-model-parallel-size", str(c.ep),
-                     "--expert-tensor-parallel-size", "1", "--moe-grouped-gemm",
-                     "--moe-token-dispatcher-type", "alltoall"]
+                     "--expert-tensor-parallel-size", "1", "--moe-grouped-gemm"]
+            argv += (["--moe-token-dispatcher-type", "alltoall"] if c.moe_dispatcher == "alltoall" else
+                     ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", c.moe_dispatcher])
+            if c.moe_a2a_overlap:
+                argv += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
+            if c.expert_load != 1:  # each expert padded to its capacity: the busiest rank's share, exactly
+                argv += ["--moe-expert-capacity-factor", f"{c.expert_load:g}", "--moe-pad-expert-input-to-capacity"]
             if shape.get("moe_layer_freq"):
                 argv += ["--moe-layer-freq", str(shape["moe_layer_freq"])]
             if shape.get("shared_expert_ffn"):
@@ -574,6 +580,9 @@ def check_megatron(ex: Export) -> dict[str, object]:
             expert_model_parallel_size=num("expert_model_parallel_size", 1),
             expert_tensor_parallel_size=num("expert_tensor_parallel_size"), moe_grouped_gemm=bool(a.get(
                 "moe_grouped_gemm")), moe_token_dispatcher_type=a.get("moe_token_dispatcher_type", "allgather"),
+            moe_flex_dispatcher_backend=a.get("moe_flex_dispatcher_backend", "deepep"),
+            overlap_moe_expert_parallel_comm=bool(a.get("overlap_moe_expert_parallel_comm")),
+            delay_wgrad_compute=bool(a.get("delay_wgrad_compute")),
             moe_layer_freq=eval_layer_freq(a["moe_layer_freq"]) if "moe_layer_freq" in a else 1,
             moe_shared_expert_intermediate_size=num("moe_shared_expert_intermediate_size"))
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
@@ -593,7 +602,8 @@ def check_megatron(ex: Export) -> dict[str, object]:
                 "layout": stages, "rotary_base": num("rotary_base", 10000),
                 "dropout": (cfg.attention_dropout, cfg.hidden_dropout), "norm_eps": cfg.layernorm_epsilon,
                 "fp8": (cfg.fp8, cfg.fp8_recipe) if cfg.fp8 else None,
-                "moe": (cfg.num_moe_experts, cfg.moe_router_topk, cfg.expert_model_parallel_size)
+                "moe": (cfg.num_moe_experts, cfg.moe_router_topk, cfg.expert_model_parallel_size,
+                        cfg.moe_token_dispatcher_type, cfg.overlap_moe_expert_parallel_comm)
                 if cfg.num_moe_experts else None}
 
 

@@ -81,6 +81,14 @@ class ConfigModel(_Model):
     precision: str = Field(description="training precision (costmodels.precision: bf16, fp16, fp32)")
     fp8: str = Field("", description="FP8 recipe of the linear layers' GEMMs (costmodels.fp8: delayed, tensorwise, "
                      "blockwise, mxfp8, torchao-rowwise, torchao-tensorwise); empty: none")
+    fp8_params: bool = Field(False, description="the linear layers' weights kept in FP8 only (Megatron "
+                             "--fp8-param-gather)")
+    moe_dispatcher: str = Field("alltoall", description="token dispatcher: alltoall, or the flex dispatcher's deepep "
+                                "/ hybridep (one copy per node)")
+    moe_a2a_overlap: bool = Field(False, description="expert all-to-alls overlapped with another microbatch's compute "
+                                  "(Megatron --overlap-moe-expert-parallel-comm)")
+    expert_load: float = Field(1.0, description="tokens the busiest expert-parallel rank computes and exchanges, over "
+                               "the balanced share (a padded capacity factor; 1: balanced)")
 
     @model_validator(mode="after")
     def _consistent(self) -> "ConfigModel":
@@ -91,14 +99,18 @@ class ConfigModel(_Model):
     def of(cls, c: ParallelConfig) -> "ConfigModel":
         return cls(tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp, ep=c.ep, sp=c.sp, zero=c.zero, grad_fp32=c.grad_fp32,
                    overlap_grad_reduce=c.overlap_grad_reduce, tp_comm_overlap=c.tp_comm_overlap, microbatch=c.b, microbatches=c.m,
-                   vp=c.v, recompute=c.recompute, schedule=c.schedule, precision=c.precision, fp8=c.fp8)
+                   vp=c.v, recompute=c.recompute, schedule=c.schedule, precision=c.precision, fp8=c.fp8,
+                   fp8_params=c.fp8_params, expert_load=c.expert_load, moe_dispatcher=c.moe_dispatcher,
+                   moe_a2a_overlap=c.moe_a2a_overlap)
 
     def to_config(self) -> ParallelConfig:
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, ep=self.ep, sp=self.sp, zero=self.zero,
                               grad_fp32=self.grad_fp32, overlap_grad_reduce=self.overlap_grad_reduce,
                               tp_comm_overlap=self.tp_comm_overlap,
                               b=self.microbatch, m=self.microbatches, v=self.vp, recompute=self.recompute,
-                              schedule=self.schedule, precision=self.precision, fp8=self.fp8)
+                              schedule=self.schedule, precision=self.precision, fp8=self.fp8,
+                              fp8_params=self.fp8_params, expert_load=self.expert_load,
+                              moe_dispatcher=self.moe_dispatcher, moe_a2a_overlap=self.moe_a2a_overlap)
 
 
 class Stage(_Model):

@@ -60,6 +60,10 @@ class Pins:
     precision: str = "bf16"
     fp8: str = ""  # FP8 recipe of the linear layers (costmodels.fp8); "auto": the engine's default for the GPU
     engine: str = "fxplanner"  # what runs the plan (ENGINES): its launch commands, and what it can run
+    fp8_params: bool = False  # the linear layers' weights in FP8 only (Megatron --fp8-param-gather)
+    expert_load: float = 1.0  # the busiest expert-parallel rank's tokens over the balanced share (ParallelConfig)
+    moe_dispatcher: str = "alltoall"  # ParallelConfig.moe_dispatcher
+    moe_a2a_overlap: bool = False  # ParallelConfig.moe_a2a_overlap
     max_microbatch: int = 16
     max_v: int = 8
     allow_cross_node_tp: bool = False
@@ -78,6 +82,8 @@ class Pins:
             raise UserError(f"--fp8 must be one of {', '.join(FP8_RECIPES)}, got {self.fp8!r}")
         if self.fp8 and self.precision == "fp32":
             raise UserError("FP8 recipes run under bf16 or fp16 mixed precision; drop --dtype fp32 or --fp8")
+        if self.fp8_params and not self.fp8:
+            raise UserError("--fp8-params keeps the weights in FP8: it needs --fp8 (or --dtype fp8)")
         if self.zero is not None and self.zero not in ZERO_STAGES:
             raise UserError(f"optimizer sharding stage must be one of {ZERO_STAGES}, got {self.zero!r}")
         for name in ("tp", "pp", "dp", "cp", "ep", "b", "v"):
@@ -234,7 +240,10 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                                                  grad_fp32=pins.grad_fp32, overlap_grad_reduce=overlap,
                                                  tp_comm_overlap=pins.tp_comm_overlap and sp,
                                                  recompute=rc, sp=sp, schedule=name, precision=pins.precision,
-                                                 fp8=pins.fp8)
+                                                 fp8=pins.fp8, fp8_params=pins.fp8_params,
+                                                 expert_load=pins.expert_load if ep > 1 else 1.0,
+                                                 moe_dispatcher=pins.moe_dispatcher,
+                                                 moe_a2a_overlap=pins.moe_a2a_overlap and ep > 1)
 
 
 def _optimistic_iteration(ev: Evaluator, c: ParallelConfig) -> float:

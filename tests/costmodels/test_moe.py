@@ -60,6 +60,11 @@ def test_all_to_all_moves_2_tokens_k_h_each_way(mixtral):
         one = (ep - 1) / ep * nbytes / links.nvlink_bw + (ep - 1) * links.nvlink_latency_s
         assert unit_time(u, HW, config(ep=ep)).ep_comm_s == pytest.approx(2 * 2 * one)
     assert unit_time(u, HW, config()).ep_comm_s == 0
+    # a padded capacity factor of 1.5: the busiest rank exchanges (and computes) 1.5x its balanced share
+    one = 7 / 8 * 1.5 * nbytes / links.nvlink_bw + 7 * links.nvlink_latency_s
+    loaded, balanced = unit_time(u, HW, config(ep=8, expert_load=1.5)), unit_time(u, HW, config(ep=8))
+    assert loaded.ep_comm_s == pytest.approx(4 * one)
+    assert loaded.fwd_s - loaded.ep_comm_s / 2 > balanced.fwd_s - balanced.ep_comm_s / 2
     # across nodes (ep = 16 on 8-GPU nodes): the NICs carry the 8 of 16 shares bound for the other node
     far = 8 / 16 * nbytes / links.internode_bw + 8 * links.internode_latency_s
     assert unit_time(u, HW, config(dp=16, ep=16)).ep_comm_s == pytest.approx(4 * max(
