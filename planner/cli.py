@@ -76,6 +76,7 @@ def targets(as_json: bool = typer.Option(False, "--json", help="machine-readable
     from targets.registry import list_targets
 
     rows = [{"name": t.name, "gpu": t.gpu.name, "bf16_tflops": t.gpu.peak_flops.get("bf16", 0) / 1e12,
+             "fp8_tflops": t.gpu.peak_flops.get("fp8", 0) / 1e12,
              "hbm_gib": t.gpu.hbm_bytes / GiB, "hbm_tb_s": t.gpu.hbm_bw / 1e12, "gpus_per_node": t.cluster.gpus_per_node,
              "nvlink_gb_s": t.cluster.nvlink_bw / 1e9, "internode_gb_s": t.cluster.internode_bw / 1e9,
              "default": t.name == DEFAULT_TARGET} for t in list_targets()]
@@ -83,11 +84,12 @@ def targets(as_json: bool = typer.Option(False, "--json", help="machine-readable
         out.print_json(json.dumps(rows))
         return
     table = Table(title="built-in targets")
-    for col in ("name", "GPU", "bf16 TFLOP/s", "HBM GiB", "HBM TB/s", "GPUs/node", "NVLink GB/s", "inter-node GB/s"):
+    for col in ("name", "GPU", "bf16 TFLOP/s", "FP8 TFLOP/s", "HBM GiB", "HBM TB/s", "GPUs/node", "NVLink GB/s", "inter-node GB/s"):
         table.add_column(col)
     for r in rows:
         table.add_row(r["name"] + (" (default)" if r["default"] else ""), r["gpu"],
                       f"{r['bf16_tflops']:.0f}" if r["bf16_tflops"] else "none (use --dtype fp16)",
+                      f"{r['fp8_tflops']:.0f}" if r["fp8_tflops"] else "none",
                       f"{r['hbm_gib']:.0f}", f"{r['hbm_tb_s']:.2f}", str(r["gpus_per_node"]),
                       f"{r['nvlink_gb_s']:.0f}", f"{r['internode_gb_s']:.1f}")
     out.print(table)

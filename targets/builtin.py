@@ -85,10 +85,11 @@ DGX_A100 = ClusterSpec(gpus_per_node=8, nvlink_bw=300 * GB, nvlink_latency_s=NVL
 # NVLink 900 GB/s (bidirectional), PCIe Gen5 128 GB/s (bidirectional -> 64 GB/s per direction).
 _H100_SXM_FLOPS = {"fp64": 67 * TFLOPS, "fp32": 67 * TFLOPS, "tf32": 989 / 2 * TFLOPS,
                    "bf16": 1979 / 2 * TFLOPS, "fp16": 1979 / 2 * TFLOPS, "fp8": 3958 / 2 * TFLOPS}
-# FP8: DeepSeek's DeepGEMM (github.com/deepseek-ai/DeepGEMM, README) reaches "up to 1550 TFLOPS" in FP8 GEMMs with
-# 1x128 / 128x128 block scaling on H800, the H100 SXM's compute (1979 TFLOPS dense FP8): 78.3% of the peak.
+# FP8 (float8_e4m3fn inputs): the same MAMF table's FP8 part (compute/accelerator/README.md, measured with
+# mamf-finder.py): H100 SXM 1402.6 of 1979 TFLOP/s = 70.9% (torch 2.7.0+cu126), H200 SXM 1453.4 = 73.4% (2.7.1+cu128).
+# (DeepSeek's DeepGEMM claims "up to 1550 TFLOPS" = 78.3% on H800 with its own block-scaled kernels: a best case.)
 _HOPPER_SHARES = {"matmul_ceiling": 792.1 / 989, "attention_ceiling": 740 / 989,  # MAMF table; FlashAttention-3
-                  "fp8_matmul_ceiling": 1550 / 1979}  # DeepGEMM
+                  "fp8_matmul_ceiling": 1402.6 / 1979}  # MAMF FP8 table
 H100_SXM = GPUSpec(name="H100 SXM 80GB", peak_flops=_H100_SXM_FLOPS, hbm_bytes=80 * GiB,
                    hbm_bw=3350 * GB, pcie_bw=64 * GB, **_HOPPER_SHARES)
 
@@ -96,7 +97,8 @@ H100_SXM = GPUSpec(name="H100 SXM 80GB", peak_flops=_H100_SXM_FLOPS, hbm_bytes=8
 # (FP64 TC 67, FP32 67, TF32 989*, BF16 1,979*, FP16 1,979*, FP8 3,958* TFLOPS);
 # 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s, PCIe Gen5 128 GB/s (both bidirectional).
 H200 = GPUSpec(name="H200 SXM 141GB", peak_flops=_H100_SXM_FLOPS, hbm_bytes=141 * GiB,
-               hbm_bw=4800 * GB, pcie_bw=64 * GB, **_HOPPER_SHARES)  # the same die: the H100's shares
+               hbm_bw=4800 * GB, pcie_bw=64 * GB,  # the same die: the H100's bf16 shares ("H200 is the same")
+               **(_HOPPER_SHARES | {"fp8_matmul_ceiling": 1453.4 / 1979}))  # MAMF FP8 table
 
 # DGX H100 / DGX H200 (NVIDIA DGX H100 and DGX H200 datasheets): 8 GPUs on NVSwitch, NVLink4
 # 18 links x 25 GB/s = 450 GB/s per direction per GPU (900 GB/s bidirectional); 8 single-port
@@ -112,12 +114,15 @@ DGX_H100 = ClusterSpec(gpus_per_node=8, nvlink_bw=450 * GB, nvlink_latency_s=NVL
 # 1,440 GB HBM3e in all (180 GB per GPU) at 64 TB/s (8 TB/s per GPU); fifth-generation NVLink 1.8 TB/s per GPU
 # (bidirectional -> 900 GB/s per direction) on NVSwitch; PCIe Gen5 to the host (64 GB/s per direction). MXFP8 (OCP
 # microscaling, block of 32) runs on Blackwell's tensor cores at the FP8 rate (NVIDIA Blackwell architecture
-# technical brief: "FP8 and FP6" rates include the MX formats). No measured GEMM or attention ceiling is at hand for
-# Blackwell: the H100's shares stand in (an ASSUMPTION until a measurement replaces them).
+# technical brief: "FP8 and FP6" rates include the MX formats). Measured ceilings (the MAMF tables above): B200 SXM BF16
+# 1745.0 of 2250 = 77.6%, FP8 3432.5 of 4500 = 76.3% (torch 2.7.1+cu128); GB200 BF16 1822.0 of 2500 = 72.9%, FP8
+# 3615.6 of 5000 = 72.3% (torch 2.10 nightly, cu130). Attention: no measurement of the fused kernel on Blackwell is at
+# hand; the H100's FlashAttention-3 share (74.8%) stands in (an ASSUMPTION).
 _B200_FLOPS = {"fp64": 37 * TFLOPS, "fp32": 75 * TFLOPS, "tf32": 1125 * TFLOPS, "bf16": 2250 * TFLOPS,
                "fp16": 2250 * TFLOPS, "fp8": 4500 * TFLOPS, "mxfp8": 4500 * TFLOPS, "fp4": 9000 * TFLOPS}
 B200 = GPUSpec(name="B200 180GB", peak_flops=_B200_FLOPS, hbm_bytes=180 * GiB, hbm_bw=8000 * GB, pcie_bw=64 * GB,
-               **_HOPPER_SHARES)
+               matmul_ceiling=1745.0 / 2250, fp8_matmul_ceiling=3432.5 / 4500,
+               attention_ceiling=_HOPPER_SHARES["attention_ceiling"])
 # DGX B200: 8 GPUs on NVLink5 NVSwitch (900 GB/s per direction per GPU); 8 single-port ConnectX-7 VPI at 400 Gb/s for
 # compute = 50 GB/s per GPU.
 DGX_B200 = ClusterSpec(gpus_per_node=8, nvlink_bw=900 * GB, nvlink_latency_s=NVLINK_LATENCY_S,
@@ -132,7 +137,8 @@ DGX_B200 = ClusterSpec(gpus_per_node=8, nvlink_bw=900 * GB, nvlink_latency_s=NVL
 GB200 = GPUSpec(name="GB200 186GB", peak_flops={**_B200_FLOPS, "fp64": 45 * TFLOPS, "tf32": 1250 * TFLOPS,
                                                 "bf16": 2500 * TFLOPS, "fp16": 2500 * TFLOPS, "fp8": 5000 * TFLOPS,
                                                 "mxfp8": 5000 * TFLOPS, "fp4": 10000 * TFLOPS},
-                hbm_bytes=186 * GiB, hbm_bw=8000 * GB, pcie_bw=225 * GB, **_HOPPER_SHARES)
+                hbm_bytes=186 * GiB, hbm_bw=8000 * GB, pcie_bw=225 * GB, matmul_ceiling=1822.0 / 2500,
+                fp8_matmul_ceiling=3615.6 / 5000, attention_ceiling=_HOPPER_SHARES["attention_ceiling"])
 # The rack is one NVLink domain of 72 GPUs on 18 compute trays (hosts) of 4 GPUs, one 400 Gb/s ConnectX-7 NIC per GPU
 # for the network between racks. A job's parallel groups are powers of two: the domain a job uses is taken as 64 GPUs
 # (16 trays) of each rack, the rest kept as spares (Slurm's --segment=16 places it so) -- an ASSUMPTION; a job

@@ -55,7 +55,7 @@ def test_block_time_is_its_gemms_at_the_fp8_rate_plus_the_casts(llama, target, r
     casts = passes * (2 * xs + ys - (xs if r.saves_fp8_input else 0)) / bw + weights
     launches = 3 * len(LINEARS) * hw.eff.launch_s
     assert fp8.fwd_s + fp8.bwd_s - bf16.fwd_s - bf16.bwd_s == pytest.approx(gemms + casts + launches, rel=1e-6)
-    assert gemms < 0 and fp8.fwd_s < bf16.fwd_s  # FP8 is faster at this size, casts and all
+    assert gemms < 0 and fp8.fwd_s + fp8.bwd_s < bf16.fwd_s + bf16.bwd_s  # FP8 is faster at this size, casts and all
     head = llama["head"]
     assert unit_time(head, hw, config(recipe)) == unit_time(head, hw, config())
 
@@ -97,3 +97,17 @@ def test_recipes_a_gpu_or_an_engine_cannot_run_are_refused_in_one_sentence():
         Pins(fp8="e4m3")
     with pytest.raises(ConfigError, match="bf16 or fp16 mixed precision"):
         config("delayed", precision="fp32")
+
+
+def test_sequence_parallel_all_gathers_move_fp8_inputs(llama):
+    """Under sequence parallelism Transformer Engine casts a column-parallel linear's input before all-gathering it:
+    the forward's all-gathers (half its tensor-parallel traffic) move 1-byte elements; reduce-scatters stay bf16."""
+    from costmodels.compute import tp_allreduce_s
+
+    hw, block = Hardware(target=get_target("h100-sxm")), llama["block"]
+    n = block.tp_allreduces
+    forward = n * tp_allreduce_s(block.tp_fwd_allreduce_bytes(1) / n, 4, hw)
+    fp8, bf16 = (unit_time(block, hw, config(recipe, tp=4, sp=True)) for recipe in ("delayed", ""))
+    assert fp8.tp_comm_s == pytest.approx(bf16.tp_comm_s - 0.25 * forward)
+    torchao = unit_time(block, hw, config("torchao-rowwise", tp=4, sp=True))
+    assert torchao.tp_comm_s == pytest.approx(bf16.tp_comm_s)

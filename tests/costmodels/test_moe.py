@@ -103,3 +103,24 @@ def test_expert_parallelism_beside_tensor_parallelism_needs_sequence_parallelism
     with pytest.raises(ConfigError, match="ep=3 does not divide the 8 ranks"):
         ParallelConfig(tp=2, pp=1, dp=4, b=1, m=1, ep=3, sp=True)
     assert ParallelConfig(tp=2, pp=1, dp=4, b=1, m=1, ep=8, sp=True).expert_dp == 1
+
+
+def test_the_flex_dispatcher_sends_a_token_once_per_node_and_overlap_hides_the_all_to_alls(mixtral):
+    """DeepEP / HybridEP send a token once to each other node one of its experts lives on (probability 1 - (1 -
+    1/N)^k per node under balanced routing) and fan it out there over NVLink; Megatron's all-to-all sends all k
+    copies. With 1F1B overlap, a microbatch's forward all-to-alls hide behind another's backward compute and its
+    backward's behind a forward: only what the compute cannot cover stays."""
+    u, b = block(mixtral), 2
+    tokens, links = b * SEQ, HW.links
+    nbytes = tokens * K * H * 2
+    plain, flex = (unit_time(u, HW, config(dp=32, ep=32, moe_dispatcher=d)) for d in ("alltoall", "deepep"))
+    far = tokens * H * 2 * 3 * (1 - (3 / 4) ** K)  # 4 nodes of 8: each of the 3 others reached with 1 - (3/4)^k
+    near = nbytes * 7 / 32 + far
+    one = max(near / links.nvlink_bw + 7 * links.nvlink_latency_s, far / links.internode_bw
+              + 3 * links.internode_latency_s)
+    assert flex.ep_comm_s == pytest.approx(4 * one) and flex.ep_comm_s < plain.ep_comm_s
+    over = unit_time(u, HW, config(dp=32, ep=32, moe_a2a_overlap=True))
+    compute_f, compute_b = plain.fwd_s - plain.ep_comm_s / 2, plain.bwd_s - plain.ep_comm_s / 2
+    a2a = plain.ep_comm_s / 2
+    assert over.ep_comm_s == pytest.approx(max(0, a2a - compute_b) + max(0, a2a - compute_f))
+    assert over.fwd_s + over.bwd_s < plain.fwd_s + plain.bwd_s

@@ -61,3 +61,17 @@ def test_what_fxplanners_runtime_cannot_run_is_refused_at_plan_time():
                   fill=load_fill_spec(EXAMPLES / "fill" / "jobs.yaml"), **kw)
     with pytest.raises(UserError, match="Megatron-Core runs the 1f1b and interleaved schedules, not zbv"):
         make_plan(str(EXAMPLES / "gpt.py"), pins=Pins(engine="megatron", schedule="zbv"), **kw)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("megatron") is None, reason="megatron-core is not installed")
+@pytest.mark.parametrize(("dispatcher", "overlap"), [("alltoall", False), ("deepep", True)])
+def test_megatron_core_builds_the_plans_experts(mixtral, dispatcher, overlap):
+    from planner.export import check_megatron, to_megatron
+
+    mega = mixtral[0]
+    plan = mega.model_copy(update={"config": mega.config.model_copy(update={
+        "moe_dispatcher": dispatcher, "moe_a2a_overlap": overlap, "expert_load": 1.25})})
+    ex = to_megatron(plan)
+    kind = "alltoall" if dispatcher == "alltoall" else "flex"
+    assert check_megatron(ex)["moe"] == (8, 2, mega.config.ep, kind, overlap)
+    assert ex.argv[ex.argv.index("--moe-expert-capacity-factor") + 1] == "1.25"
