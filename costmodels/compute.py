@@ -160,7 +160,7 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     n = max(unit.tp_allreduces, 1)
     ar_f = n * tp_allreduce_s(unit.tp_fwd_allreduce_bytes(b) / n, t, hw) if unit.tp_allreduces else 0.0
     ar_b = tp_allreduce_s(unit.tp_bwd_allreduce_bytes(b) / n, t, hw) * n if t > 1 else 0.0
-    if fp8 is not None and fp8.saves_fp8_input and cfg.sp:  # Transformer Engine casts a column-parallel linear's input
+    if fp8 is not None and fp8.engine == "transformer_engine" and cfg.sp:  # Transformer Engine casts a linear's input
         # before its sequence-parallel all-gather: that half of the forward's traffic moves 1-byte elements
         ar_f *= 0.75
     if cfg.tp_comm_overlap and (ar_f or ar_b):

@@ -33,6 +33,9 @@ EAGER = {"gpt_oss": "eager"}
 """Families whose transformers code has no SDPA path (gpt-oss: attention sinks): their attention is written out,
 and priced so (the engines' fused kernels with sinks keep less)."""
 
+_QWEN3_MOE = dict(vocab_size=151936, num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                  decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True, max_position_embeddings=40960,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, num_key_value_heads=8, max_position_embeddings=8192,
                rms_norm_eps=1e-5, tie_word_embeddings=False)
 # Published configurations (the config.json of each checkpoint), the fields that set the shapes.
@@ -58,18 +61,11 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                      num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=32768,
                                      rope_theta=1000000.0)),
     # Qwen3-30B-A3B and Qwen3-235B-A22B: every layer routes each token to 8 of 128 experts (no shared expert)
-    "qwen3-30b-a3b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                                        moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
-                                        num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                                        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-                                        max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                                        tie_word_embeddings=False)),
-    "qwen3-235b-a22b": ("qwen3_moe", dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                                          moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64,
-                                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
-                                          decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
-                                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                                          tie_word_embeddings=False)),
+    "qwen3-30b-a3b": ("qwen3_moe", _QWEN3_MOE | dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                                     num_hidden_layers=48, num_attention_heads=32)),
+    "qwen3-235b-a22b": ("qwen3_moe", _QWEN3_MOE | dict(hidden_size=4096, intermediate_size=12288,
+                                                       moe_intermediate_size=1536, num_hidden_layers=94,
+                                                       num_attention_heads=64)),
     # DeepSeek-V3 (671B, 37B active): multi-head latent attention, 3 dense layers then 58 MoE layers of 256 routed
     # experts (top-8, grouped routing) and one shared expert; pre-trained at 4096 tokens (its 128K YaRN extension
     # and multi-token-prediction module are not part of this config)
