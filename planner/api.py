@@ -114,11 +114,16 @@ def engine_launch(plan: Plan, plan_path: str) -> Launch:
     """An engine's launch: the export's script (torchrun rendezvous assigns the node ranks), run on every node."""
     from .export import to_megatron, to_torchtitan
 
-    ex = to_megatron(plan) if plan.source.engine == "megatron" else to_torchtitan(plan)
-    script = f"{Path(plan_path).with_suffix('')}.{plan.source.engine}.sh"
+    engine, flags = plan.source.engine, ""
+    script = f"{Path(plan_path).with_suffix('')}.{engine}.sh"
+    try:
+        text = (to_megatron(plan) if engine == "megatron" else to_torchtitan(plan)).text
+    except UserError as why:  # torchtitan ships no model of this family: the user names its config function
+        text, flags = f"# {why}\n", " --titan-module MODULE --titan-config CONFIG"
+        plan.source.notes.append(f"{why}: the launch commands leave MODULE and CONFIG for you to fill in")
     return Launch(nnodes=plan.launch.nnodes, nproc_per_node=plan.launch.nproc_per_node,
-                  commands=[f"planner export {plan_path} --to {plan.source.engine} -o {script} && bash {script}"]
-                  * plan.launch.nnodes, script=ex.text)
+                  commands=[f"planner export {plan_path} --to {engine}{flags} -o {script} && bash {script}"]
+                  * plan.launch.nnodes, script=text)
 
 
 def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per_node: int | None = None,
@@ -284,7 +289,8 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
                       frontend=profile.frontend, engine=pins.engine,
                       model_shape=profile.model_shape,
                       notes=[*(f"unpriced op {op} ({share:.1%} of the forward's bytes)" for op, share in profile.unpriced),
-                             *profile.notes],
+                             *(n for n in profile.notes  # how the fxplanner runtime runs it: its plans only
+                               if pins.engine == "fxplanner" or not n.startswith("the fxplanner runtime"))],
                       leaves=list(leaves), target=hw.name, gpu=gpu, cluster=asdict(hw.cluster),
                       efficiency=asdict(hw.eff), reserve_bytes=hw.reserve_bytes, gpus=ev.n_gpus,
                       gpus_per_node=hw.cluster.gpus_per_node, global_batch=ev.global_batch,

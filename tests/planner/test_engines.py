@@ -75,3 +75,12 @@ def test_megatron_core_builds_the_plans_experts(mixtral, dispatcher, overlap):
     kind = "alltoall" if dispatcher == "alltoall" else "flex"
     assert check_megatron(ex)["moe"] == (8, 2, mega.config.ep, kind, overlap)
     assert ex.argv[ex.argv.index("--moe-expert-capacity-factor") + 1] == "1.25"
+
+
+def test_a_torchtitan_plan_of_a_family_torchtitan_does_not_ship_names_what_to_fill_in(tmp_path):
+    plan, _ = make_plan(str(EXAMPLES / "hf_mixtral.py"), model_args={"layers": 4}, gpus=16, global_batch=32,
+                        target="h100-sxm", pins=Pins(engine="torchtitan"), plan_path=str(tmp_path / "p.json"))
+    assert plan.source.engine == "torchtitan" and plan.config.ep >= 1
+    assert "--titan-module MODULE --titan-config CONFIG" in plan.launch.commands[0]
+    assert any("torchtitan ships no model matching" in n for n in plan.source.notes)
+    assert not any(n.startswith("the fxplanner runtime") for n in plan.source.notes)
