@@ -93,7 +93,10 @@ def _roots(nodes: list[fx.Node], linears: set[fx.Node]) -> dict[fx.Node, fx.Node
     return {n: find(n) for n in parent}
 
 
-def _shardable(region: list[fx.Node], sources: set[fx.Node], widths: set[int], gm: fx.GraphModule) -> bool:
+def _shardable(region: list[fx.Node], sources: set[fx.Node], widths: set[int], gm: fx.GraphModule,
+               broadcast: set[fx.Node] = frozenset()) -> bool:
+    """Whether the region's ops can each work on 1/t of the features of its sources' outputs; `broadcast`: operands
+    from outside it, replicated, that it may read (each rank reads them whole)."""
     inside = set(region)
     for n in region:
         kind = node_kind(n, gm)
@@ -109,12 +112,51 @@ def _shardable(region: list[fx.Node], sources: set[fx.Node], widths: set[int], g
             if _in_norm(n, gm) and not all(w % d == 0 and w > d for w in widths):
                 return False
         for a in n.all_input_nodes:
-            if a in inside or a in sources or a.op == "get_attr":
+            if a in inside or a in sources or a in broadcast or a.op == "get_attr":
                 continue
             ainfo = tensor_info(a)
             if ainfo is not None and ainfo.requires_grad:
                 return False
     return True
+
+
+def _per_head_part(region: list[fx.Node], sources: set[fx.Node], shapes: dict[fx.Node, tuple[int, int]],
+                   gm: fx.GraphModule) -> tuple[list[fx.Node], set[fx.Node]] | None:
+    """The part of a region that cannot be split whole (multi-head latent attention: the keys' latent is normalized
+    over its features and their rotary part is one head shared by all) which can: what the sources whose outputs
+    never reach a normalization lead to. What it reads from the rest of the region must be broadcast over the heads
+    (an `expand` of a tensor with a dimension of 1); the rest stays replicated, as Megatron-Core keeps MLA's
+    down-projections and their norms. None when no such part exists."""
+    inside = set(region)
+
+    def reach(start: fx.Node) -> set[fx.Node]:
+        seen, todo = set(), [u for u in start.users if u in inside]
+        while todo:
+            n = todo.pop()
+            if n not in seen:
+                seen.add(n)
+                todo.extend(u for u in n.users if u in inside)
+        return seen
+
+    def bad(n: fx.Node) -> bool:
+        info = tensor_info(n.args[0]) if n.args else None
+        return node_kind(n, gm) in NORMS or (_in_norm(n, gm) and node_kind(n, gm) in REDUCTIONS) or (
+            node_kind(n, gm) in REDUCTIONS and info is not None and bool(info.shape) and info.shape[-1] in
+            {shapes[s][1] for s in sources})
+
+    reached = {s: reach(s) for s in sources}
+    keep = {s for s, r in reached.items() if not any(bad(n) for n in r)}
+    if not keep or keep == sources:
+        return None
+    part = set().union(*(reached[s] for s in keep))
+    outside = {a for n in part for a in n.all_input_nodes if a in inside and a not in part}
+    if not all(node_kind(a, gm) == "expand" and (i := tensor_info(a.args[0])) is not None and 1 in i.shape
+               for a in outside if (t := tensor_info(a)) is not None and t.requires_grad):
+        return None
+    ordered = [n for n in region if n in part]
+    if not _shardable(ordered, keep, {shapes[s][1] for s in keep}, gm, broadcast=outside):
+        return None
+    return ordered, keep
 
 
 def _in_norm(n: fx.Node, gm: fx.GraphModule) -> bool:
@@ -131,6 +173,22 @@ def _in_norm(n: fx.Node, gm: fx.GraphModule) -> bool:
     return "norm" in name.rsplit(".", 1)[-1].lower()
 
 
+def _feeders(n: fx.Node, sources: set[fx.Node], gm: fx.GraphModule) -> set[fx.Node]:
+    """The sources whose outputs reach `n` through no other linear (the projections of an attention's q, k, v; not
+    the MLP's)."""
+    seen, todo, out = set(), list(n.all_input_nodes), set()
+    while todo:
+        a = todo.pop()
+        if a in seen:
+            continue
+        seen.add(a)
+        if a in sources:
+            out.add(a)
+        elif linear_shape(a, gm) is None:
+            todo.extend(a.all_input_nodes)
+    return out
+
+
 def _heads(nodes: list[fx.Node], gm: fx.GraphModule, sources: Iterable[fx.Node]) -> Heads:
     for n in nodes:
         kind = n.meta[COST].kind
@@ -142,7 +200,7 @@ def _heads(nodes: list[fx.Node], gm: fx.GraphModule, sources: Iterable[fx.Node])
             if q is None or len(q.shape) != 4 or not q.shape[1].is_number:
                 continue
             heads, head_dim = int(q.shape[1]), int(q.shape[-1])
-            widths = [linear_shape(s, gm)[1] // head_dim for s in sources if linear_shape(s, gm)]
+            widths = [linear_shape(s, gm)[1] // head_dim for s in _feeders(n, set(sources), gm)]
             kv = min([w for w in widths if w], default=heads)
             return Heads(heads, min(kv, heads), min(kv, heads) * head_dim)
     return Heads()
@@ -167,8 +225,19 @@ def annotate_tp_roles(gm: fx.GraphModule, units: Iterable[list[fx.Node]]) -> lis
             sinks = {lin for lin in shapes if activation_input(lin) in inside}
             widths = {shapes[s][1] for s in sources}
             taken = {lin for lin in shapes if lin.meta[TP] in ("col", "row")}
-            if not sources or not sinks or (sources | sinks) & taken or not _shardable(region, sources, widths, gm):
+            if not sources or not sinks or (sources | sinks) & taken:
                 continue
+            if not _shardable(region, sources, widths, gm):
+                # a replicated branch (a latent normalized over its features, a rotary key shared by every head) may
+                # feed the per-head part only as a broadcast: split off what the other sources reach, keep the rest
+                split = _per_head_part(region, sources, shapes, gm)
+                if split is None:
+                    continue
+                region, sources = split
+                inside = set(region)
+                sinks = {lin for lin in shapes if activation_input(lin) in inside}
+                if not sinks or (sources | sinks) & taken:
+                    continue
             for s in sources:
                 s.meta[TP] = "col"
             for s in sinks:

@@ -207,3 +207,21 @@ def test_the_losss_saved_tensors_are_priced_on_the_last_unit():
     assert last.loss_bytes(1) == pytest.approx(per_sample, rel=1e-3)
     assert last.loss_bytes(4) == pytest.approx(4 * per_sample, rel=1e-3)
     assert all(not u.loss_bytes(1) for u in prof.units[:-1])
+
+
+def test_multi_head_latent_attention_splits_as_megatron_core_splits_it():
+    """DeepSeek-V3's MLA: the down-projections and the latents' norms stay whole on every tensor-parallel rank, the
+    up-projections are column-parallel over the 128 heads and the output projection row-parallel; the rotary key,
+    one head shared by all, is read whole. A per-head q/k norm (Qwen3) splits with its heads."""
+    from passes.meta_keys import MODULE, TP
+    from passes.tp import linear_shape
+
+    prof, ctx = analyze(EXAMPLES / "hf_deepseek_v3.py", {"layers": 2, "first_k_dense_replace": 1, "seq": 512})
+    roles = {n.meta[MODULE].rsplit(".", 1)[-1]: n.meta[TP] for n in ctx.gm.graph.nodes
+             if linear_shape(n, ctx.gm) and n.meta.get(MODULE, "").startswith("model.layers.1.self_attn")}
+    assert roles == {"q_a_proj": "replicated", "q_b_proj": "col", "kv_a_proj_with_mqa": "replicated",
+                     "kv_b_proj": "col", "o_proj": "row"}
+    assert [(u.heads, u.kv_heads) for u in prof.units if u.kind == "block"] == [(128, 128)] * 2
+    qwen, _ = analyze(EXAMPLES / "hf_qwen3_moe.py", {"preset": "qwen3-30b-a3b", "layers": 2, "seq": 512})
+    block = next(u for u in qwen.units if u.kind == "block")
+    assert (block.heads, block.kv_heads) == (32, 4) and block.sharded.fused_attention

@@ -137,7 +137,7 @@ def run(tmp_path_factory) -> dict[str, Any]:
         runs = dict(zip(PLANS, load_metrics(tmp / "fill.json").runs))
         progressed = sum(_job(rep).units_done for _, rep in _reports(runs["planned"])) > 0 and all(
             j.iterations_done for _, rep in _reports(runs["pair"]) for j in rep.jobs if j.kind == "train") and any(
-            j.iterations_done for _, rep in _reports(runs["all"]) for j in rep.jobs if j.kind == "infer")
+            j.loads and j.iterations_done for _, rep in _reports(runs["all"]) for j in rep.jobs if j.kind == "infer")
         raised = any(rep.errors for _, rep in _reports(runs["raise"]))  # its job reached the step that raises
         killed = any(rep.kills for _, rep in _reports(runs["stall"]))  # and the one that stalls
         calm = not any(rep.kills for n in ("planned", "offload", "all", "pair")
