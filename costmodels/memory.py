@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
 __all__ = ["StageMemory", "activation_bytes", "expert_count", "fp8_weight_bytes", "held_bytes", "param_count", "rank_param_count",
-           "stage_memory", "static_bytes", "static_bytes_per_param"]
+           "stage_memory", "static_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -74,9 +74,10 @@ def activation_bytes(unit: Unit, cfg: ParallelConfig) -> float:
     """Bytes one microbatch leaves on the device from the unit's forward until its backward (an FP8 recipe that
     saves its GEMMs' cast inputs keeps those at 1 byte per element)."""
     kept = cfg.recompute_mode.kept_bytes(unit, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp)
-    if cfg.expert_load != 1 and cfg.recompute_mode.keeps_gemm_inputs(unit):  # the busiest rank's experts keep more
-        kept += (cfg.expert_load - 1) * unit.moe.saved_bytes(cfg.local_b) / cfg.sp_degree
-    return kept - _fp8_input_saving(unit, cfg) if cfg.recompute_mode.keeps_gemm_inputs(unit) else kept
+    if not cfg.recompute_mode.keeps_gemm_inputs(unit):
+        return kept
+    busiest = (cfg.expert_load - 1) * unit.moe.saved_bytes(cfg.local_b) / cfg.sp_degree  # its experts keep more
+    return kept + busiest - _fp8_input_saving(unit, cfg)
 
 
 def held_bytes(unit: Unit, cfg: ParallelConfig) -> float:
@@ -107,14 +108,9 @@ def fp8_weight_bytes(unit: Unit, cfg: ParallelConfig) -> float:
 
 def static_bytes(unit: Unit, cfg: ParallelConfig) -> float:
     """Weights + gradients + (sharded) optimizer state of the unit on one rank, FP8 weight copies included."""
-    experts = expert_count(unit, cfg)
-    return ((param_count(unit, cfg) - experts) * static_bytes_per_param(cfg)
-            + experts * cfg.numerics.bytes_per_param(cfg.expert_optimizer_shards) + fp8_weight_bytes(unit, cfg))
-
-
-def static_bytes_per_param(cfg: ParallelConfig) -> float:
-    """Weights + gradients + (sharded) optimizer state per parameter."""
-    return cfg.numerics.bytes_per_param(cfg.optimizer_shards)
+    num, params = cfg.numerics, param_count(unit, cfg)
+    return (params * (num.weight_bytes + num.grad_bytes) + cfg.optimizer_owned(params, expert_count(unit, cfg))
+            * num.optimizer_bytes + fp8_weight_bytes(unit, cfg))
 
 
 def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int) -> StageMemory:
@@ -130,8 +126,6 @@ def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int
         acts += max((plain(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units), default=0.0)
     fp8 = sum(fp8_weight_bytes(u, cfg) for u in units)
     experts = sum(expert_count(u, cfg) for u in units)
-    optimizer = (params - experts) * num.optimizer_bytes / cfg.optimizer_shards \
-        + experts * num.optimizer_bytes / cfg.expert_optimizer_shards
-    return StageMemory(weights=params * num.weight_bytes + fp8, grads=params * num.grad_bytes, optimizer=optimizer,
-                       activations=acts,
+    return StageMemory(weights=params * num.weight_bytes + fp8, grads=params * num.grad_bytes,
+                       optimizer=cfg.optimizer_owned(params, experts) * num.optimizer_bytes, activations=acts,
                        reserve=hw.reserve_bytes)

@@ -99,18 +99,8 @@ def _shardable(region: list[fx.Node], sources: set[fx.Node], widths: set[int], g
     from outside it, replicated, that it may read (each rank reads them whole)."""
     inside = set(region)
     for n in region:
-        kind = node_kind(n, gm)
-        if kind in NORMS:
+        if _reduces_features(n, gm, widths):
             return False
-        info = tensor_info(n.args[0]) if n.args else None
-        if kind in REDUCTIONS and info is not None and info.shape and info.shape[-1].is_number:
-            d = int(info.shape[-1])
-            if d in widths:
-                return False
-            # a normalization written out in ops (an RMSNorm class) over features that are not whole heads of every
-            # source (a per-head q/k norm is: each rank normalizes its own heads; a latent's norm is not)
-            if _in_norm(n, gm) and not all(w % d == 0 and w > d for w in widths):
-                return False
         for a in n.all_input_nodes:
             if a in inside or a in sources or a in broadcast or a.op == "get_attr":
                 continue
@@ -118,6 +108,20 @@ def _shardable(region: list[fx.Node], sources: set[fx.Node], widths: set[int], g
             if ainfo is not None and ainfo.requires_grad:
                 return False
     return True
+
+
+def _reduces_features(n: fx.Node, gm: fx.GraphModule, widths: set[int]) -> bool:
+    """The op normalizes or reduces over features a split would divide: a norm, a reduction over a source's whole
+    width, or a normalization written out in ops (an RMSNorm class) over features that are not whole heads of every
+    source (a per-head q/k norm is: each rank normalizes its own heads; a latent's norm is not)."""
+    kind = node_kind(n, gm)
+    if kind in NORMS:
+        return True
+    info = tensor_info(n.args[0]) if n.args else None
+    if kind not in REDUCTIONS or info is None or not info.shape or not info.shape[-1].is_number:
+        return False
+    d = int(info.shape[-1])
+    return d in widths or (_in_norm(n, gm) and not all(w % d == 0 and w > d for w in widths))
 
 
 def _per_head_part(region: list[fx.Node], sources: set[fx.Node], shapes: dict[fx.Node, tuple[int, int]],
@@ -138,14 +142,9 @@ def _per_head_part(region: list[fx.Node], sources: set[fx.Node], shapes: dict[fx
                 todo.extend(u for u in n.users if u in inside)
         return seen
 
-    def bad(n: fx.Node) -> bool:
-        info = tensor_info(n.args[0]) if n.args else None
-        return node_kind(n, gm) in NORMS or (_in_norm(n, gm) and node_kind(n, gm) in REDUCTIONS) or (
-            node_kind(n, gm) in REDUCTIONS and info is not None and bool(info.shape) and info.shape[-1] in
-            {shapes[s][1] for s in sources})
-
+    widths = {shapes[s][1] for s in sources}
     reached = {s: reach(s) for s in sources}
-    keep = {s for s, r in reached.items() if not any(bad(n) for n in r)}
+    keep = {s for s, r in reached.items() if not any(_reduces_features(n, gm, widths) for n in r)}
     if not keep or keep == sources:
         return None
     part = set().union(*(reached[s] for s in keep))

@@ -327,12 +327,14 @@ def expert_layers(root: nn.Module) -> dict[str, tuple[int, int]]:
 def _moe(nodes: list[fx.Node], layers: dict[str, tuple[int, int]], selective: set[str]) -> dict:
     """The Unit fields of its mixture-of-experts layer (none if it has none): the experts' nodes as a Part, and the
     bytes one dispatch moves (the hidden states entering the experts, once per routed expert)."""
-    path = next((p for n in nodes for p in layers if n.meta.get(MODULE, "") in (p,) or
-                 n.meta.get(MODULE, "").startswith(p + ".")), None)
+    def within(n: fx.Node, path: str) -> bool:
+        module = n.meta.get(MODULE, "")
+        return module == path or module.startswith(path + ".")
+
+    path = next((p for n in nodes for p in layers if within(n, p)), None)
     if path is None:
         return {}
-    inside = [n for n in nodes if n.meta[TP] == "replicated" and (n.meta.get(MODULE, "") == path
-                                                                   or n.meta.get(MODULE, "").startswith(path + "."))]
+    inside = [n for n in nodes if n.meta[TP] == "replicated" and within(n, path)]
     names = {n.name for n in inside}
     entering = [i.nbytes for n in inside for a in n.all_input_nodes
                 if a.name not in names and a.op != "get_attr" and isinstance(i := a.meta.get(TENSOR), TensorInfo)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import math
 import time
-from pathlib import Path
 from dataclasses import asdict, replace
+from pathlib import Path
 from typing import Any, Callable
 
 from costmodels.calibration import Calibration, apply_calibration

@@ -169,6 +169,11 @@ class ParallelConfig:
         distributed optimizer over its expert-data-parallel group)."""
         return self.expert_dp if self.zero >= 1 else 1
 
+    def optimizer_owned(self, params: float, experts: float) -> float:
+        """Of `params` held by a rank (of which `experts` are experts'), those whose optimizer state it owns: the
+        dense ones over optimizer_shards, the experts' over expert_optimizer_shards."""
+        return (params - experts) / self.optimizer_shards + experts / self.expert_optimizer_shards
+
     @property
     def schedule_kind(self) -> ScheduleKind:
         from planner.schedules import SCHEDULES

@@ -14,7 +14,7 @@ from costmodels.comm import allreduce_time, exposed_reduction_s, megatron_bucket
 from costmodels.compute import unit_time
 from costmodels.hardware import Hardware
 from costmodels.memory import (StageMemory, activation_bytes, expert_count, fp8_weight_bytes, held_bytes, param_count,
-                               stage_memory, static_bytes, static_bytes_per_param)
+                               stage_memory, static_bytes)
 from costmodels.recompute import recompute_mode
 from passes.units import Unit
 
@@ -148,8 +148,9 @@ class Evaluator:
         key = ("acts", c.unit_key())
         if key not in self._cache:
             self._cache[key] = sum(self.unit_costs(c)[3])
-        static = (dense * static_bytes_per_param(c) + experts * c.numerics.bytes_per_param(c.expert_optimizer_shards)
-                  + copies)
+        num = c.numerics
+        static = ((dense + experts) * (num.weight_bytes + num.grad_bytes)
+                  + c.optimizer_owned(dense + experts, experts) * num.optimizer_bytes + copies)
         return (static + c.inflight(c.pp - 1) * self._cache[key]) / c.pp + self.hw.reserve_bytes
 
     def evaluate(self, c: ParallelConfig) -> Evaluation:
@@ -282,8 +283,7 @@ class Evaluator:
                 ar.append(sum(grads) + sum(gather))
             # Adam reads and writes weights, grads, master weights and both moments once, on the 1/(d*cp) of the
             # parameters a rank owns under a sharded optimizer
-            opt.append(2 * ((total - local) / c.optimizer_shards + local / c.expert_optimizer_shards)
-                       * num.bytes_per_param() / hbm)
+            opt.append(2 * c.optimizer_owned(total, local) * num.bytes_per_param() / hbm)
         return tuple(ar), tuple(opt)
 
     def simulate_config(self, ev: Evaluation) -> tuple[Evaluation, SimResult]:

@@ -583,7 +583,7 @@ def check_megatron(ex: Export) -> dict[str, object]:
             moe_flex_dispatcher_backend=a.get("moe_flex_dispatcher_backend", "deepep"),
             overlap_moe_expert_parallel_comm=bool(a.get("overlap_moe_expert_parallel_comm")),
             delay_wgrad_compute=bool(a.get("delay_wgrad_compute")),
-            moe_layer_freq=eval_layer_freq(a["moe_layer_freq"]) if "moe_layer_freq" in a else 1,
+            moe_layer_freq=parse_layer_freq(a["moe_layer_freq"]) if "moe_layer_freq" in a else 1,
             moe_shared_expert_intermediate_size=num("moe_shared_expert_intermediate_size"))
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
                                             grad_reduce_in_fp32=bool(a.get("accumulate_allreduce_grads_in_fp32")),
@@ -607,7 +607,7 @@ def check_megatron(ex: Export) -> dict[str, object]:
                 if cfg.num_moe_experts else None}
 
 
-def eval_layer_freq(pattern: str) -> list[int]:
+def parse_layer_freq(pattern: str) -> list[int]:
     """Megatron's --moe-layer-freq as a list (the export writes it as a plain list of 0/1, which Megatron's own
     parser evaluates; here without eval)."""
     return [int(x) for x in pattern.strip("[]() ").split(",")]

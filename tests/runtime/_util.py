@@ -44,6 +44,19 @@ def torchrun(nproc: int, args: list[str], *, cwd: Path, timeout: float = 240) ->
     return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env=child_env())
 
 
+def launch_plans(plans: dict[str, Plan], tmp: Path, *, steps: int, optimizer: str, lr: float) -> dict[str, Any]:
+    """Save the plans, run them one after the other in one torchrun of 2 processes (no fill), and return each plan's
+    run (planner.metrics.RunEntry) by its name."""
+    from planner.metrics import load_metrics
+
+    for name, plan in plans.items():
+        save_plan(plan, tmp / f"{name}.json")
+    proc = torchrun(2, [*(str(tmp / f"{n}.json") for n in plans), "--steps", str(steps), "--optimizer", optimizer,
+                        "--lr", str(lr), "--no-fill", "--metrics", str(tmp / "metrics.json")], cwd=tmp)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    return dict(zip(plans, load_metrics(tmp / "metrics.json").runs))
+
+
 def rank_lines(text: str, rank: int) -> list[str]:
     """Lines a rank printed (torchrun --tee prefixes them with [default<rank>]:)."""
     prefix = f"[default{rank}]:"

@@ -6,12 +6,10 @@ from __future__ import annotations
 import pytest
 
 from planner.api import make_plan
-from planner.metrics import load_metrics
-from planner.plan import save_plan
 from planner.search import Pins
 from planner.validate import mismatches
 
-from ._util import ROOT, percent, reference, torchrun
+from ._util import ROOT, launch_plans, percent, reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -44,12 +42,8 @@ def run(tmp_path_factory) -> dict:
                             model_args=MODEL_ARGS.get(name, TINY),
                             pins=Pins(**{"cp": 1, "sp": False, **pins}, v=1, recompute="none", precision="fp32"))
         assert plan.source.frontend == "export"
-        save_plan(plan, tmp / f"{name}.json")
         plans[name] = plan
-    proc = torchrun(2, [*(str(tmp / f"{n}.json") for n in CASES), "--steps", str(STEPS), "--optimizer", "adam",
-                        "--lr", str(LR), "--no-fill", "--metrics", str(tmp / "metrics.json")], cwd=tmp)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    return {"plans": plans, "runs": dict(zip(CASES, load_metrics(tmp / "metrics.json").runs))}
+    return {"plans": plans, "runs": launch_plans(plans, tmp, steps=STEPS, optimizer="adam", lr=LR)}
 
 
 @pytest.mark.parametrize("name", list(CASES))

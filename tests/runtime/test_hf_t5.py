@@ -6,11 +6,9 @@ from __future__ import annotations
 import pytest
 
 from planner.api import make_plan
-from planner.metrics import load_metrics
-from planner.plan import save_plan
 from planner.search import Pins
 
-from ._util import ROOT, reference, torchrun
+from ._util import ROOT, launch_plans, reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,12 +27,8 @@ def run(tmp_path_factory) -> dict:
         plan, _ = make_plan(str(T5), gpus=2, global_batch=B, target="a100-80gb", gpus_per_node=2, model_args=TINY,
                             pins=Pins(tp=1, dp=1, b=1, recompute="none", precision="fp32", **pins))
         assert [u for s in plan.partition for u in s.units].count("t5") == 3  # same-named segments, three stages
-        save_plan(plan, tmp / f"{name}.json")
         plans[name] = plan
-    proc = torchrun(2, [*(str(tmp / f"{n}.json") for n in CASES), "--steps", str(STEPS), "--optimizer", "sgd",
-                        "--lr", str(LR), "--no-fill", "--metrics", str(tmp / "metrics.json")], cwd=tmp)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
-    return {"plans": plans, "runs": dict(zip(CASES, load_metrics(tmp / "metrics.json").runs))}
+    return {"plans": plans, "runs": launch_plans(plans, tmp, steps=STEPS, optimizer="sgd", lr=LR)}
 
 
 @pytest.mark.parametrize("name", list(CASES))
