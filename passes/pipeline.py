@@ -24,6 +24,7 @@ from .shape import model_shape
 from .trace import trace_model
 from .poly import Poly
 from .shapes import B, tensor_info
+from .kernels import ENGINE_KERNELS
 from .units import Unit, expert_layers, lower_units
 
 __all__ = ["Context", "ModelProfile", "PASSES", "analyze", "DTYPES"]
@@ -37,6 +38,7 @@ class Context:
     kwargs: dict[str, Any]
     leaves: tuple[str, ...] = ()
     dtype: torch.dtype = torch.bfloat16
+    engine: str = "fxplanner"  # what runs the plan: its kernels are what is priced (passes.kernels)
     model_file: ModelFile | None = None
     model: torch.nn.Module | None = None
     gm: fx.GraphModule | None = None
@@ -125,8 +127,8 @@ def _costs(ctx: Context) -> None:
 
 def _units(ctx: Context) -> None:
     with representatives(ctx.model):
-        ctx.priced = lower_units(ctx.gm, ctx.model)
-        loss = _loss_bytes(ctx)
+        ctx.priced = lower_units(ctx.gm, ctx.model, ctx.engine)
+        loss = Poly() if ctx.engine in ENGINE_KERNELS else _loss_bytes(ctx)  # an engine runs its own loss
     ctx.units = expand(ctx.priced, ctx.cuts)
     if ctx.units:
         ctx.units[-1] = replace(ctx.units[-1], loss_bytes=loss)
@@ -174,7 +176,11 @@ def _check(ctx: Context) -> None:
         if ctx.frontend == "export":
             ctx.notes.extend(_runtime_note(ctx.model))
     missing = [f"{fn}()" for fn in ("sample_batch", "loss_fn") if not ctx.model_file.has(fn)]
-    if missing:
+    if ctx.engine in ENGINE_KERNELS:
+        ctx.notes.append(f"priced as {ctx.engine} runs it (Transformer Engine's fused kernels: normalization, "
+                         "activation and rotary embedding as one kernel each, grouped keys/values read as they are, "
+                         "its vocabulary-parallel cross-entropy in place of the file's loss_fn)")
+    if missing and ctx.engine == "fxplanner":
         ctx.notes.append(f"the plan cannot be launched: {ctx.path.name} defines no {' and no '.join(missing)}, "
                          "which the fxplanner runtime calls for each step's data and loss")
     if not ctx.conservation.flops_ok:
@@ -214,11 +220,14 @@ def run_passes(ctx: Context, passes=PASSES, progress: Callable[[str], None] | No
 
 
 def analyze(path: str | Path, kwargs: dict[str, Any] | None = None, *, leaves: tuple[str, ...] = (),
-            dtype: str = "bf16", progress: Callable[[str], None] | None = None) -> tuple[ModelProfile, Context]:
-    """Run every pass over a model file; returns the plain profile and the context (graph etc.)."""
+            dtype: str = "bf16", engine: str = "fxplanner",
+            progress: Callable[[str], None] | None = None) -> tuple[ModelProfile, Context]:
+    """Run every pass over a model file; returns the plain profile and the context (graph etc.). `engine`: price
+    the ops as that engine's kernels run them (passes.kernels), else as traced."""
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
-    ctx = Context(path=Path(path), kwargs=dict(kwargs or {}), leaves=tuple(leaves), dtype=DTYPES[dtype])
+    ctx = Context(path=Path(path), kwargs=dict(kwargs or {}), leaves=tuple(leaves), dtype=DTYPES[dtype],
+                  engine=engine)
     times = run_passes(ctx, progress=progress)
     profile = ModelProfile(name=ctx.path.stem, path=str(ctx.path), sha256=file_sha256(ctx.path),
                            kwargs=dict(ctx.kwargs), dtype=dtype, frontend=ctx.frontend,

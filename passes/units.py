@@ -16,6 +16,7 @@ import torch.fx as fx
 from torch import nn
 
 from .costs import NodeCost, storage_of
+from .kernels import ENGINE_KERNELS, KV_SOURCE, fuse_kernels, megatron_cross_entropy
 from .meta_keys import COST, MODULE, TENSOR, TP, UNIT
 from .poly import Poly
 from .shapes import B, TensorInfo
@@ -344,11 +345,15 @@ def _moe(nodes: list[fx.Node], layers: dict[str, tuple[int, int]], selective: se
             "moe_dispatch_bytes": Poly.of(k * max(entering, key=lambda e: e.subs(B, 1), default=sympy.Integer(0)), B)}
 
 
-def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
-    """Group, mark tensor-parallel roles, and lower node costs to plain `Unit`s."""
+def lower_units(gm: fx.GraphModule, root: nn.Module, engine: str = "fxplanner") -> list[Unit]:
+    """Group, mark tensor-parallel roles, and lower node costs to plain `Unit`s, priced as `engine` runs them
+    (passes.kernels: as traced, or as Megatron-Core's fused kernels run the same ops)."""
     groups = group_nodes(gm, root)
     moe_layers = expert_layers(root)
     heads = annotate_tp_roles(gm, [nodes for _, _, nodes in groups])
+    if engine in ENGINE_KERNELS:
+        for _, _, nodes in groups:
+            fuse_kernels(nodes)
     role_of = {n.name: n.meta.get(TP, "replicated") for n in gm.graph.nodes}
     units = []
     for index, (name, kind, nodes) in enumerate(groups):
@@ -367,10 +372,14 @@ def lower_units(gm: fx.GraphModule, root: nn.Module) -> list[Unit]:
         row_bias = sum(b.numel() for path, style in layout if style == "rowwise"
                        for b in [root.get_submodule(path).bias] if b is not None)
         sh, rep = _part(sharded, selective), _part(replicated, selective)
+        sh, rep = replace(sh, params=sh.params - row_bias, **split), replace(rep, params=rep.params + row_bias, **whole)
+        logits = [n for n in sharded if n.meta[TP] == "vocab-col"]
+        if engine in ENGINE_KERNELS and index == len(groups) - 1 and logits:  # the engine's own loss on the logits
+            ce = megatron_cross_entropy(logits[-1].meta[TENSOR])
+            sh = replace(sh, kernels=sh.kernels + ce.pop("kernels"), **{k: getattr(sh, k) + v for k, v in ce.items()})
         units.append(Unit(index=index, name=name, kind=kind, module_type=mod_type,
                           nodes=tuple(n.name for n in nodes),
-                          sharded=replace(sh, params=sh.params - row_bias, **split),
-                          replicated=replace(rep, params=rep.params + row_bias, **whole), param_bytes_per_param=elem,
+                          sharded=sh, replicated=rep, param_bytes_per_param=elem,
                           input_bytes=Poly.of(in_b, B), output_bytes=Poly.of(out_b, B),
                           tp_fwd_allreduce_bytes=Poly.of(fwd_ar, B), tp_bwd_allreduce_bytes=Poly.of(bwd_ar, B),
                           tp_allreduces=count, tp_layout=layout,
@@ -387,8 +396,8 @@ def _attention_kv_bytes(nodes: list[fx.Node]) -> sympy.Expr:
     total = sympy.Integer(0)
     for n in nodes:
         kind = n.meta[COST].kind
-        if kind == "attention":
-            operands = n.all_input_nodes[1:3]
+        if kind == "attention":  # the grouped keys/values a repeat copied them from, where the engine reads those
+            operands = [n.meta.get(KV_SOURCE, {}).get(i, a) for i, a in enumerate(n.all_input_nodes) if i in (1, 2)]
         elif kind == "matmul" and len(n.all_input_nodes) == 2 and all(a.op != "get_attr" for a in n.all_input_nodes):
             operands = n.all_input_nodes[1:2]
         else:

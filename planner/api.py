@@ -15,6 +15,7 @@ from costmodels.memory import activation_bytes
 from passes.check import PricingError
 from passes.errors import UserError
 from passes.load import load_model_file
+from passes.kernels import ENGINE_KERNELS
 from passes.pipeline import ModelProfile, analyze
 from targets.registry import get_target
 
@@ -143,7 +144,10 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     if fill is not None and pins.engine != "fxplanner":
         raise UserError(f"fill jobs run in the pipeline bubbles of the fxplanner runtime, not in {pins.engine}: "
                         "plan them without --engine (or the main job alone with it)")
-    profile, _ = analyze(model, model_args, leaves=leaves, dtype=pins.precision, progress=progress)
+    profile, _ = analyze(model, model_args, leaves=leaves, dtype=pins.precision, engine=pins.engine,
+                         progress=progress)
+    if pins.engine in ENGINE_KERNELS:  # the units are priced as the engine's fused kernels: nothing more to fuse
+        hw = hw.with_eff(fusion=0.0)
     ev = Evaluator(units=profile.units, hw=hw, global_batch=global_batch, n_gpus=gpus,
                    tokens_per_sample=profile.tokens_per_sample)
     start = time.perf_counter()

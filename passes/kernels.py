@@ -1,0 +1,230 @@
+"""Price a unit as an engine's kernels run it, not op by op as the model file writes it.
+
+Megatron-Core with Transformer Engine runs a transformer layer as a handful of fused kernels: one normalization
+kernel (input read once, output written once; the backward keeps the input and a per-row fp32 statistic), one
+SwiGLU / bias-GeLU kernel, a fused rotary embedding, a fused bias-dropout-add, a flash attention kernel that reads
+grouped keys and values as they are (no repeated copy), and its own vocabulary-parallel cross-entropy. A model file
+that writes RMSNorm as pow / mean / rsqrt / mul, SwiGLU as silu and mul, and grouped-query attention with
+`repeat_interleave` (or Hugging Face's expand + reshape) keeps about 1.45x the activations and moves several times
+the elementwise bytes of the same layer in Megatron-Core. `fuse_kernels` rewrites the priced node costs of one unit
+so the same model, however written, is priced as the engine runs it:
+
+- **Fused regions.** Elementwise, normalization and layout nodes connected to one another with no matrix product,
+  attention or gather between them form one kernel (the same rule an epilogue-fusing compiler applies: a region is
+  closed, no path leaves it and comes back). The kernel reads the region's inputs once and writes its outputs
+  once; its backward moves twice that, as every op's backward does in passes.costs. What it keeps for the
+  backward: the tensors the ops saved that exist outside the kernel anyway (its inputs, its outputs), the small
+  ones it computes (a norm's per-row statistic, a dropout mask), and in place of a full-size intermediate (a norm's
+  fp32 copy, SwiGLU's silu output) the region inputs it is computed from, which is what the fused kernels keep.
+- **Layout copies** (`contiguous`, a reshape of a transposed tensor) between kernels are folded into them.
+- **Grouped keys and values** repeated for the attention kernel are read at their grouped size (the flash kernel
+  takes the kv heads as they are): the copies cost nothing and the kernel keeps, and context parallelism's ring
+  passes, the grouped tensors (node.meta[KV_SOURCE]).
+
+FLOPs are unchanged (a fused kernel does the same arithmetic). `megatron_cross_entropy` is the loss Megatron runs
+in place of the model file's `loss_fn`.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import sympy
+import torch.fx as fx
+
+from .costs import NodeCost, node_kind, storage_of
+from .meta_keys import COST, MEASURED, TENSOR, TP
+from .poly import Poly
+from .shapes import B, TensorInfo
+
+__all__ = ["ENGINE_KERNELS", "KV_SOURCE", "fuse_kernels", "megatron_cross_entropy"]
+
+ENGINE_KERNELS = ("megatron",)  # engines whose kernels are priced here; the others are priced as traced
+KV_SOURCE = "fxp.kv_source"  # on an attention node: {operand index: the grouped tensor a repeat copied it from}
+
+FUSED = {"elementwise", "norm", "view", "none"}  # priced kinds a fused kernel absorbs
+LAYOUT = {"view", "reshape", "permute", "transpose", "contiguous", "flatten", "unflatten", "squeeze", "unsqueeze",
+          "expand", "t", "alias", "getitem", "slice", "select", "chunk", "split", "unbind", "detach", "to",
+          "type_as", "repeat_interleave", "repeat", "clone"}  # ops that only move or relabel elements
+SHAPING = {"cat", "stack", "pad", "constant_pad_nd", "roll", "flip", "tril", "triu", "arange", "zeros", "ones",
+           "full", "empty", "new_zeros", "new_ones", "zeros_like", "ones_like", "full_like", "empty_like", "size",
+           "sym_size", "getattr", "float", "half", "bfloat16", "assert_tensor_metadata", "lift_fresh_copy",
+           "scalar_tensor", "sym_numel"}  # other ops priced as views that an elementwise kernel computes in place
+ZERO = sympy.Integer(0)
+
+
+def _info(n: fx.Node) -> TensorInfo | None:
+    info = n.meta.get(TENSOR)
+    return info if isinstance(info, TensorInfo) else None
+
+
+def _size(e: sympy.Expr) -> float:
+    return float(sympy.sympify(e).subs(B, 1))
+
+
+def _repeats(attention: fx.Node) -> dict[int, tuple[list[fx.Node], fx.Node]]:
+    """{operand index: (the layout nodes between the grouped tensor and the operand, the grouped tensor)} for the
+    key and value operands of a fused attention node that a repeat made bigger than what it was made from."""
+    gm = attention.graph.owning_module
+    out = {}
+    for i, operand in list(enumerate(attention.all_input_nodes))[1:3]:
+        chain, x = [], operand
+        while x.op in ("call_function", "call_method") and node_kind(x, gm) in LAYOUT:
+            srcs = [a for a in x.all_input_nodes if _info(a) is not None]
+            if len(srcs) != 1 or len(x.users) != 1 and x is not operand:
+                break
+            chain.append(x)
+            x = srcs[0]
+        if _info(operand) is None or _info(x) is None or _size(_info(x).numel) >= _size(_info(operand).numel):
+            continue
+        out[i] = (chain, x)
+    return out
+
+
+def _grouped_attention(nodes: list[fx.Node]) -> set[str]:
+    """Read repeated keys/values at their grouped size (see the module docstring); returns the repeat nodes."""
+    freed: set[str] = set()
+    for n in nodes:
+        cost: NodeCost = n.meta[COST]
+        if cost.kind != "attention" or not (reps := _repeats(n)):
+            continue
+        swap = {storage_of(c).name: x for chain, x in reps.values() for c in chain}
+        saved = {}
+        for name, by in cost.saved:
+            x = swap.get(name.split(".")[0])
+            saved[storage_of(x).name if x is not None else name] = _info(x).nbytes if x is not None else by
+        less = sum((_info(n.all_input_nodes[i]).nbytes - _info(x).nbytes for i, (_, x) in reps.items()), ZERO)
+        n.meta[COST] = replace(cost, saved=tuple(saved.items()), fwd_bytes=cost.fwd_bytes - less,
+                               bwd_bytes=cost.bwd_bytes - 2 * less)
+        n.meta[KV_SOURCE] = {i: x for i, (_, x) in reps.items()}
+        for chain, _ in reps.values():
+            freed.update(c.name for c in chain)
+    return freed
+
+
+def _gathers(n: fx.Node) -> bool:
+    """A view-priced node that gathers rows by a tensor of indices (token routing, experts' weights per token): its
+    own kernel (or read in place by a grouped GEMM), never the body of an elementwise one."""
+    if n.meta[COST].kind not in ("view", "none"):
+        return False
+    if (m := n.meta.get(MEASURED)) is not None and m.weight_gather:
+        return True
+    if node_kind(n, n.graph.owning_module) not in LAYOUT | SHAPING:
+        return True
+    indices = [x for a in n.args[1:] for x in (a if isinstance(a, (list, tuple)) else (a,))]
+    return any(isinstance(x, fx.Node) and _info(x) is not None for x in indices)
+
+
+def _regions(nodes: list[fx.Node], fusable: set[str]) -> list[list[fx.Node]]:
+    """Closed regions of fusable nodes: connected, and at one level, a node's level being the most matrix products
+    or other kernels on a path to it (a path that leaves a region through a kernel and comes back would arrive a
+    level higher)."""
+    level: dict[str, int] = {}
+    parent: dict[str, str] = {}
+
+    def root(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for n in nodes:
+        level[n.name] = max((level[a.name] + (a.name not in fusable and a.op not in ("get_attr", "placeholder"))
+                             for a in n.all_input_nodes if a.name in level), default=0)
+        if n.name in fusable:
+            parent[n.name] = n.name
+            for a in n.all_input_nodes:
+                if a.name in fusable and level[a.name] == level[n.name]:
+                    parent[root(a.name)] = root(n.name)
+    regions: dict[str, list[fx.Node]] = {}
+    for n in nodes:
+        if n.name in fusable:
+            regions.setdefault(root(n.name), []).append(n)
+    return list(regions.values())
+
+
+def _fuse(region: list[fx.Node]) -> None:
+    """Price the region as one kernel on its first computing node; the others cost nothing (see the docstring)."""
+    gm = region[0].graph.owning_module
+    inside = {n.name for n in region}
+    costs = [n.meta[COST] for n in region]
+    compute = [n for n, c in zip(region, costs) if c.kind in ("elementwise", "norm")]
+    if not compute:  # layout only: folded into the kernels around it, unless it gathers or concatenates
+        if all(node_kind(n, gm) in LAYOUT for n in region):
+            for n, c in zip(region, costs):
+                n.meta[COST] = replace(c, fwd_bytes=ZERO, bwd_bytes=ZERO)
+        return
+    if len({n.meta.get(TP) for n in compute}) > 1:
+        return  # a region across tensor-parallel layouts is left as traced
+    external: dict[str, fx.Node] = {a.name: a for n in region for a in n.all_input_nodes
+                                    if a.name not in inside and _info(a) is not None}  # the region's inputs
+    aliased: set[str] = set()  # region nodes that only relabel a region input (no bytes written)
+    for n in region:
+        if node_kind(n, gm) in LAYOUT and all(a.name not in inside or a.name in aliased for a in n.all_input_nodes):
+            aliased.add(n.name)
+    outputs = [n for n in region if n.name not in aliased and _info(n) is not None
+               and any(u.name not in inside or u.op == "output" for u in n.users)]
+    written = {storage_of(n).name for n in outputs}
+    # region node -> {tensor: bytes} of what the backward can recompute it from: the nearest tensors that exist
+    # outside the kernel (the region's outputs it writes, its inputs needing a gradient)
+    sources: dict[str, dict[str, sympy.Expr]] = {}
+    for n in region:
+        if n.name in written:
+            sources[n.name] = {n.name: _info(n).nbytes}
+            continue
+        sources[n.name] = {}
+        for a in n.all_input_nodes:
+            if a.name in inside:
+                sources[n.name].update(sources[a.name])
+            elif a.name in external and _info(a).requires_grad and a.op != "get_attr":
+                sources[n.name][storage_of(a).name] = _info(a).nbytes
+    largest = max((_size(i.numel) for n in region if (i := _info(n)) is not None), default=0.0)
+    by_name = {n.name: n for n in region}
+    saved: dict[str, sympy.Expr] = {}
+    for c in costs:
+        for name, by in c.saved:
+            src = by_name.get(name.split(".")[0])
+            info = _info(src) if src is not None else None
+            if src is not None and info is not None and name not in written and not name.endswith(".mask") \
+                    and _size(info.numel) >= largest:  # a full-size intermediate: the kernel keeps its sources
+                saved.update(sources[src.name])
+            elif src is None and name in external:  # a region input, at its own size (not a copy's)
+                saved[name] = _info(external[name]).nbytes
+            else:
+                saved[name] = by
+    moved = sum((_info(a).nbytes for a in external.values()), ZERO) + sum((_info(n).nbytes for n in outputs), ZERO)
+    head = compute[0]
+    total = lambda field: sum((getattr(c, field) for c in costs), ZERO)  # noqa: E731
+    for n, c in zip(region, costs):
+        n.meta[COST] = (replace(c, kind="norm" if any(x.kind == "norm" for x in costs) else "elementwise",
+                                fwd_flops=total("fwd_flops"), bwd_flops=total("bwd_flops"),
+                                wgrad_flops=total("wgrad_flops"), fwd_bytes=moved, bwd_bytes=2 * moved,
+                                saved=tuple(saved.items()))
+                        if n is head else
+                        replace(c, kind="view", fwd_flops=ZERO, bwd_flops=ZERO, wgrad_flops=ZERO, fwd_bytes=ZERO,
+                                bwd_bytes=ZERO, saved=()))
+
+
+def fuse_kernels(nodes: list[fx.Node]) -> None:
+    """Rewrite the priced costs (node.meta[COST]) of one unit's nodes as Megatron-Core with Transformer Engine runs
+    them (module docstring). Needs the tensor-parallel roles (passes.tp) written."""
+    freed = _grouped_attention(nodes)
+    for n in nodes:
+        if n.name in freed:
+            n.meta[COST] = replace(n.meta[COST], kind="view", fwd_bytes=ZERO, bwd_bytes=ZERO)
+    fusable = {n.name for n in nodes if n.op in ("call_function", "call_method", "call_module")
+               and n.name not in freed and n.meta[COST].kind in FUSED and not _gathers(n)}
+    for region in _regions(nodes, fusable):
+        _fuse(region)
+
+
+def megatron_cross_entropy(logits: TensorInfo) -> dict[str, Poly]:
+    """Megatron-Core's vocabulary-parallel cross-entropy over a rank's shard of the logits (its default, without
+    --cross-entropy-loss-fusion; tensor_parallel/cross_entropy.py): the logits cast to fp32 (read 2 B, write 4 B per
+    element), the maximum (read 4), subtracted in place (8), exponentiated in place (8), summed (4) and divided in
+    place (8): the softmax it keeps for the backward, 4 B per element. The backward scales it by the incoming
+    gradient in place (8) and casts the result back to bf16 (6). About 6 FLOPs per element forward, 3 backward.
+    Returned as the Part fields it adds to the logits' (vocabulary-parallel) part."""
+    n = logits.numel
+    p = lambda e: Poly.of(e, B)  # noqa: E731
+    return {"fwd_bytes": p(38 * n), "bwd_bytes": p(14 * n), "fwd_flops": p(6 * n), "bwd_flops": p(3 * n),
+            "saved_bytes": p(4 * n), "kernels": 7}

@@ -1,0 +1,95 @@
+"""A model priced as Megatron-Core with Transformer Engine runs it (passes.kernels), however the file writes it.
+
+The same Llama written op by op (tests/fixtures/llama_unfused.py: unfused RMSNorm, repeat_interleave of the kv
+heads, silu * mul) and as Hugging Face writes it (fp32 norms, SDPA with grouped keys/values) plans to the same time
+and memory under --engine megatron; what a block keeps equals Megatron-Core's closed form; the loss is Megatron's
+vocabulary-parallel cross-entropy; context parallelism's ring passes the grouped keys and values.
+"""
+from __future__ import annotations
+
+import pytest
+
+from passes.pipeline import analyze
+from planner.api import make_plan
+from planner.search import Pins
+from tests.conftest import EXAMPLES, ROOT
+
+UNFUSED = ROOT / "tests" / "fixtures" / "llama_unfused.py"
+H, HEADS, KV, FFN, SEQ, VOCAB = 1024, 8, 2, 3584, 512, 32000
+SHAPE = dict(layers=2, hidden=H, heads=HEADS, kv_heads=KV, ffn=FFN, seq=SEQ, vocab=VOCAB)
+
+
+@pytest.fixture(scope="module")
+def unfused():
+    return {engine: analyze(UNFUSED, SHAPE, engine=engine)[0] for engine in ("fxplanner", "megatron")}
+
+
+def _block(profile):
+    return next(u for u in profile.units if u.kind == "block")
+
+
+def test_a_block_keeps_what_megatron_core_keeps(unfused):
+    """Per token of a Llama block with Transformer Engine (no recomputation, t = 1): the first norm's input and its
+    output (the q/k/v projections' input), q, k and v after the rotary embedding at their own head counts, the
+    attention output and its fp32 log-sum-exp per head, the second norm's input and output, SwiGLU's input (gate and
+    up) and output (the down projection's input), and a per-row statistic for each norm (bf16 here, as the file
+    computes it); the flash kernel's random-number seed and offset are 24 bytes per microbatch."""
+    hd = H // HEADS
+    per_token = 2 * (6 * H + 2 * KV * hd + 3 * FFN) + 4 * HEADS + 2 * 2
+    block = _block(unfused["megatron"])
+    assert block.sharded.saved_bytes(1) + block.replicated.saved_bytes(1) == SEQ * per_token + 24
+    # as traced: a norm keeps its input and its weighted copy, the attention the repeated keys/values, SwiGLU its silu
+    traced = _block(unfused["fxplanner"])
+    extra = 2 * (2 * H + 2 * (H - KV * hd) + FFN)
+    assert traced.sharded.saved_bytes(1) + traced.replicated.saved_bytes(1) == SEQ * (per_token + extra) + 24
+
+
+def test_fused_kernels_move_each_tensor_once(unfused):
+    """Under the engine a block's replicated part is three kernels (the first norm; the residual add with the second
+    norm; the last residual add) and its sharded part runs the rotary embeddings and SwiGLU as one kernel each; the
+    repeated keys/values cost no copy."""
+    fused, traced = _block(unfused["megatron"]), _block(unfused["fxplanner"])
+    assert fused.replicated.kernels == 3
+    hd = H // HEADS
+    norm1, add_norm2, add = 2 * 2 * H, 4 * 2 * H, 3 * 2 * H  # bytes per token: read x, write; read 2, write 2; 2 + 1
+    assert fused.replicated.fwd_bytes(1) == SEQ * (norm1 + add_norm2 + add) + 2 * 2 * H  # + the two norms' weights
+    assert fused.sharded.fwd_bytes(1) < traced.sharded.fwd_bytes(1) - 2 * SEQ * 2 * (H - KV * hd)
+    assert fused.fwd_flops(1) == traced.fwd_flops(1)  # the same arithmetic, fused
+
+
+def test_megatron_runs_its_own_cross_entropy(unfused):
+    """The head keeps Megatron's fp32 softmax over the (vocabulary-parallel) logits, and the file's loss_fn is not
+    what runs."""
+    head = unfused["megatron"].units[-1]
+    assert head.loss_bytes(1) == 0
+    assert head.sharded.saved_bytes(1) == 4 * SEQ * VOCAB
+    assert head.sharded.fwd_bytes(1) - _head_fwd_bytes(unfused["fxplanner"]) == 38 * SEQ * VOCAB
+
+
+def _head_fwd_bytes(profile) -> float:
+    return profile.units[-1].sharded.fwd_bytes(1)
+
+
+def test_the_ring_passes_grouped_keys_and_values(unfused):
+    """Context parallelism's ring moves 2 (s/cp) b kv_heads head_dim elements per step, as Transformer Engine sends
+    them; as traced it moves the repeated ones."""
+    hd = H // HEADS
+    assert _block(unfused["megatron"]).attn_kv_bytes(1) == 2 * SEQ * KV * hd * 2
+    assert _block(unfused["fxplanner"]).attn_kv_bytes(1) == 2 * SEQ * HEADS * hd * 2
+
+
+def test_the_same_llama_written_two_ways_plans_the_same():
+    """Llama-3-8B's layers (two of them), seq 2048: what differs is Hugging Face's rotary tables computed in each
+    forward and its causal mask handed to the attention, a few tenths of a percent."""
+    pytest.importorskip("transformers")
+    pins = Pins(tp=2, pp=2, engine="megatron", recompute="none")
+    ours = dict(layers=4, hidden=4096, heads=32, kv_heads=8, ffn=14336, seq=2048, vocab=32000)
+    hf = {"preset": "llama3-8b", "num_hidden_layers": 4, "seq": 2048, "vocab_size": 32000}
+    plans = [make_plan(str(path), target="h100-sxm", gpus=8, global_batch=16, model_args=args, pins=pins)[0]
+             for path, args in ((UNFUSED, ours), (EXAMPLES / "hf_llama.py", hf))]
+    a, b = plans
+    assert a.config.to_config() == b.config.to_config()
+    assert a.predictions.iteration_s == pytest.approx(b.predictions.iteration_s, rel=0.005)
+    for ma, mb in zip(a.predictions.memory, b.predictions.memory):
+        assert ma.total == pytest.approx(mb.total, rel=0.002)
+        assert ma.activations == pytest.approx(mb.activations, rel=0.005)
