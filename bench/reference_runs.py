@@ -6,7 +6,9 @@ runs of bench/reference_runs_2026.json, at their own configuration.
 Every row is planned with all its stated dimensions pinned (t, p, d, cp, microbatch, vp, sequence
 parallelism; H100 rows also shard the optimizer and overlap its reduce-scatter and all-gather with compute,
 as NeMo's recipes do with Megatron-Core's distributed optimizer; the 2021 Megatron of the SC21 rows did
-neither). Every row is planned for Megatron-Core (--engine megatron: its schedules), with the row's FP8 recipe,
+neither; they ran fp16, the others bf16, with gradients reduced in fp32, Megatron's default, unless the row states
+grad_reduce_in_fp32 false as NeMo's and Megatron-Bridge's performance recipes set it). Every row is planned for Megatron-Core
+(--engine megatron: its schedules and fused kernels), with the row's FP8 recipe,
 expert-parallel degree and tensor-parallel communication overlap where it states them. The planner
 chooses only what the row leaves open (recompute when null). Prints predicted against measured
 iteration time. No constant is fitted to these rows (gemm_max was fitted to the 13 rows of the first file before the
@@ -49,6 +51,7 @@ def main() -> None:
                     sp=r["sequence_parallel"], zero=1 if h100 else 0, overlap_grad_reduce=h100, max_v=max(8, r["vp"] or 0),
                     schedule=("interleaved" if r["vp"] else None) if r["pp"] > 1 else None,
                     schedules=MEGATRON_SCHEDULES, engine="megatron", fp8=r.get("fp8") or "", ep=r.get("ep", 1),
+                    precision="bf16" if h100 else "fp16", grad_fp32=r.get("grad_reduce_in_fp32"),
                     tp_comm_overlap=bool(r.get("tp_comm_overlap")), fp8_params=bool(r.get("fp8_params")),
                     moe_dispatcher=r.get("moe_dispatcher", "alltoall"), moe_a2a_overlap=bool(r.get("moe_a2a_overlap")))
         model = (ROOT / "examples" / f"hf_{r['model'][3:]}.py" if r["model"].startswith("hf:")

@@ -93,12 +93,34 @@ def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: 
             (wgrad + wgrad_kernels * eff.launch_s) * eff.calibration)
 
 
-def _gemm_s(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: Fp8Recipe | None = None) -> float:
-    """Forward seconds of the part's products that are not a fused attention kernel, divided over t."""
+def _gemm_s(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: Fp8Recipe | None = None,
+            rows: bool | None = None) -> float:
+    """Forward seconds of the part's products that are not a fused attention kernel, divided over t (`rows`: only
+    the row-parallel ones, or only the others)."""
     bw = hw.gpu.hbm_bw * hw.eff.hbm
     return sum(max(f(b) / t / hw.matmul_rate(f(b) / t, fp8.gemm_dtype if fp8 and wf(b) > 0 else precision),
                    by(b) / t / bw)
-               for f, by, _, fused, wf, _, _ in part.products if not fused and f(b) > 0) * hw.eff.calibration
+               for i, (f, by, _, fused, wf, _, _) in enumerate(part.products)
+               if not fused and f(b) > 0 and (rows is None or (i in part.row_products) == rows)) * hw.eff.calibration
+
+
+UB_SMS = 16
+"""SMs a Transformer Engine userbuffers overlap takes from the GEMM it runs beside, for its "pipeline" (a row-parallel
+linear's forward reduce-scatter) and "bulk" (a column-parallel linear's backward all-gather / reduce-scatter) methods:
+TE's default configuration (transformer_engine/pytorch/module/base.py, initialize_ub: num_sm 16 and set_sm_margin for
+every method but ring_exchange, whose point-to-point copies take one SM), which Megatron's --tp-comm-overlap runs without
+--tp-comm-overlap-cfg. The GEMM runs on the remaining SMs for its whole length."""
+
+
+def ub_sm_s(unit: Unit, b: float, t: int, hw: Hardware, precision: str, fp8: Fp8Recipe | None) -> tuple[float, float]:
+    """(forward, backward) seconds tensor-parallel communication overlap adds to a unit's GEMMs by taking SMs from
+    them (UB_SMS): the forward row-parallel products, and the column-parallel products' input and weight gradients."""
+    sms = hw.gpu.sms
+    if not sms or t == 1:
+        return 0.0, 0.0
+    slow = UB_SMS / (sms - UB_SMS)
+    return (_gemm_s(unit.sharded, b, t, hw, precision, fp8, rows=True) * slow,
+            2 * _gemm_s(unit.sharded, b, t, hw, precision, fp8, rows=False) * slow)
 
 
 def tp_allreduce_s(nbytes: float, t: int, hw: Hardware) -> float:
@@ -168,7 +190,8 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
         # sequence-parallel regions is split into t chunks exchanged around the ring while the linear's GEMM runs
         # on the chunk already there: only what the GEMMs' (t-1)/t cannot cover stays exposed
         cover = _gemm_s(unit.sharded, b, t, hw, cfg.precision, fp8) * (t - 1) / t
-        ar_f, ar_b = max(0.0, ar_f - cover), max(0.0, ar_b - 2 * cover)
+        sm_f, sm_b = ub_sm_s(unit, b, t, hw, cfg.precision, fp8)  # the SMs the overlap takes from those GEMMs
+        ar_f, ar_b = max(0.0, ar_f - cover) + sm_f, max(0.0, ar_b - 2 * cover) + sm_b
     cp_f, cp_b = cp_ring_s(unit, hw, cfg)
     kf, kb = hw.eff.unit_factor(unit.kind)
     if cfg.moe_a2a_overlap and ep_f:  # Megatron's 1F1B all-to-all overlap: a microbatch's forward all-to-alls run

@@ -7,7 +7,8 @@ depends on the schedule kind (planner.schedules).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Collection
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from passes.units import Unit
@@ -113,12 +114,15 @@ def static_bytes(unit: Unit, cfg: ParallelConfig) -> float:
             * num.optimizer_bytes + fp8_weight_bytes(unit, cfg))
 
 
-def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int) -> StageMemory:
-    """Peak memory of pipeline rank `rank` holding `units` (all its model chunks)."""
+def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int,
+                 full: Collection[int] = ()) -> StageMemory:
+    """Peak memory of pipeline rank `rank` holding `units` (all its model chunks); under partial recomputation the
+    units whose index is in `full` are recomputed in full, the others keep everything."""
     num = cfg.numerics
     params = rank_param_count(units, cfg)
     mode = cfg.recompute_mode
-    acts = sum(activation_bytes(u, cfg) for u in units) * cfg.inflight(rank)
+    redo = replace(cfg, recompute="full", recompute_layers=0) if full else cfg
+    acts = sum(activation_bytes(u, redo if u.index in full else cfg) for u in units) * cfg.inflight(rank)
     if pending := cfg.w_pending(rank):  # split backward: what the weight gradients still owed keep
         acts += sum(held_bytes(u, cfg) for u in units) * pending
     if mode.working_set:  # the unit being recomputed holds its full activations during its backward

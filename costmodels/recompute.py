@@ -33,6 +33,9 @@ class RecomputeMode:
     """The recomputed unit holds its full activations again during its backward."""
     keeps_gemm_inputs: Callable[[Unit], bool] = lambda u: True
     """Whether the unit's weight products' inputs X are among what it keeps (an FP8 recipe keeps them in FP8)."""
+    partial: bool = False
+    """Per unit as mode "none"; the evaluator recomputes in full the first N blocks of every model chunk
+    (ParallelConfig.recompute_layers), which depends on the partition, not on the unit alone."""
 
 
 def _plain_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
@@ -113,3 +116,10 @@ register_recompute(RecomputeMode(
     extra_backward_s=lambda u, b, t, hw, prec, fwd: fwd if u.kind == "block" else 0.0,
     extra_flops=lambda u: u.fwd_flops(1) if u.kind == "block" else 0.0,
     working_set=True, keeps_gemm_inputs=lambda u: u.kind != "block"))
+
+register_recompute(RecomputeMode(
+    name="block", help="recompute in full the first N blocks of every model chunk and keep all of the others' "
+    "activations (Megatron's --recompute-method block --recompute-num-layers N; the planner takes the least N that "
+    "fits, or --recompute-layers)",
+    kept_bytes=_plain_bytes, extra_backward_s=lambda u, b, t, hw, prec, fwd: 0.0, extra_flops=lambda u: 0.0,
+    working_set=True, partial=True))

@@ -62,6 +62,8 @@ class Part:
     weights: tuple[tuple[str, int], ...] = ()  # (name, elements) of each weight in `params`: a weight tied between
     # two units (embedding and LM head) appears in both, and a rank holding both holds it once
     kernels: int = 0  # nodes that launch a kernel (views excluded), for launch overhead
+    row_products: tuple[int, ...] = ()  # indices into `products` of the row-parallel ones (their output is reduced
+    # over the tensor-parallel ranks: the GEMMs a pipelined reduce-scatter overlaps)
 
     @property
     def fused_attention(self) -> bool:
@@ -182,6 +184,7 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
     fw = bw = wg = mm = mmb = fb = bb = sel_f = full = z
     saved: dict[str, sympy.Expr] = {}
     products: list[tuple[sympy.Expr, ...]] = []
+    rows: list[int] = []
     params: dict[str, int] = {}  # every weight a node of the part uses, once (a tied weight in each unit using it)
     for n in nodes:
         c: NodeCost = n.meta[COST]
@@ -194,6 +197,8 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
         saved.update(c.saved)
         if c.mm_flops != 0:
             mmb += c.fwd_bytes
+            if n.meta.get(TP) == "row":
+                rows.append(len(products))
             weight = c.wgrad_mm_flops != 0
             products.append((c.mm_flops, c.fwd_bytes, c.bwd_flops - (c.fwd_flops - c.mm_flops), c.kind == "attention",
                              c.wgrad_mm_flops, sum((v for _, v in c.saved), z) if weight else z,
@@ -212,7 +217,7 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
                 fwd_bytes=p(fb), bwd_bytes=p(bb), saved_bytes=p(sum(saved.values(), z)),
                 wgrad_bytes=p(sum(_wgrad_tensors(nodes).values(), z)), selective_bytes=p(sel_b),
                 selective_flops=p(sel_f), fused_core_bytes=p(fused_b), params=sum(params.values()),
-                weights=tuple(sorted(params.items())), kernels=kernels)
+                weights=tuple(sorted(params.items())), kernels=kernels, row_products=tuple(rows))
 
 
 def _wgrad_tensors(nodes: list[fx.Node]) -> dict[str, sympy.Expr]:

@@ -78,8 +78,8 @@ torchtitan runs any of the plan's schedules from the CSV of its actions the expo
 def engine_pins(pins: Pins, hw: Hardware) -> Pins:
     """The pins for what the plan's engine runs: fxplanner's runtime runs neither FP8 nor expert parallelism (asking
     for them is refused in one sentence naming the engines that do); Megatron-Core runs Transformer Engine's FP8
-    recipes and its two pipeline schedules, torchtitan torchao's float8. --fp8 auto becomes the engine's default
-    recipe for the GPU, and a recipe the GPU cannot run is refused."""
+    recipes and its two pipeline schedules (with bf16, gradients accumulated and reduced in fp32), torchtitan torchao's
+    float8. --fp8 auto becomes the engine's default recipe for the GPU, and a recipe the GPU cannot run is refused."""
     if pins.engine == "fxplanner":
         if pins.fp8:
             raise UserError("FP8 runs in Megatron-Core (Transformer Engine's recipes) or torchtitan (torchao's float8), "
@@ -93,7 +93,10 @@ def engine_pins(pins: Pins, hw: Hardware) -> Pins:
         if pins.schedule is not None and pins.schedule not in MEGATRON_SCHEDULES:
             raise UserError(f"Megatron-Core runs the {' and '.join(MEGATRON_SCHEDULES)} schedules, not "
                             f"{pins.schedule}: pin one of those or plan with --engine torchtitan")
-        pins = replace(pins, schedules=allowed)
+        # Megatron accumulates and reduces bf16 training's gradients in fp32 unless told --grad-reduce-in-bf16
+        # (megatron/training/arguments.py: "accumulate and all-reduce gradients in fp32 for bfloat16 data type")
+        pins = replace(pins, schedules=allowed, grad_fp32=pins.precision == "bf16" if pins.grad_fp32 is None
+                       else pins.grad_fp32)
     if not pins.fp8:
         return pins
     keys = hw.gpu.peak_flops

@@ -47,13 +47,18 @@ def plan(
     microbatch: Optional[int] = typer.Option(None, "--microbatch", help="pin the microbatch size"),
     vp: Optional[int] = typer.Option(None, "--vp", help="pin model chunks per rank (interleaving)"),
     recompute: Optional[str] = typer.Option(None, "--recompute", help=f"pin: {_choices(RECOMPUTE)}"),
+    recompute_layers: Optional[int] = typer.Option(
+        None, "--recompute-layers", help="pin, with --recompute block: the first blocks of each model chunk "
+        "recomputed in full (Megatron --recompute-num-layers); by default the least that fits"),
     schedule: Optional[str] = typer.Option(None, "--schedule", help=f"pin: {_choices(SCHEDULES)}"),
     allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let t span nodes"),
     shard_optimizer: Optional[bool] = typer.Option(
         None, "--shard-optimizer/--no-shard-optimizer", help="pin optimizer state sharded over d x cp (ZeRO-1, "
         "Megatron's distributed optimizer) or replicated; by default sharded wherever there are replicas"),
-    grad_fp32: bool = typer.Option(False, "--grad-fp32", help="accumulate and reduce gradients in fp32 (Megatron's "
-                                   "--accumulate-allreduce-grads-in-fp32: 18 bytes per parameter)"),
+    grad_fp32: Optional[bool] = typer.Option(
+        None, "--grad-fp32/--grad-reduce-in-bf16", help="accumulate and reduce gradients in fp32 (Megatron's "
+        "--accumulate-allreduce-grads-in-fp32: 18 bytes per parameter) or in the weights' dtype; by default as the "
+        "engine does (--engine megatron: fp32 under bf16)"),
     overlap_grad_reduce: Optional[bool] = typer.Option(
         None, "--overlap-grad-reduce/--no-overlap-grad-reduce", help="pin the data-parallel gradient reduction "
         "bucketed and overlapped with the backward (with a sharded optimizer also the parameter all-gather with the "
@@ -103,7 +108,8 @@ def plan(
         cal = load_calibration(calibration) if calibration else None
         if dtype == "fp8":
             dtype, fp8 = "bf16", fp8 or "auto"
-        pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, b=microbatch, v=vp, recompute=recompute, schedule=schedule,
+        pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, b=microbatch, v=vp, recompute=recompute,
+                    recompute_layers=recompute_layers, schedule=schedule,
                     zero=None if shard_optimizer is None else int(shard_optimizer), grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce,
                     tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype, fp8=fp8 or "", engine=engine, fp8_params=fp8_params,
                     expert_load=expert_load, moe_dispatcher=moe_dispatcher, moe_a2a_overlap=moe_a2a_overlap,

@@ -20,6 +20,8 @@ tp_comm_overlap tensor-parallel all-gathers / reduce-scatters split and overlapp
                 (Megatron's --tp-comm-overlap, Transformer Engine userbuffers; needs sp)
 b, m, v         microbatch size, microbatches per iteration, model chunks per pipeline rank
 recompute       activation recomputation mode (registry: costmodels.recompute)
+recompute_layers  under recompute "block": the blocks of every model chunk recomputed in full, its first ones (Megatron's
+                --recompute-method block --recompute-num-layers); the others keep everything
 schedule        pipeline schedule kind (registry: planner.schedules)
 precision       training precision (registry: costmodels.precision)
 fp8             FP8 recipe of the linear layers' GEMMs under bf16/fp16 mixed precision ("": none; registry:
@@ -82,6 +84,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     tp_comm_overlap: bool = False
     recompute: str = "none"
+    recompute_layers: int = 0
     schedule: str = "1f1b"
     precision: str = "bf16"
     fp8: str = ""
@@ -120,6 +123,10 @@ class ParallelConfig:
             raise ConfigError(f"optimizer sharding stage zero={self.zero!r} is not one of {ZERO_STAGES}")
         if self.recompute not in RECOMPUTE:
             raise ConfigError(f"recompute mode {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        if type(self.recompute_layers) is not int or self.recompute_layers < 0 or (
+                self.recompute_layers and not RECOMPUTE[self.recompute].partial):
+            raise ConfigError(f"recompute_layers={self.recompute_layers!r}: the blocks of each model chunk recomputed "
+                              "under recompute \"block\", a count >= 0 (0 with any other mode)")
         if self.precision not in PRECISIONS:
             raise ConfigError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.fp8 and self.fp8 not in FP8_RECIPES:
@@ -253,5 +260,6 @@ class ParallelConfig:
                          " fp8-params" if self.fp8_params else "",
                          f" {self.moe_dispatcher}" if self.moe_dispatcher != "alltoall" and self.ep > 1 else "",
                          " a2a-overlap" if self.moe_a2a_overlap and self.ep > 1 else ""])
+        layers = f"({self.recompute_layers} per chunk)" if self.recompute_mode.partial else ""
         return (f"t={self.tp} p={self.pp} d={self.dp}{extra} b={self.b} m={self.m} v={self.v} "
-                f"{self.schedule} recompute={self.recompute}")
+                f"{self.schedule} recompute={self.recompute}{layers}")

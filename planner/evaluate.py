@@ -7,6 +7,7 @@ timelines and bubbles.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 
@@ -19,7 +20,7 @@ from costmodels.recompute import recompute_mode
 from passes.units import Unit
 
 from .config import ParallelConfig
-from .partition import NoFeasiblePartition, PartitionInput, partition
+from .partition import NoFeasiblePartition, PartitionInput, partition, recomputed
 from .simulate import SimCosts, SimResult, simulate
 
 __all__ = ["Evaluation", "Evaluator", "Rejected"]
@@ -146,28 +147,76 @@ class Evaluator:
                                 sum(fp8_weight_bytes(u, c) for u in self.units))
         dense, experts, copies = self._cache[key]
         key = ("acts", c.unit_key())
-        if key not in self._cache:
-            self._cache[key] = sum(self.unit_costs(c)[3])
+        if key not in self._cache:  # partial recomputation keeps at least what recomputing every block keeps
+            leanest = replace(c, recompute="full", recompute_layers=0) if c.recompute_mode.partial else c
+            self._cache[key] = sum(self.unit_costs(leanest)[3])
         num = c.numerics
         static = ((dense + experts) * (num.weight_bytes + num.grad_bytes)
                   + c.optimizer_owned(dense + experts, experts) * num.optimizer_bytes + copies)
         return (static + c.inflight(c.pp - 1) * self._cache[key]) / c.pp + self.hw.reserve_bytes
 
     def evaluate(self, c: ParallelConfig) -> Evaluation:
+        if c.stages > len(self.units):
+            raise Rejected("units", f"{c.stages} stages but only {len(self.units)} units")
+        if not c.recompute_mode.partial or c.recompute_layers:
+            return self._evaluate(c)
+        # partial recomputation with no count pinned: the least number of blocks per chunk that fits (memory falls
+        # and time grows with it); none at all is mode "none", priced apart
+        blocks = sum(1 for u in self.units if u.kind == "block")
+        try:
+            self._evaluate(replace(c, recompute="none", recompute_layers=0))
+            raise Rejected("partial recomputation where nothing needs recomputing")
+        except Rejected as r:
+            if r.reason != "memory":
+                raise
+        lo, hi = 1, blocks
+        best = self._evaluate(replace(c, recompute_layers=hi))  # raises if even every block recomputed does not fit
+        while lo < hi:
+            mid = (lo + hi) // 2
+            try:
+                best, hi = self._evaluate(replace(c, recompute_layers=mid)), mid
+            except Rejected:
+                lo = mid + 1
+        return best
+
+    @cached_property
+    def _blocks(self) -> tuple[int, ...]:
+        return tuple(i for i, u in enumerate(self.units) if u.kind == "block")
+
+    def _recomputed(self, c: ParallelConfig, bounds: tuple[int, ...]) -> list[Sequence[int]]:
+        """Per virtual stage, the units partial recomputation redoes in full: its first c.recompute_layers blocks
+        (none under other modes)."""
+        n = c.recompute_layers if c.recompute_mode.partial else 0
+        return [recomputed(self._blocks, n, a, b) for a, b in zip(bounds, bounds[1:])]
+
+    def _recompute_input(self, c: ParallelConfig, act) -> dict:
+        """The PartitionInput fields of partial recomputation: a recomputed block's backward takes what mode "full"
+        adds to it, and it keeps what "full" keeps, not all of `act`."""
+        if not c.recompute_mode.partial:
+            return {}
+        _, bwd, _, _, _, _ = self.unit_costs(replace(c, recompute="none", recompute_layers=0))
+        _, redo, _, kept, _, _ = self.unit_costs(replace(c, recompute="full", recompute_layers=0))
+        return {"recompute_first": c.recompute_layers, "recomputable": self._blocks,
+                "recompute_time_s": tuple(r - b for r, b in zip(redo, bwd)),
+                "recompute_saves": tuple(a - k for a, k in zip(act, kept))}
+
+    def _evaluate(self, c: ParallelConfig) -> Evaluation:
         fwd, bwd, tpc, act, wgt, wkeep = self.unit_costs(c)
-        k = c.stages
-        if k > len(self.units):
-            raise Rejected("units", f"{k} stages but only {len(self.units)} units")
         part = self._partition(c, fwd, bwd, act, wkeep)
         stages = [range(a, b) for a, b in zip(part.bounds, part.bounds[1:])]
+        redo = self._recomputed(c, part.bounds)
         extra = self.hw.eff.action_overhead_s
         split = c.schedule_kind.split_backward  # I and W are two actions, each with its overhead
         f_s = tuple(sum(fwd[i] for i in st) + extra for st in stages)
         b_s = tuple(sum(bwd[i] for i in st) + extra * (1 + split) for st in stages)
         w_s = tuple(sum(wgt[i] for i in st) + extra for st in stages) if split else ()
         a_s = tuple(sum(act[i] for i in st) for st in stages)
+        if any(redo):
+            more = self._recompute_input(c, act)
+            b_s = tuple(b + sum(more["recompute_time_s"][i] for i in r) for b, r in zip(b_s, redo))
+            a_s = tuple(a - sum(more["recompute_saves"][i] for i in r) for a, r in zip(a_s, redo))
         wb_s = tuple(sum(wkeep[i] for i in st) for st in stages) if split else ()
-        mems = self._rank_memory(c, stages)
+        mems = self._rank_memory(c, stages, {i for r in redo for i in r})
         worst = max(m.total for m in mems)
         if worst > self.capacity:
             raise Rejected("memory", f"needs {worst / 2**30:.1f} GiB", worst)
@@ -179,7 +228,8 @@ class Evaluator:
     def _finish(self, c, bounds, f_s, b_s, a_s, mems, p2p, ar, opt, tpc, it, bubble, w_s=(), wb_s=()) -> Evaluation:
         flops, peak = self.model_flops(), self.hw.gpu.peak(c.peak_dtype)
         per_gpu = self.thesis_flops() / (self.n_gpus * it)
-        executed = self.executed_flops(c.recompute) / (self.n_gpus * it)
+        redone = sum(self.units[i].fwd_flops(1) for r in self._recomputed(c, bounds) for i in r) * self.global_batch
+        executed = (self.executed_flops(c.recompute) + redone) / (self.n_gpus * it)
         place = c.placement
         busy = [sum(f_s[j] + b_s[j] for j in place.stages(r)) * c.m + ar[r] + opt[r] for r in range(c.pp)]
         frac = bubble if bubble is not None else max(0.0, 1 - sum(busy) / (c.pp * it))
@@ -200,7 +250,8 @@ class Evaluator:
         room = self.capacity - self.hw.reserve_bytes - work
         inp = PartitionInput(time_s=tuple(f + b for f, b in zip(fwd, bwd)), static_bytes=tuple(static),
                              activation_bytes=tuple(act), inflight=tuple(fl), cap_bytes=(room / c.v,) * k,
-                             weight_bytes=tuple(wkeep) if any(pending) else (), w_pending=tuple(pending))
+                             weight_bytes=tuple(wkeep) if any(pending) else (), w_pending=tuple(pending),
+                             **self._recompute_input(c, act))
         try:
             return partition(inp)
         except NoFeasiblePartition:
@@ -214,9 +265,9 @@ class Evaluator:
         need = self.memory_lower_bound(c)
         raise Rejected("memory", "no partition fits", max(need, self.capacity * 1.0001))
 
-    def _rank_memory(self, c: ParallelConfig, stages: list[range]) -> list[StageMemory]:
+    def _rank_memory(self, c: ParallelConfig, stages: list[range], full: set[int] = frozenset()) -> list[StageMemory]:
         place = c.placement
-        return [stage_memory([self.units[i] for j in place.stages(r) for i in stages[j]], self.hw, c, r)
+        return [stage_memory([self.units[i] for j in place.stages(r) for i in stages[j]], self.hw, c, r, full)
                 for r in range(c.pp)]
 
     def _p2p_s(self, c: ParallelConfig, bounds: tuple[int, ...]) -> float:

@@ -99,7 +99,7 @@ def _common_unexpressed(plan: Plan, engine: str) -> list[str]:
 
 TITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 TITAN_AC = {"none": "activation-checkpoint:none", "selective": "activation-checkpoint:selective",
-            "full": "activation-checkpoint:full"}
+            "full": "activation-checkpoint:full", "block": "activation-checkpoint:full"}
 TITAN_LLAMA3 = {(32, 4096): "llama3_8b", (80, 8192): "llama3_70b", (126, 16384): "llama3_405b"}
 
 
@@ -188,6 +188,9 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
     if c.recompute == "selective":
         unexpressed.append("selective recomputation: torchtitan's selective AC recomputes per op (every second "
                            "matmul and cheap ops), not the attention core the plan prices")
+    if c.recompute == "block":
+        unexpressed.append(f"partial recomputation of the first {c.recompute_layers} blocks of each model chunk: "
+                           "torchtitan's AC checkpoints every block or every k-th one; exported as full")
     if c.fp8:  # torchtitan 0.3 sets converters in the model spec its config function builds, not on the command line
         recipe = FP8_RECIPES[c.fp8]
         unexpressed.append(f"FP8 ({c.fp8}): add converters=[{recipe.titan_recipe}.Config(...)] to the model spec of "
@@ -307,6 +310,8 @@ def to_megatron(plan: Plan) -> Export:
         argv.append("--use-distributed-optimizer")
     if c.grad_fp32:
         argv.append("--accumulate-allreduce-grads-in-fp32")
+    elif c.precision == "bf16":  # Megatron reduces bf16 training's gradients in fp32 unless told otherwise
+        argv.append("--grad-reduce-in-bf16")
     if c.overlap_grad_reduce and c.dp * c.cp > 1:
         argv.append("--overlap-grad-reduce")
         if c.zero:
@@ -315,6 +320,9 @@ def to_megatron(plan: Plan) -> Export:
         argv += ["--recompute-granularity", "selective", "--recompute-modules", "core_attn"]
     elif c.recompute == "full":
         argv += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    elif c.recompute == "block":
+        argv += ["--recompute-granularity", "full", "--recompute-method", "block", "--recompute-num-layers",
+                 str(c.recompute_layers)]
     if c.precision in ("bf16", "fp16"):
         argv.append(f"--{c.precision}")
     if c.fp8:
@@ -586,7 +594,10 @@ def check_megatron(ex: Export) -> dict[str, object]:
             moe_layer_freq=parse_layer_freq(a["moe_layer_freq"]) if "moe_layer_freq" in a else 1,
             moe_shared_expert_intermediate_size=num("moe_shared_expert_intermediate_size"))
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
-                                            grad_reduce_in_fp32=bool(a.get("accumulate_allreduce_grads_in_fp32")),
+                                            # megatron/training/arguments.py: bf16 forces fp32 gradients unless
+                                            # --grad-reduce-in-bf16
+                                            grad_reduce_in_fp32=bool(a.get("accumulate_allreduce_grads_in_fp32")) or (
+                                                bool(a.get("bf16")) and not a.get("grad_reduce_in_bf16")),
                                             overlap_grad_reduce=bool(a.get("overlap_grad_reduce")),
                                             overlap_param_gather=bool(a.get("overlap_param_gather")))
         stages = cfg.pipeline_model_parallel_layout
@@ -598,6 +609,7 @@ def check_megatron(ex: Export) -> dict[str, object]:
                 "overlap": (ddp.overlap_grad_reduce, ddp.overlap_param_gather),
                 "microbatch_group": cfg.microbatch_group_size_per_vp_stage,
                 "recompute": cfg.recompute_granularity or "none",
+                "recompute_layers": (cfg.recompute_method, cfg.recompute_num_layers),
                 "microbatch": num("micro_batch_size"), "global_batch": num("global_batch_size"),
                 "layout": stages, "rotary_base": num("rotary_base", 10000),
                 "dropout": (cfg.attention_dropout, cfg.hidden_dropout), "norm_eps": cfg.layernorm_epsilon,

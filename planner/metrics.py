@@ -276,8 +276,9 @@ class Holdings(_Model):
     optimizer_state_bytes: int = Field(description="optimizer state held after a step: moments, and the fp32 master "
                                        "copy where the parameters are lower precision")
     tensor_parallel: list[str] = Field(description="modules whose weights are sharded over the tensor-parallel group")
-    recompute: Literal["none", "selective", "full"] = Field(description="what the rank's blocks recompute: the "
-                                                            "attention core (selective), whole blocks (full)")
+    recompute: Literal["none", "selective", "full", "block"] = Field(
+        description="what the rank's blocks recompute: the attention core (selective), whole blocks (full), the "
+        "first blocks of each stage whole (block)")
     saved_activation_bytes: dict[str, int] = Field(description="virtual stage -> bytes one microbatch leaves for the "
                                                    "backward: tensors autograd saves (weights excluded) and the inputs "
                                                    "a checkpoint keeps; measured with saved-tensor hooks in step 0")

@@ -9,10 +9,11 @@ optimal split point is found by bisection, so a partition costs O(stages x units
 from __future__ import annotations
 
 from dataclasses import dataclass
+from bisect import bisect_left
 from itertools import accumulate
 from typing import Sequence
 
-__all__ = ["PartitionInput", "Partition", "partition", "brute_force_partition", "NoFeasiblePartition"]
+__all__ = ["PartitionInput", "Partition", "partition", "brute_force_partition", "NoFeasiblePartition", "recomputed"]
 
 INF = float("inf")
 
@@ -30,6 +31,11 @@ class PartitionInput:
     cap_bytes: tuple[float, ...]  # per stage: memory available for static + activations
     weight_bytes: tuple[float, ...] = ()  # per unit: what a microbatch holds from its I step to its W (split backward)
     w_pending: tuple[float, ...] = ()  # per stage: microbatches whose W is pending at the peak
+    recompute_first: int = 0  # partial recomputation: the first this many of each stage's `recomputable` units redo
+    # their forward in the backward, taking `recompute_time_s` more and holding `recompute_saves` fewer bytes each
+    recomputable: tuple[int, ...] = ()  # ascending unit indices (the blocks)
+    recompute_time_s: tuple[float, ...] = ()  # per unit
+    recompute_saves: tuple[float, ...] = ()  # per unit, per microbatch in flight
 
     def __post_init__(self) -> None:
         n = len(self.time_s)
@@ -61,22 +67,53 @@ def _prefix(xs: Sequence[float]) -> list[float]:
     return [0.0, *accumulate(xs)]
 
 
+def recomputed(recomputable: Sequence[int], n: int, lo: int, hi: int) -> Sequence[int]:
+    """The units of stage lo..hi-1 that partial recomputation redoes: its first n of the (ascending) recomputable."""
+    first = bisect_left(recomputable, lo)
+    return recomputable[first:min(first + n, bisect_left(recomputable, hi))]
+
+
+def _recompute_sums(inp: PartitionInput):
+    """(lo, hi) -> (seconds added, bytes per microbatch saved) by partial recomputation of stage lo..hi-1."""
+    if not inp.recompute_first:
+        return lambda lo, hi: (0.0, 0.0)
+    R = inp.recomputable
+    Rt = _prefix([inp.recompute_time_s[i] for i in R])
+    Rb = _prefix([inp.recompute_saves[i] for i in R])
+
+    def sums(lo: int, hi: int) -> tuple[float, float]:
+        a = bisect_left(R, lo)
+        b = a + len(recomputed(R, inp.recompute_first, lo, hi))
+        return Rt[b] - Rt[a], Rb[b] - Rb[a]
+
+    return sums
+
+
 def _stage_bytes(inp: PartitionInput):
-    """(j, lo, hi) -> bytes stage j holds with units lo..hi-1: static, activations in flight, and under a split
-    backward what the pending weight gradients still hold (no W pending: zeros)."""
+    """(j, lo, hi) -> bytes stage j holds with units lo..hi-1: static, activations in flight (less what partial
+    recomputation frees), and under a split backward what the pending weight gradients still hold (no W pending:
+    zeros)."""
     S, A, fl = _prefix(inp.static_bytes), _prefix(inp.activation_bytes), inp.inflight
     Wb = _prefix(inp.weight_bytes) if inp.weight_bytes else [0.0] * len(S)
     pend = inp.w_pending if inp.weight_bytes else (0.0,) * len(fl)
+    sums = _recompute_sums(inp)
 
     def held(j: int, lo: int, hi: int) -> float:
-        return S[hi] - S[lo] + fl[j] * (A[hi] - A[lo]) + pend[j] * (Wb[hi] - Wb[lo])
+        return S[hi] - S[lo] + fl[j] * (A[hi] - A[lo] - sums(lo, hi)[1]) + pend[j] * (Wb[hi] - Wb[lo])
 
     return held
 
 
+def _stage_time(inp: PartitionInput):
+    """(lo, hi) -> seconds of stage lo..hi-1 per microbatch, partial recomputation included. It never grows as the
+    stage loses its first unit (the recomputation moves to a later unit of the same cost, or goes)."""
+    T, sums = _prefix(inp.time_s), _recompute_sums(inp)
+    return lambda lo, hi: T[hi] - T[lo] + sums(lo, hi)[0]
+
+
 def partition(inp: PartitionInput) -> Partition:
     n, k = len(inp.time_s), len(inp.inflight)
-    T = _prefix(inp.time_s)
+    T = _stage_time(inp)
     held, cap = _stage_bytes(inp), inp.cap_bytes
 
     def fits(j: int, lo: int, hi: int) -> bool:
@@ -91,9 +128,9 @@ def partition(inp: PartitionInput) -> Partition:
             lo = _first_fitting(fits, j - 1, i, j - 1)  # smallest split k whose segment fits
             if lo is None:
                 continue
-            # among splits s in [lo, i-1]: minimize max(prev[s], T[i]-T[s]); prev rises, segment falls
+            # among splits s in [lo, i-1]: minimize max(prev[s], T(s, i)); prev rises, segment falls
             s = _crossing(prev, T, lo, i)
-            row[i], choice[j][i] = max(prev[s], T[i] - T[s]), s
+            row[i], choice[j][i] = max(prev[s], T(s, i)), s
     if best[k][n] == INF:
         raise NoFeasiblePartition(f"no split of {n} units into {k} stages fits the memory caps")
     bounds = [n]
@@ -117,21 +154,21 @@ def _first_fitting(fits, j: int, i: int, min_split: int) -> int | None:
     return lo
 
 
-def _crossing(prev: list[float], T: list[float], lo: int, i: int) -> int:
-    """argmin over s in [lo, i-1] of max(prev[s], T[i] - T[s])."""
+def _crossing(prev: list[float], T, lo: int, i: int) -> int:
+    """argmin over s in [lo, i-1] of max(prev[s], T(s, i))."""
     a, b = lo, i - 1
     while a < b:  # first s where prev[s] >= segment time
         mid = (a + b) // 2
-        if prev[mid] >= T[i] - T[mid]:
+        if prev[mid] >= T(mid, i):
             b = mid
         else:
             a = mid + 1
     cands = [s for s in (a - 1, a) if lo <= s <= i - 1]
-    return min(cands, key=lambda s: (max(prev[s], T[i] - T[s]), s))
+    return min(cands, key=lambda s: (max(prev[s], T(s, i)), s))
 
 
-def _result(bounds: tuple[int, ...], T: list[float], held) -> Partition:
-    times = tuple(T[b] - T[a] for a, b in zip(bounds, bounds[1:]))
+def _result(bounds: tuple[int, ...], T, held) -> Partition:
+    times = tuple(T(a, b) for a, b in zip(bounds, bounds[1:]))
     mem = tuple(held(j, a, b) for j, (a, b) in enumerate(zip(bounds, bounds[1:])))
     return Partition(bounds=bounds, stage_time_s=times, stage_bytes=mem)
 
@@ -141,11 +178,11 @@ def brute_force_partition(inp: PartitionInput) -> float:
     from itertools import combinations
 
     n, k = len(inp.time_s), len(inp.inflight)
-    T, held = _prefix(inp.time_s), _stage_bytes(inp)
+    T, held = _stage_time(inp), _stage_bytes(inp)
     best = INF
     for cuts in combinations(range(1, n), k - 1):
         bounds = (0, *cuts, n)
         segs = list(zip(bounds, bounds[1:]))
         if all(held(j, a, b) <= inp.cap_bytes[j] for j, (a, b) in enumerate(segs)):
-            best = min(best, max(T[b] - T[a] for a, b in segs))
+            best = min(best, max(T(a, b) for a, b in segs))
     return best

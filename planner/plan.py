@@ -76,7 +76,10 @@ class ConfigModel(_Model):
     microbatch: int = Field(description="microbatch size b")
     microbatches: int = Field(description="microbatches per iteration m = B / (d b)")
     vp: int = Field(description="model chunks per pipeline rank v (interleaving)")
-    recompute: str = Field(description="activation recomputation mode (costmodels.recompute: none, selective, full)")
+    recompute: str = Field(description="activation recomputation mode (costmodels.recompute: none, selective, full, "
+                           "block)")
+    recompute_layers: int = Field(0, description="under recompute block: the first blocks of each model chunk "
+                                  "recomputed in full (Megatron --recompute-method block --recompute-num-layers)")
     schedule: str = Field(description="pipeline schedule kind (planner.schedules: gpipe, 1f1b, interleaved, zbh1, zbv)")
     precision: str = Field(description="training precision (costmodels.precision: bf16, fp16, fp32)")
     fp8: str = Field("", description="FP8 recipe of the linear layers' GEMMs (costmodels.fp8: delayed, tensorwise, "
@@ -99,7 +102,7 @@ class ConfigModel(_Model):
     def of(cls, c: ParallelConfig) -> "ConfigModel":
         return cls(tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp, ep=c.ep, sp=c.sp, zero=c.zero, grad_fp32=c.grad_fp32,
                    overlap_grad_reduce=c.overlap_grad_reduce, tp_comm_overlap=c.tp_comm_overlap, microbatch=c.b, microbatches=c.m,
-                   vp=c.v, recompute=c.recompute, schedule=c.schedule, precision=c.precision, fp8=c.fp8,
+                   vp=c.v, recompute=c.recompute, recompute_layers=c.recompute_layers, schedule=c.schedule, precision=c.precision, fp8=c.fp8,
                    fp8_params=c.fp8_params, expert_load=c.expert_load, moe_dispatcher=c.moe_dispatcher,
                    moe_a2a_overlap=c.moe_a2a_overlap)
 
@@ -108,6 +111,7 @@ class ConfigModel(_Model):
                               grad_fp32=self.grad_fp32, overlap_grad_reduce=self.overlap_grad_reduce,
                               tp_comm_overlap=self.tp_comm_overlap,
                               b=self.microbatch, m=self.microbatches, v=self.vp, recompute=self.recompute,
+                              recompute_layers=self.recompute_layers,
                               schedule=self.schedule, precision=self.precision, fp8=self.fp8,
                               fp8_params=self.fp8_params, expert_load=self.expert_load,
                               moe_dispatcher=self.moe_dispatcher, moe_a2a_overlap=self.moe_a2a_overlap)

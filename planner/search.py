@@ -47,13 +47,14 @@ class Pins:
     b: int | None = None
     v: int | None = None
     recompute: str | None = None
+    recompute_layers: int | None = None  # under recompute "block": blocks per model chunk (None: the least that fits)
     schedule: str | None = None
     schedules: tuple[str, ...] | None = None  # the kinds the search may choose (None: every registered kind), e.g.
     # the ones an engine runs (Megatron-LM: gpipe, 1f1b, interleaved)
     cp: int | None = None  # context parallelism; None: the search tries the degrees a ring inside one node allows
     ep: int | None = None  # expert parallelism; None: the search tries every degree dividing the experts (MoE only)
     zero: int | None = None  # None: 1 wherever d*cp > 1 (it dominates: the same bytes, a shorter step, less memory)
-    grad_fp32: bool = False
+    grad_fp32: bool | None = None  # None: the engine's default (Megatron: fp32 under bf16; fxplanner: the weights' dtype)
     overlap_grad_reduce: bool | None = None  # None: on wherever d*cp > 1 (overlap never exposes more)
     tp_comm_overlap: bool = False  # an option (Transformer Engine's userbuffers): on with every sequence-parallel config
     sp: bool | None = None  # sequence parallelism; None: the search tries both where t > 1
@@ -71,6 +72,9 @@ class Pins:
     def __post_init__(self) -> None:
         if self.recompute is not None and self.recompute not in RECOMPUTE:
             raise UserError(f"--recompute must be one of {', '.join(RECOMPUTE)}, got {self.recompute!r}")
+        if self.recompute_layers is not None and (self.recompute_layers < 1 or self.recompute not in (None, "block")):
+            raise UserError(f"--recompute-layers {self.recompute_layers} counts the blocks of each model chunk that "
+                            "recompute \"block\" redoes: a positive number, with --recompute block")
         for name in ((self.schedule,) if self.schedule is not None else ()) + (self.schedules or ()):
             if name not in SCHEDULES:
                 raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
@@ -227,8 +231,13 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                     rejected["more stages than units"] += 1
                     continue
                 for rc in RECOMPUTE:
-                    if pins.recompute not in (None, rc):
+                    if pins.recompute not in (None, rc) or (pins.recompute_layers and rc != "block"):
                         continue
+                    if RECOMPUTE[rc].partial and pins.engine == "torchtitan":  # its AC checkpoints every k-th block
+                        rejected["partial recomputation of the first blocks of each chunk: torchtitan does not "
+                                 "run it"] += 1
+                        continue
+                    layers = (pins.recompute_layers or 0) if RECOMPUTE[rc].partial else 0
                     for sp in ((False, True) if pins.sp is None else (pins.sp,)) if t > 1 else (False,):
                         # Megatron-Core runs expert parallelism beside tensor parallelism only under sp
                         eps = ep_choices(experts, (t if sp else 1) * cp * d, pins, rejected) if sp or t == 1 else \
@@ -237,9 +246,10 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                             rejected["expert parallelism beside tensor parallelism needs sequence parallelism"] += 1
                         for ep in eps:
                             yield ParallelConfig(tp=t, pp=p, dp=d, cp=cp, ep=ep, b=b, m=m, v=v, zero=zero,
-                                                 grad_fp32=pins.grad_fp32, overlap_grad_reduce=overlap,
+                                                 grad_fp32=bool(pins.grad_fp32), overlap_grad_reduce=overlap,
                                                  tp_comm_overlap=pins.tp_comm_overlap and sp,
-                                                 recompute=rc, sp=sp, schedule=name, precision=pins.precision,
+                                                 recompute=rc, recompute_layers=layers, sp=sp, schedule=name,
+                                                 precision=pins.precision,
                                                  fp8=pins.fp8, fp8_params=pins.fp8_params,
                                                  expert_load=pins.expert_load if ep > 1 else 1.0,
                                                  moe_dispatcher=pins.moe_dispatcher,

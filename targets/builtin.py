@@ -47,10 +47,12 @@ NET_LATENCY_S = 9.6e-6  # NCCL tuning.cc hwLat[NET][Ring][Simple]
 # 16 GB or 32 GB HBM2 at 900 GB/s, PCIe Gen3 32 GB/s (bidirectional -> 16 GB/s per direction).
 # No bf16, tf32 or fp8 (those arrive with Ampere/Hopper).
 _V100_FLOPS = {"fp64": 7.8 * TFLOPS, "fp32": 15.7 * TFLOPS, "fp16": 125 * TFLOPS}
+# Streaming multiprocessors (each architecture's whitepaper): V100 80, A100 108, H100 SXM5 132 (H200 the same die),
+# H100 PCIe 114, B200 148 (GB200's GPU taken as the same, an ASSUMPTION), RTX 6000 Ada 142, RTX 3080 68.
 V100_16GB = GPUSpec(name="V100 SXM2 16GB", peak_flops=_V100_FLOPS, hbm_bytes=16 * GiB,
-                    hbm_bw=900 * GB, pcie_bw=16 * GB)
+                    hbm_bw=900 * GB, pcie_bw=16 * GB, sms=80)
 V100_32GB = GPUSpec(name="V100 SXM2 32GB", peak_flops=_V100_FLOPS, hbm_bytes=32 * GiB,
-                    hbm_bw=900 * GB, pcie_bw=16 * GB)
+                    hbm_bw=900 * GB, pcie_bw=16 * GB, sms=80)
 
 # DGX-1 with V100 (NVIDIA DGX-1 with Tesla V100 System Architecture whitepaper, 2017): 8 GPUs in
 # a hybrid cube-mesh of NVLink2, 6 links per GPU x 25 GB/s per direction = 150 GB/s per direction
@@ -66,7 +68,7 @@ DGX1_V100 = ClusterSpec(gpus_per_node=8, nvlink_bw=150 * GB, nvlink_latency_s=NV
 # NVLink 600 GB/s (bidirectional), PCIe Gen4 64 GB/s (bidirectional -> 32 GB/s per direction).
 _A100_FLOPS = {"fp64": 19.5 * TFLOPS, "fp32": 19.5 * TFLOPS, "tf32": 156 * TFLOPS,
                "bf16": 312 * TFLOPS, "fp16": 312 * TFLOPS}
-_A100_SHARES = {"matmul_ceiling": 267.9 / 312, "attention_ceiling": 0.73}  # MAMF table; FlashAttention-2 (above)
+_A100_SHARES = {"matmul_ceiling": 267.9 / 312, "attention_ceiling": 0.73, "sms": 108}  # MAMF table; FlashAttention-2 (above)
 A100_40GB = GPUSpec(name="A100 40GB SXM", peak_flops=_A100_FLOPS, hbm_bytes=40 * GiB,
                     hbm_bw=1555 * GB, pcie_bw=32 * GB, **_A100_SHARES)
 A100_80GB = GPUSpec(name="A100 80GB SXM", peak_flops=_A100_FLOPS, hbm_bytes=80 * GiB,
@@ -89,7 +91,7 @@ _H100_SXM_FLOPS = {"fp64": 67 * TFLOPS, "fp32": 67 * TFLOPS, "tf32": 989 / 2 * T
 # mamf-finder.py): H100 SXM 1402.6 of 1979 TFLOP/s = 70.9% (torch 2.7.0+cu126), H200 SXM 1453.4 = 73.4% (2.7.1+cu128).
 # (DeepSeek's DeepGEMM claims "up to 1550 TFLOPS" = 78.3% on H800 with its own block-scaled kernels: a best case.)
 _HOPPER_SHARES = {"matmul_ceiling": 792.1 / 989, "attention_ceiling": 740 / 989,  # MAMF table; FlashAttention-3
-                  "fp8_matmul_ceiling": 1402.6 / 1979}  # MAMF FP8 table
+                  "fp8_matmul_ceiling": 1402.6 / 1979, "sms": 132}  # MAMF FP8 table
 H100_SXM = GPUSpec(name="H100 SXM 80GB", peak_flops=_H100_SXM_FLOPS, hbm_bytes=80 * GiB,
                    hbm_bw=3350 * GB, pcie_bw=64 * GB, **_HOPPER_SHARES)
 
@@ -122,7 +124,7 @@ _B200_FLOPS = {"fp64": 37 * TFLOPS, "fp32": 75 * TFLOPS, "tf32": 1125 * TFLOPS, 
                "fp16": 2250 * TFLOPS, "fp8": 4500 * TFLOPS, "mxfp8": 4500 * TFLOPS, "fp4": 9000 * TFLOPS}
 B200 = GPUSpec(name="B200 180GB", peak_flops=_B200_FLOPS, hbm_bytes=180 * GiB, hbm_bw=8000 * GB, pcie_bw=64 * GB,
                matmul_ceiling=1745.0 / 2250, fp8_matmul_ceiling=3432.5 / 4500,
-               attention_ceiling=_HOPPER_SHARES["attention_ceiling"])
+               attention_ceiling=_HOPPER_SHARES["attention_ceiling"], sms=148)
 # DGX B200: 8 GPUs on NVLink5 NVSwitch (900 GB/s per direction per GPU); 8 single-port ConnectX-7 VPI at 400 Gb/s for
 # compute = 50 GB/s per GPU.
 DGX_B200 = ClusterSpec(gpus_per_node=8, nvlink_bw=900 * GB, nvlink_latency_s=NVLINK_LATENCY_S,
@@ -138,7 +140,7 @@ GB200 = GPUSpec(name="GB200 186GB", peak_flops={**_B200_FLOPS, "fp64": 45 * TFLO
                                                 "bf16": 2500 * TFLOPS, "fp16": 2500 * TFLOPS, "fp8": 5000 * TFLOPS,
                                                 "mxfp8": 5000 * TFLOPS, "fp4": 10000 * TFLOPS},
                 hbm_bytes=186 * GiB, hbm_bw=8000 * GB, pcie_bw=225 * GB, matmul_ceiling=1822.0 / 2500,
-                fp8_matmul_ceiling=3615.6 / 5000, attention_ceiling=_HOPPER_SHARES["attention_ceiling"])
+                fp8_matmul_ceiling=3615.6 / 5000, attention_ceiling=_HOPPER_SHARES["attention_ceiling"], sms=148)
 # The rack is one NVLink domain of 72 GPUs on 18 compute trays (hosts) of 4 GPUs, one 400 Gb/s ConnectX-7 NIC per GPU
 # for the network between racks. A job's parallel groups are powers of two: the domain a job uses is taken as 64 GPUs
 # (16 trays) of each rack, the rest kept as spares (Slurm's --segment=16 places it so) -- an ASSUMPTION; a job
@@ -154,7 +156,7 @@ H100_PCIE = GPUSpec(
     name="H100 PCIe 80GB",
     peak_flops={"fp64": 51 * TFLOPS, "fp32": 51 * TFLOPS, "tf32": 756 / 2 * TFLOPS,
                 "bf16": 1513 / 2 * TFLOPS, "fp16": 1513 / 2 * TFLOPS, "fp8": 3026 / 2 * TFLOPS},
-    hbm_bytes=80 * GiB, hbm_bw=2000 * GB, pcie_bw=64 * GB, **_HOPPER_SHARES)
+    hbm_bytes=80 * GiB, hbm_bw=2000 * GB, pcie_bw=64 * GB, **(_HOPPER_SHARES | {"sms": 114}))
 
 # NVIDIA RTX 6000 Ada Generation datasheet: 48 GB GDDR6 with ECC, 960 GB/s, FP32 91.1 TFLOPS,
 # "Tensor Performance 1,457.0 TFLOPS" = FP8 with sparsity -> 728.5 dense; PCIe Gen4 x16
@@ -164,7 +166,7 @@ RTX6000_ADA = GPUSpec(
     name="RTX 6000 Ada 48GB",
     peak_flops={"fp32": 91.1 * TFLOPS, "tf32": 182.1 * TFLOPS, "bf16": 364.2 * TFLOPS,
                 "fp16": 364.2 * TFLOPS, "fp8": 728.5 * TFLOPS},
-    hbm_bytes=48 * GiB, hbm_bw=960 * GB, pcie_bw=32 * GB)
+    hbm_bytes=48 * GiB, hbm_bw=960 * GB, pcie_bw=32 * GB, sms=142)
 
 # NVIDIA Ampere GA102 GPU Architecture whitepaper (V2.0), table "GeForce RTX 3080" (comparison with the RTX 2080
 # Super): peak FP32 (non-tensor) 29.8 TFLOPS; FP16 tensor with FP32 accumulate 59.5 | 119* TFLOPS (GeForce parts run
@@ -175,7 +177,7 @@ RTX6000_ADA = GPUSpec(
 RTX3080 = GPUSpec(
     name="GeForce RTX 3080 10GB",
     peak_flops={"fp32": 29.8 * TFLOPS, "tf32": 29.8 * TFLOPS, "bf16": 59.5 * TFLOPS, "fp16": 59.5 * TFLOPS},
-    hbm_bytes=10 * GiB, hbm_bw=760 * GB, pcie_bw=32 * GB)
+    hbm_bytes=10 * GiB, hbm_bw=760 * GB, pcie_bw=32 * GB, sms=68)
 
 # PCIe servers: the datasheet PCIe figure is the intra-node link (GPU peer-to-peer through PCIe
 # switches). The node layout is an ASSUMPTION, not a datasheet figure: 8 GPUs per node and one NIC

@@ -71,6 +71,8 @@ class GPUSpec:
     reaches at its best; where a GPU has no measurement, FlashAttention-2's on the A100."""
     fp8_matmul_ceiling: float = 0.0
     """Share of the FP8 peak the best large FP8 GEMM reaches (0: the bf16 matmul_ceiling, an assumption)."""
+    sms: int = 0
+    """Streaming multiprocessors (0: not stated): what communication kernels that run beside a GEMM take from it."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():

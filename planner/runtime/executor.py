@@ -524,7 +524,7 @@ class Executor:
         return {"parameters": sum(local_tensor(p).numel() for _, p in unique),
                 "parameter_dtype": str(next(iter(unique))[1].dtype).removeprefix("torch.") if unique else "float32",
                 "optimizer_state_bytes": self.sync.state_bytes(), "tensor_parallel": sharded,
-                "recompute": "full" if "full" in modes else "selective" if "selective" in modes else "none",
+                "recompute": next((m for m in ("full", "block", "selective") if m in modes), "none"),
                 "saved_activation_bytes": {str(k): v for k, v in sorted(self.saved_bytes.items())},
                 "overlapped_buckets": self.sync.overlapped}
 

@@ -113,7 +113,8 @@ def _pieces(gm: fx.GraphModule, root: nn.Module, plan: Plan) -> tuple[dict[str, 
     # units by position: two segments outside the blocks may share a name (an encoder-decoder's embeddings, its
     # middle and its head are all the root module's), so a name alone does not say which stage runs it
     placed = [(name, s.stage) for s in sorted(plan.partition, key=lambda s: s.stage) for name in s.units]
-    mode = plan.config.recompute  # full: each block checkpointed; selective: each block's attention core
+    mode = plan.config.recompute  # full: each block checkpointed; selective: each block's attention core; block:
+    # the first recompute_layers blocks of each stage checkpointed
     unit_of: dict[str, tuple[int, str]] = {}
     core: set[str] = set()
     groups = group_nodes(gm, root)
@@ -125,6 +126,11 @@ def _pieces(gm: fx.GraphModule, root: nn.Module, plan: Plan) -> tuple[dict[str, 
         unit_of.update({n.name: (i, kind) for n in nodes})
         if mode == "selective" and kind == "block":
             core |= attention_core(nodes, kind=lambda n: node_kind(n, gm))
+    redo = {i for i, (_, kind, _) in enumerate(groups) if kind == "block"} if mode == "full" else set()
+    if mode == "block":
+        blocks = [i for i, (_, kind, _) in enumerate(groups) if kind == "block"]
+        for stage in {st for _, st in placed}:
+            redo.update([i for i in blocks if placed[i][1] == stage][:plan.config.recompute_layers])
     keys: dict[tuple[int, int, int], int] = {}
     part_of: dict[str, int] = {}
     pieces: list[Piece] = []
@@ -139,8 +145,8 @@ def _pieces(gm: fx.GraphModule, root: nn.Module, plan: Plan) -> tuple[dict[str, 
             key = (placed[unit][1], unit, seg)
             ckpt = seg == 1
         else:
-            key = (placed[unit][1], unit if mode == "full" else -1, 0)
-            ckpt = mode == "full" and kind == "block"
+            key = (placed[unit][1], unit if mode in ("full", "block") else -1, 0)
+            ckpt = unit in redo
         if key not in keys:
             keys[key] = len(pieces)
             pieces.append(Piece(index=len(pieces), stage=key[0], checkpoint=ckpt))

@@ -26,10 +26,12 @@ def gpt_args(layers: int = 4) -> dict[str, Any]:
 
 def plan_file(path: Path, model: Path, model_args: dict[str, Any], *, gpus: int, global_batch: int,
               t: int, p: int, d: int, b: int, v: int, schedule: str, recompute: str = "none", zero: int = 0,
-              overlap: bool = False, precision: str = "fp32", grad_fp32: bool = False, sp: bool = False, cp: int = 1) -> Plan:
+              overlap: bool = False, precision: str = "fp32", grad_fp32: bool = False, sp: bool = False, cp: int = 1,
+              recompute_layers: int | None = None) -> Plan:
     plan, _ = make_plan(str(model), gpus=gpus, global_batch=global_batch, target="a100-80gb", gpus_per_node=gpus,
                         model_args=model_args,
                         pins=Pins(tp=t, pp=p, dp=d, b=b, v=v, schedule=schedule, recompute=recompute, sp=sp, cp=cp,
+                                  recompute_layers=recompute_layers,
                                   precision=precision, zero=zero, overlap_grad_reduce=overlap, grad_fp32=grad_fp32))
     c = plan.config
     assert (c.tp, c.pp, c.dp, c.cp, c.microbatch, c.vp, c.schedule, c.zero) == (t, p, d, cp, b, v, schedule, zero)

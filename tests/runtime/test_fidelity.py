@@ -20,6 +20,8 @@ CASES = {  # name: pins; all on GPT tiny with 2 layers, 2 processes
     "none": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", recompute="none"),
     "selective": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", recompute="selective"),
     "full": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", recompute="full"),
+    # partial recomputation (Megatron's block method): the first of the stage's two blocks checkpointed
+    "d2_block1": dict(t=1, p=1, d=2, b=2, v=1, schedule="1f1b", recompute="block", recompute_layers=1),
     "bf16_p2": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", precision="bf16"),
     "bf16_d2_zero": dict(t=1, p=1, d=2, b=2, v=1, schedule="1f1b", zero=1, overlap=True, precision="bf16"),
     "bf16_p2_fp32_grads": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", precision="bf16", grad_fp32=True),
@@ -117,6 +119,21 @@ def test_selective_recomputation_saves_between_none_and_full_as_planned(run):
             assert saved[mode] == pytest.approx(planned, rel=0.05)
     for r in range(2):
         assert saved["none"][r] > saved["selective"][r] > saved["full"][r]
+
+
+def test_partial_recomputation_checkpoints_the_first_blocks_of_each_stage_as_planned(run):
+    """Recompute "block" with one of two blocks: the rank keeps the other block's activations and the first one's
+    input, as the plan says, below what the same layout keeps without recomputation; the numbers do not change."""
+    ref = reference(GPT, gpt_args(2), global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
+    plan, ran = run["plans"]["d2_block1"], run["runs"]["d2_block1"]
+    assert plan.config.recompute_layers == 1
+    assert {h.recompute for h in _holds(run, "d2_block1")} == {"block"}
+    assert ran.loss == pytest.approx(ref["loss"], abs=1e-5)
+    for r in range(2):
+        saved = _holds(run, "d2_block1")[r].saved_activation_bytes["0"]
+        assert saved == pytest.approx(plan.partition[0].activation_bytes, rel=0.05)
+        assert saved < _holds(run, "d2")[r].saved_activation_bytes["0"]
+    assert not mismatches(plan, ran)
 
 
 def test_validate_flags_a_planted_mismatch(run):
