@@ -20,7 +20,8 @@ from .recompute import RECOMPUTE, weight_grad_bytes
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
-__all__ = ["StageMemory", "activation_bytes", "expert_count", "fp8_weight_bytes", "held_bytes", "param_count", "rank_param_count",
+__all__ = ["StageMemory", "activation_bytes", "expert_count", "fp8_weight_bytes", "held_bytes", "in_flight_bytes",
+           "param_count", "rank_param_count",
            "stage_memory", "static_bytes"]
 
 
@@ -108,10 +109,22 @@ def fp8_weight_bytes(unit: Unit, cfg: ParallelConfig) -> float:
 
 
 def static_bytes(unit: Unit, cfg: ParallelConfig) -> float:
-    """Weights + gradients + (sharded) optimizer state of the unit on one rank, FP8 weight copies included."""
-    num, params = cfg.numerics, param_count(unit, cfg)
-    return (params * (num.weight_bytes + num.grad_bytes) + cfg.optimizer_owned(params, expert_count(unit, cfg))
-            * num.optimizer_bytes + fp8_weight_bytes(unit, cfg))
+    """Weights + gradients + optimizer state of the unit one rank keeps (its shards under ZeRO), FP8 weight copies
+    included."""
+    num, params, experts = cfg.numerics, param_count(unit, cfg), expert_count(unit, cfg)
+    return (cfg.kept(params, experts, 3) * num.weight_bytes + cfg.kept(params, experts, 2) * num.grad_bytes
+            + cfg.kept(params, experts, 1) * num.optimizer_bytes + fp8_weight_bytes(unit, cfg))
+
+
+def in_flight_bytes(units: list[Unit], cfg: ParallelConfig) -> tuple[float, float]:
+    """(weights, gradients) a rank holds whole beyond its shards while it computes: under ZeRO-3 the unit being run
+    and the next one, prefetched (the two largest of the rank's), under ZeRO-2 and -3 one unit's gradient until
+    its reduce-scatter (the largest); torch FSDP2 and Megatron-FSDP gather and reduce unit by unit so."""
+    num = cfg.numerics
+    full = sorted((param_count(u, cfg) - cfg.kept(param_count(u, cfg), expert_count(u, cfg), 3) for u in units),
+                  reverse=True)
+    grads = max((param_count(u, cfg) for u in units), default=0.0) if cfg.zero >= 2 else 0.0
+    return sum(full[:2]) * num.weight_bytes, grads * num.grad_bytes
 
 
 def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int,
@@ -130,6 +143,8 @@ def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int
         acts += max((plain(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units), default=0.0)
     fp8 = sum(fp8_weight_bytes(u, cfg) for u in units)
     experts = sum(expert_count(u, cfg) for u in units)
-    return StageMemory(weights=params * num.weight_bytes + fp8, grads=params * num.grad_bytes,
-                       optimizer=cfg.optimizer_owned(params, experts) * num.optimizer_bytes, activations=acts,
+    gathered, unreduced = in_flight_bytes(units, cfg)
+    return StageMemory(weights=cfg.kept(params, experts, 3) * num.weight_bytes + gathered + fp8,
+                       grads=cfg.kept(params, experts, 2) * num.grad_bytes + unreduced,
+                       optimizer=cfg.kept(params, experts, 1) * num.optimizer_bytes, activations=acts,
                        reserve=hw.reserve_bytes)

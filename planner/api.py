@@ -87,6 +87,10 @@ def engine_pins(pins: Pins, hw: Hardware) -> Pins:
         if (pins.ep or 1) > 1:
             raise UserError(f"expert parallelism (--ep {pins.ep}) runs in Megatron-Core or torchtitan, not in the "
                             "fxplanner runtime: add --engine megatron or --engine torchtitan")
+        if pins.zero == 3:
+            raise UserError("parameters sharded over the data-parallel ranks (--zero 3, FSDP) run in Megatron-Core "
+                            "(Megatron-FSDP) or torchtitan, not in the fxplanner runtime, which runs up to --zero 2: "
+                            "add --engine megatron or --engine torchtitan")
         return replace(pins, ep=1)
     if pins.engine == "megatron":
         allowed = tuple(k for k in (pins.schedules or MEGATRON_SCHEDULES) if k in MEGATRON_SCHEDULES)

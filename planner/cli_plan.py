@@ -52,6 +52,10 @@ def plan(
         "recomputed in full (Megatron --recompute-num-layers); by default the least that fits"),
     schedule: Optional[str] = typer.Option(None, "--schedule", help=f"pin: {_choices(SCHEDULES)}"),
     allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let t span nodes"),
+    zero: Optional[int] = typer.Option(
+        None, "--zero", help="pin the sharding over d x cp: 0 none, 1 the optimizer state (ZeRO-1), 2 and the "
+        "gradients (ZeRO-2), 3 and the parameters (ZeRO-3 / FSDP); by default 1 wherever there are replicas, 2 or 3 "
+        "only where less does not fit"),
     shard_optimizer: Optional[bool] = typer.Option(
         None, "--shard-optimizer/--no-shard-optimizer", help="pin optimizer state sharded over d x cp (ZeRO-1, "
         "Megatron's distributed optimizer) or replicated; by default sharded wherever there are replicas"),
@@ -110,7 +114,7 @@ def plan(
             dtype, fp8 = "bf16", fp8 or "auto"
         pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, b=microbatch, v=vp, recompute=recompute,
                     recompute_layers=recompute_layers, schedule=schedule,
-                    zero=None if shard_optimizer is None else int(shard_optimizer), grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce,
+                    zero=zero if zero is not None else None if shard_optimizer is None else int(shard_optimizer), grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce,
                     tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype, fp8=fp8 or "", engine=engine, fp8_params=fp8_params,
                     expert_load=expert_load, moe_dispatcher=moe_dispatcher, moe_a2a_overlap=moe_a2a_overlap,
                     allow_cross_node_tp=allow_cross_node_tp)

@@ -10,7 +10,11 @@ ep              expert-parallel degree: the experts of each mixture-of-experts l
                 drawn from the tp x cp x dp ranks, tensor-parallel ones only under sequence parallelism, where each
                 dispatches its share of the tokens); the experts' gradients are reduced over the rest
 sp              sequence parallelism on top of tensor parallelism (Korthikanti et al. 2022)
-zero            optimizer sharding stage over the data-parallel replicas (1 = ZeRO-1 / distributed optimizer)
+zero            sharding stage over the data-parallel replicas (dp x cp): 1 = the optimizer state (ZeRO-1, Megatron's
+                distributed optimizer), 2 = the gradients too (ZeRO-2: reduce-scattered in every microbatch's
+                backward; Megatron-FSDP optim_grads, FSDP without resharding after the forward), 3 = the parameters
+                too (ZeRO-3 / FSDP: each unit's parameters all-gathered before its forward and again before its
+                backward, the next one's prefetched; Megatron-FSDP optim_grads_params)
 grad_fp32       gradients accumulated and reduced in fp32 under bf16/fp16 (Megatron's main_grad buffer with
                 --accumulate-allreduce-grads-in-fp32: 18 bytes per parameter with Adam, not 16)
 overlap_grad_reduce  data-parallel gradient reduction bucketed and launched during the backward (and, with
@@ -55,8 +59,8 @@ __all__ = ["ParallelConfig", "ConfigError", "MOE_DISPATCHERS", "ZERO_STAGES"]
 MOE_DISPATCHERS = ("alltoall", "deepep", "hybridep")
 """Megatron-Core's token dispatchers priced: its all-to-all, and the flex dispatcher's backends."""
 
-ZERO_STAGES = (0, 1)
-"""Optimizer sharding stages the cost models price (0: replicated, 1: optimizer state sharded)."""
+ZERO_STAGES = (0, 1, 2, 3)
+"""Sharding stages the cost models price (0: replicated; 1: optimizer state; 2: and gradients; 3: and parameters)."""
 
 
 class ConfigError(UserError, ValueError):
@@ -180,6 +184,11 @@ class ParallelConfig:
         """Of `params` held by a rank (of which `experts` are experts'), those whose optimizer state it owns: the
         dense ones over optimizer_shards, the experts' over expert_optimizer_shards."""
         return (params - experts) / self.optimizer_shards + experts / self.expert_optimizer_shards
+
+    def kept(self, params: float, experts: float, stage: int) -> float:
+        """Of `params` a rank computes with, those whose optimizer state (stage 1), gradients (2) or weights (3) it
+        keeps between uses: its shard from that ZeRO stage on, else all of them."""
+        return self.optimizer_owned(params, experts) if self.zero >= stage else params
 
     @property
     def schedule_kind(self) -> ScheduleKind:

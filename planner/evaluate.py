@@ -150,9 +150,9 @@ class Evaluator:
         if key not in self._cache:  # partial recomputation keeps at least what recomputing every block keeps
             leanest = replace(c, recompute="full", recompute_layers=0) if c.recompute_mode.partial else c
             self._cache[key] = sum(self.unit_costs(leanest)[3])
-        num = c.numerics
-        static = ((dense + experts) * (num.weight_bytes + num.grad_bytes)
-                  + c.optimizer_owned(dense + experts, experts) * num.optimizer_bytes + copies)
+        num, params = c.numerics, dense + experts
+        static = (c.kept(params, experts, 3) * num.weight_bytes + c.kept(params, experts, 2) * num.grad_bytes
+                  + c.kept(params, experts, 1) * num.optimizer_bytes + copies)
         return (static + c.inflight(c.pp - 1) * self._cache[key]) / c.pp + self.hw.reserve_bytes
 
     def evaluate(self, c: ParallelConfig) -> Evaluation:
@@ -324,14 +324,23 @@ class Evaluator:
                 gather = [both_s(j, num.weight_bytes / 2) for j in chunks]
             else:
                 grads, gather = [both_s(j, num.grad_bytes) for j in chunks], [0.0] * c.v
+            # ZeRO-2/3: every microbatch's gradients reduce-scattered during its backward (sharded gradients cannot
+            # wait for the last microbatch), ZeRO-3's parameters all-gathered before each unit's forward and again
+            # before its backward instead of once after the step
+            load = (c.m * sum(grads) + (2 * c.m if c.zero == 3 else 1) * sum(gather)) if c.zero >= 2 \
+                else sum(grads) + sum(gather)
             if c.overlap_grad_reduce:
                 bucket = [min(1.0, megatron_bucket_params(group) / params[j]) if params[j] else 1.0 for j in chunks]
                 fwd = [f_s[j] for j in chunks]
                 bwd = [b_s[j] for j in chunks]
-                ar.append(exposed_reduction_s(grads, gather, fwd, bwd, bucket,
-                                              first_group=min(c.pp, c.m), last_group=(c.m - 1) % c.pp + 1))
+                tail = exposed_reduction_s(grads, [0.0] * len(chunks) if c.zero == 3 else gather, fwd, bwd, bucket,
+                                           first_group=min(c.pp, c.m), last_group=(c.m - 1) % c.pp + 1)
+                # the communication stream's load beyond what the rank's own compute covers, and the last tail
+                busy = c.m * (sum(fwd) + sum(bwd))
+                ar.append(tail + max(0.0, load - sum(grads) - (0.0 if c.zero == 3 else sum(gather)) - busy)
+                          if c.zero >= 2 else tail)
             else:
-                ar.append(sum(grads) + sum(gather))
+                ar.append(load)
             # Adam reads and writes weights, grads, master weights and both moments once, on the 1/(d*cp) of the
             # parameters a rank owns under a sharded optimizer
             opt.append(2 * c.optimizer_owned(total, local) * num.bytes_per_param() / hbm)

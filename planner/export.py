@@ -148,11 +148,12 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
     parallel = {"data_parallel_replicate_degree": 1 if c.zero else c.dp, "expert_parallel_degree": c.ep,
                 "data_parallel_shard_degree": c.dp if c.zero else 1, "tensor_parallel_degree": c.tp,
                 "pipeline_parallel_degree": c.pp, "context_parallel_degree": c.cp}
-    if c.zero:
-        parallel["fsdp_reshard_after_forward"] = "never"
-        unexpressed.append("sharded optimizer (ZeRO-1): torchtitan shards with FSDP only; exported as FSDP over the "
-                           "data-parallel ranks without resharding after the forward (ZeRO-2: gradients are "
-                           "sharded too, parameters gathered once per step)")
+    if c.zero:  # torchtitan shards with FSDP: ZeRO-3 reshards after every forward, ZeRO-1/2 never do
+        parallel["fsdp_reshard_after_forward"] = "always" if c.zero == 3 else "never"
+        if c.zero == 1:
+            unexpressed.append("sharded optimizer (ZeRO-1): torchtitan shards with FSDP only; exported as FSDP over "
+                               "the data-parallel ranks without resharding after the forward (ZeRO-2: gradients are "
+                               "sharded too, parameters gathered once per step)")
     if c.tp_comm_overlap:
         unexpressed.append("tensor-parallel communication overlap: torchtitan's nearest is async TP "
                            "(parallelism.enable_async_tensor_parallel, under torch.compile); not set")
@@ -308,6 +309,9 @@ def to_megatron(plan: Plan) -> Export:
         argv.append("--tp-comm-overlap")
     if c.zero:
         argv.append("--use-distributed-optimizer")
+    if c.zero >= 2:  # Megatron-FSDP: the gradients (and under ZeRO-3 the parameters) sharded too
+        argv += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
+                 "optim_grads" if c.zero == 2 else "optim_grads_params"]
     if c.grad_fp32:
         argv.append("--accumulate-allreduce-grads-in-fp32")
     elif c.precision == "bf16":  # Megatron reduces bf16 training's gradients in fp32 unless told otherwise
@@ -594,6 +598,9 @@ def check_megatron(ex: Export) -> dict[str, object]:
             moe_layer_freq=parse_layer_freq(a["moe_layer_freq"]) if "moe_layer_freq" in a else 1,
             moe_shared_expert_intermediate_size=num("moe_shared_expert_intermediate_size"))
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
+                                            use_megatron_fsdp=bool(a.get("use_megatron_fsdp")),
+                                            data_parallel_sharding_strategy=a.get("data_parallel_sharding_strategy",
+                                                                                  "no_shard"),
                                             # megatron/training/arguments.py: bf16 forces fp32 gradients unless
                                             # --grad-reduce-in-bf16
                                             grad_reduce_in_fp32=bool(a.get("accumulate_allreduce_grads_in_fp32")) or (
@@ -606,6 +613,7 @@ def check_megatron(ex: Export) -> dict[str, object]:
                 "vp": (stages.virtual_pipeline_model_parallel_size if stages is not None
                        else cfg.virtual_pipeline_model_parallel_size or 1),
                 "distributed_optimizer": ddp.use_distributed_optimizer, "grad_fp32": ddp.grad_reduce_in_fp32,
+                "fsdp": ddp.data_parallel_sharding_strategy if ddp.use_megatron_fsdp else None,
                 "overlap": (ddp.overlap_grad_reduce, ddp.overlap_param_gather),
                 "microbatch_group": cfg.microbatch_group_size_per_vp_stage,
                 "recompute": cfg.recompute_granularity or "none",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Iterator
 
 from costmodels.fp8 import FP8_RECIPES
@@ -283,12 +283,13 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
     leanest: tuple[float, ParallelConfig] | None = None
     bounded = []
     for c in pool:
-        need = ev.memory_lower_bound(c)
-        if need > ev.capacity:
+        for c in (c, *_more_sharding(c, pins)):  # ZeRO-2, -3 only where less sharding does not fit
+            need = ev.memory_lower_bound(c)
+            if need <= ev.capacity:
+                bounded.append((_optimistic_iteration(ev, c), c))
+                break
             rejected["memory (lower bound)"] += 1
             leanest = min(leanest or (need, c), (need, c), key=lambda x: x[0])
-            continue
-        bounded.append((_optimistic_iteration(ev, c), c))
     bounded.sort(key=lambda x: x[0])
     found: list[Evaluation] = []
     for i, (lower, c) in enumerate(bounded):
@@ -297,13 +298,16 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
         if len(found) >= top and lower >= found[top - 1].iteration_s:
             rejected["cannot beat the top configurations"] += len(bounded) - i
             break
-        try:
-            found.append(ev.evaluate(c))
-        except Rejected as r:
-            rejected[r.reason] += 1
-            if r.need_bytes and (leanest is None or r.need_bytes < leanest[0]):
-                leanest = (r.need_bytes, c)
-            continue
+        for c in (c, *_more_sharding(c, pins)):
+            try:
+                found.append(ev.evaluate(c))
+                break
+            except Rejected as r:
+                rejected[r.reason] += 1
+                if r.need_bytes and (leanest is None or r.need_bytes < leanest[0]):
+                    leanest = (r.need_bytes, c)
+                if r.reason != "memory":
+                    break
         found.sort(key=lambda e: e.iteration_s)
     if not found:
         raise NoFeasibleConfig(_no_fit_message(ev, leanest, rejected))
@@ -322,6 +326,14 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
     rest = ([s for s, _ in simulated[1:]] + [e for e in found[:top] if e.config not in done])[:max(top - 1, 0)]
     return SearchResult(best=best, simulation=sim, runners_up=tuple(rest),
                         evaluated=len(found) + sum(rejected.values()), rejected=dict(rejected))
+
+
+def _more_sharding(c: ParallelConfig, pins: Pins) -> list[ParallelConfig]:
+    """ZeRO-2 then ZeRO-3 for a ZeRO-1 configuration the search chose (zero not pinned): sharding more only adds
+    communication, so it is priced only where less does not fit; the fxplanner runtime runs up to ZeRO-2."""
+    if pins.zero is not None or c.zero != 1:
+        return []
+    return [replace(c, zero=z) for z in range(2, 3 if pins.engine == "fxplanner" else 4)]
 
 
 def _no_candidates_message(ev: Evaluator, pins: Pins, rejected: Counter) -> str:

@@ -80,6 +80,10 @@ def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
     if c.ep > 1:
         raise UserError(f"plan {path} divides its experts over {c.ep} expert-parallel ranks, which this runtime does "
                         "not run; export it with `planner export --to megatron` or re-plan with --ep 1")
+    if c.zero == 3:
+        raise UserError(f"plan {path} shards its parameters over the data-parallel ranks (ZeRO-3 / FSDP), which this "
+                        "runtime does not run (it runs ZeRO-1 and ZeRO-2); re-plan with --engine megatron or "
+                        "--engine torchtitan, or pin --shard-optimizer")
     if c.fp8:
         raise UserError(f"plan {path} runs its linear layers' GEMMs in FP8 ({c.fp8}), which this runtime does not run; "
                         "export it with `planner export --to megatron` (Transformer Engine recipes) or re-plan without "

@@ -179,7 +179,7 @@ class Executor:
                 self.params.setdefault(st.names[local], param)
         self.params = dict(sorted(self.params.items()))
         self.sync = GradSync(self.params, shared=groups.shared, dp_group=groups.grad_group,  # dp x cp
-                             dp_size=self.c.dp_size * self.c.cp_size, dp_rank=self.c.dp_cp, zero=self.cfg.zero >= 1,
+                             dp_size=self.c.dp_size * self.c.cp_size, dp_rank=self.c.dp_cp, zero=self.cfg.zero,
                              overlap=self.cfg.overlap_grad_reduce,
                              optimizer=options.optimizer, lr=options.lr, grad_fp32=self.cfg.grad_fp32,
                              tp_partial=[p for st in stages for p in st.tp_partial], tp_group=groups.tp_group)

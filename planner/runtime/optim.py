@@ -13,6 +13,10 @@
   updated shards are all-gathered into every replica's parameters. Adam and SGD are elementwise, so
   this equals the replicated optimizer to rounding. (gloo has no reduce-scatter: the gradients are
   all-reduced and each rank takes its slice; the bytes a rank ends up owning are the same.)
+- With ``zero`` = 2 (ZeRO-2) the gradients are sharded too: every microbatch's gradients are reduced bucket by
+  bucket as the backward finishes them (launched asynchronously, in every microbatch, not only the last), the
+  rank adds its slice to an fp32 shard of the flattened gradient and drops the rest, so no whole gradient outlives
+  its bucket; the step is ZeRO-1's on that shard.
 
 Parameters shared between pipeline stages (a tied embedding and LM head) are first summed over their
 embedding group, so they are reduced at the ``ALLREDUCE`` action, never during the backward.
@@ -77,7 +81,8 @@ class GradSync:
         self.partial = [(p, partial[id(p)]) for _, p in self.named if id(p) in partial]
         self.shared = [p for n, p in self.named if n in shared or id(p) in partial]
         self.overlap = overlap and dp_size > 1
-        self.zero = zero and dp_size > 1
+        self.zero = zero >= 1 and dp_size > 1
+        self.zero2 = zero >= 2 and dp_size > 1
         own = [p for n, p in self.named if n not in shared and id(p) not in partial]
         self.buckets = self._buckets(own[::-1])  # roughly the order the backward finishes them
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
@@ -85,11 +90,13 @@ class GradSync:
         self.overlapped = 0
         # fp32 gradient accumulation (Megatron's main_grad): each microbatch's gradient is added to an fp32
         # buffer and the parameter's own gradient dropped; the reduction and the step read the buffers
+        self.grad_fp32 = grad_fp32
         self.main = {id(p): torch.zeros_like(local_tensor(p), dtype=torch.float32) for _, p in self.named} \
-            if grad_fp32 and any(p.dtype != torch.float32 for _, p in self.named) else None
-        if self.overlap or self.main is not None:
+            if grad_fp32 and not self.zero2 and any(p.dtype != torch.float32 for _, p in self.named) else None
+        if self.overlap or self.main is not None or self.zero2:
             for _, p in self.named:
                 p.register_post_accumulate_grad_hook(self._accumulated)
+        self._pending: list[tuple[_Bucket, torch.Tensor, Any]] = []  # ZeRO-2: reductions launched, not yet added
         opt = torch.optim.Adam if optimizer == "adam" else torch.optim.SGD
         self.lower = any(p.dtype != torch.float32 for _, p in self.named)  # bf16/fp16: fp32 master weights
         self.masters: list[torch.nn.Parameter] = []
@@ -101,6 +108,11 @@ class GradSync:
             lo = dp_rank * self.shard_len
             self.master = torch.nn.Parameter(flat[lo:lo + self.shard_len].clone())
             self.optimizer = opt([self.master], lr=lr)
+            self.shard = torch.zeros_like(self.master.detach()) if self.zero2 else None  # the rank's summed gradients
+            offsets = [0]
+            for _, p in self.named:
+                offsets.append(offsets[-1] + local_tensor(p).numel())
+            self._offset = {id(p): o for (_, p), o in zip(self.named, offsets)}
         elif self.lower:
             self.masters = [torch.nn.Parameter(local_tensor(p).detach().float().clone()) for _, p in self.named]
             self.optimizer = opt(self.masters, lr=lr) if self.masters else None
@@ -125,7 +137,10 @@ class GradSync:
     def finite(self) -> bool:
         """Every gradient of every rank is finite (fp16 loss scaling skips the step otherwise)."""
         bad = torch.tensor([0.0])
-        for _, p in self.named:
+        whole = self.shared if self.zero2 else [p for _, p in self.named]
+        if self.zero2 and not torch.isfinite(self.shard).all():
+            bad.fill_(1.0)
+        for p in whole:
             if (p.grad is not None or self.main is not None) and not torch.isfinite(self.grad(p)).all():
                 bad.fill_(1.0)
                 break
@@ -137,6 +152,8 @@ class GradSync:
             p.grad = None
         for buf in (self.main or {}).values():
             buf.zero_()
+        if self.zero2:
+            self.shard.zero_()
         for b in self.buckets:
             b.waiting, b.flat, b.work = len(b.params), None, None
         self._armed.clear()
@@ -152,6 +169,9 @@ class GradSync:
         return self.main[id(p)] if self.main is not None else local_grad(p)
 
     def _accumulated(self, p: torch.nn.Parameter) -> None:
+        if self.zero2:
+            self._reduce_scatter_when_done(p)
+            return
         if self.main is not None:
             with torch.no_grad():
                 self.main[id(p)] += local_grad(p)
@@ -164,6 +184,41 @@ class GradSync:
         if bucket.waiting == 0:
             self._launch(bucket, async_op=True)
             self.overlapped += 1
+
+    def _reduce_scatter_when_done(self, p: torch.nn.Parameter) -> None:
+        """ZeRO-2, after a microbatch's gradient of p: once its bucket's are all there, launch their reduction and
+        drop them (the previous reduction is added to the shard first: one in flight)."""
+        bucket = self._bucket_of.get(id(p))
+        if bucket is None:  # shared or partial: kept whole, reduced at the ALLREDUCE action
+            return
+        bucket.waiting -= 1
+        if bucket.waiting == 0:
+            self._scatter(bucket, async_op=True)
+            self.overlapped += 1
+
+    def _scatter(self, bucket: _Bucket, async_op: bool) -> None:
+        self._drain()
+        dtype = torch.float32 if self.grad_fp32 else None
+        flat = torch.cat([local_grad(p).reshape(-1).to(dtype or p.dtype) for p in bucket.params])
+        for p in bucket.params:
+            p.grad = None
+        bucket.waiting = len(bucket.params)
+        self._pending.append((bucket, flat, dist.all_reduce(flat, group=self.group, async_op=async_op)))
+
+    def _drain(self) -> None:
+        """Wait for the launched ZeRO-2 reductions and add this rank's slice of each to its gradient shard."""
+        lo, hi = self.rank * self.shard_len, (self.rank + 1) * self.shard_len
+        for bucket, flat, work in self._pending:
+            if work is not None:
+                work.wait()
+            at = 0
+            for p in bucket.params:
+                o, n = self._offset[id(p)], local_tensor(p).numel()
+                a, b = max(o, lo), min(o + n, hi)
+                if a < b:
+                    self.shard[a - lo:b - lo] += flat[at + a - o:at + b - o].float()
+                at += n
+        self._pending = []
 
     def _launch(self, bucket: _Bucket, async_op: bool) -> None:
         bucket.flat = torch.cat([self.grad(p).reshape(-1) for p in bucket.params])
@@ -178,6 +233,12 @@ class GradSync:
             if names[id(p)] in shared_groups:
                 dist.all_reduce(self.grad(p), group=shared_groups[names[id(p)]])
         buckets = self.buckets + ([_Bucket(self.shared)] if self.shared else [])
+        if self.zero2:  # what a microbatch left unreduced (parameters that got no gradient in it), then the rest
+            for b in self.buckets:
+                if b.waiting < len(b.params):
+                    self._scatter(b, async_op=False)
+            self._drain()
+            buckets = buckets[len(self.buckets):]
         for b in buckets:
             if self.d == 1:
                 for p in b.params:
@@ -270,10 +331,18 @@ class GradSync:
             return
         lo = self.rank * self.shard_len
         with torch.no_grad():
-            grads = torch.cat([self.grad(p).reshape(-1).float() for _, p in self.named]) / scale
-            g = torch.zeros(self.shard_len, dtype=torch.float32, device=grads.device)
-            part = grads[lo:lo + self.shard_len]
-            g[:part.numel()] = part
+            if self.zero2:  # the shard of the summed gradients, with the whole ones' (shared, partial) slices
+                g = self.shard / (self.d * scale)
+                for p in self.shared:
+                    o = self._offset[id(p)]
+                    a, b = max(o, lo), min(o + local_tensor(p).numel(), lo + self.shard_len)
+                    if a < b:
+                        g[a - lo:b - lo] = self.grad(p).reshape(-1)[a - o:b - o].float() / scale
+            else:
+                grads = torch.cat([self.grad(p).reshape(-1).float() for _, p in self.named]) / scale
+                g = torch.zeros(self.shard_len, dtype=torch.float32, device=grads.device)
+                part = grads[lo:lo + self.shard_len]
+                g[:part.numel()] = part
             self.master.grad = g
         self.optimizer.step()
         with torch.no_grad():

@@ -23,7 +23,7 @@ def configs(draw: st.DrawFn) -> ParallelConfig:
     m = pp * draw(st.integers(2 if schedule == "zbv" else 1, 8))  # zbv fills its V with 2p-1 or more
     tp = draw(st.sampled_from([1, 2, 4, 8]))
     return ParallelConfig(tp=tp, pp=pp, dp=draw(st.integers(1, 64)), cp=draw(st.sampled_from([1, 2, 4])),
-                          sp=tp > 1 and draw(st.booleans()), zero=draw(st.sampled_from([0, 1])),
+                          sp=tp > 1 and draw(st.booleans()), zero=draw(st.sampled_from([0, 1, 2, 3])),
                           b=draw(st.integers(1, 16)), m=m, v=v, recompute=draw(st.sampled_from(sorted(RECOMPUTE))),
                           schedule=schedule, precision=draw(st.sampled_from(sorted(PRECISIONS))))
 
@@ -46,7 +46,7 @@ BASE = dict(tp=2, pp=4, dp=2, b=1, m=8)
     ({"m": -3}, ["microbatch count m", "got -3"]),
     ({"b": 1.5}, ["microbatch size b", "got 1.5"]),
     ({"sp": True, "tp": 1}, ["sequence parallelism", "tp > 1", "tp=1"]),
-    ({"zero": 3}, ["zero=3", "(0, 1)"]),
+    ({"zero": 4}, ["zero=4", "(0, 1, 2, 3)"]),
     ({"recompute": "some"}, ["'some'", "none, selective, full"]),
     ({"precision": "fp8"}, ["'fp8'", "bf16"]),
     ({"schedule": "zigzag"}, ["'zigzag'", "gpipe", "interleaved"]),

@@ -17,6 +17,10 @@ CASES = {  # name: pins; all on GPT tiny with 2 layers, 2 processes
     "t2": dict(t=2, p=1, d=1, b=2, v=1, schedule="1f1b"),
     "d2": dict(t=1, p=1, d=2, b=2, v=1, schedule="1f1b"),
     "d2_zero": dict(t=1, p=1, d=2, b=2, v=1, schedule="1f1b", zero=1, overlap=True),
+    # ZeRO-2: two microbatches per replica, each one's gradients reduce-scattered during its backward
+    "d2_zero2": dict(t=1, p=1, d=2, b=1, v=1, schedule="1f1b", zero=2, overlap=True),
+    "bf16_d2_zero2_fp32_grads": dict(t=1, p=1, d=2, b=1, v=1, schedule="1f1b", zero=2, overlap=True, precision="bf16",
+                                     grad_fp32=True),
     "none": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", recompute="none"),
     "selective": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", recompute="selective"),
     "full": dict(t=1, p=2, d=1, b=1, v=1, schedule="1f1b", recompute="full"),
@@ -106,6 +110,29 @@ def test_zero1_matches_replicated_adam_and_holds_one_dth_of_its_state(run):
         assert not mismatches(run["plans"][name], run["runs"][name])
 
 
+def test_zero2_reduces_every_microbatch_and_matches_replicated_adam(run):
+    """ZeRO-2 over two replicas of two microbatches each: the parameters after three steps equal the replicated
+    optimizer's (d2: one microbatch of two), the loss the single process's; each rank owns half the optimizer state;
+    buckets were reduced during every backward (both microbatches), not after it."""
+    ref = reference(GPT, gpt_args(2), global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
+    assert run["plans"]["d2_zero2"].config.zero == 2 and run["plans"]["d2_zero2"].config.microbatches == 2
+    for rank in range(2):
+        plain, zero2 = _dump(run, "d2", rank)["params"], _dump(run, "d2_zero2", rank)["params"]
+        for name, value in plain.items():
+            if name.endswith("qkv.bias"):  # the keys' bias gets no gradient (softmax ignores it): Adam turns the
+                h = value.numel() // 3  # rounding noise of two microbatches summed in another order into steps
+                value, other = torch.cat([value[:h], value[2 * h:]]), torch.cat([zero2[name][:h], zero2[name][2 * h:]])
+            else:
+                other = zero2[name]
+            assert torch.allclose(other, value, rtol=0, atol=1e-5), name
+    assert run["runs"]["d2_zero2"].loss == pytest.approx(ref["loss"], abs=1e-5)
+    full = _holds(run, "d2")[0].optimizer_state_bytes
+    for h in _holds(run, "d2_zero2"):
+        assert h.optimizer_state_bytes == pytest.approx(full / 2, abs=8)
+        assert h.overlapped_buckets >= 2
+    assert not mismatches(run["plans"]["d2_zero2"], run["runs"]["d2_zero2"])
+
+
 def test_selective_recomputation_saves_between_none_and_full_as_planned(run):
     ref = reference(GPT, gpt_args(2), global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
     saved = {}
@@ -158,7 +185,7 @@ def _doc(entry):
 def test_bf16_plans_train_in_bf16_with_fp32_master_weights_and_match_a_bf16_single_process(run):
     ref = reference(GPT, gpt_args(2), global_batch=B, steps=STEPS, optimizer="adam", lr=LR, dtype=torch.bfloat16)
     fp32 = reference(GPT, gpt_args(2), global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
-    for name in ("bf16_p2", "bf16_d2_zero", "bf16_p2_fp32_grads"):
+    for name in ("bf16_p2", "bf16_d2_zero", "bf16_p2_fp32_grads", "bf16_d2_zero2_fp32_grads"):
         entry = run["runs"][name]
         assert entry.dtype == "bfloat16" and {h.parameter_dtype for h in _holds(run, name)} == {"bfloat16"}
         # microbatches accumulate bf16 gradients where the reference takes one backward: bf16 rounding apart
