@@ -7,6 +7,7 @@ timelines and bubbles.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -27,9 +28,13 @@ __all__ = ["Evaluation", "Evaluator", "Rejected"]
 
 
 class Rejected(Exception):
-    def __init__(self, reason: str, detail: str = "", need_bytes: float = 0.0) -> None:
+    """`lower_s`: where known, no configuration that only adds work to this one (more recomputation, more sharding)
+    runs an iteration sooner: this one's pipeline time, had it fitted."""
+
+    def __init__(self, reason: str, detail: str = "", need_bytes: float = 0.0, lower_s: float = 0.0,
+                 bounds: tuple[int, ...] = ()) -> None:
         super().__init__(detail or reason)
-        self.reason, self.need_bytes = reason, need_bytes
+        self.reason, self.need_bytes, self.lower_s, self.bounds = reason, need_bytes, lower_s, bounds
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -162,22 +167,73 @@ class Evaluator:
             return self._evaluate(c)
         # partial recomputation with no count pinned: the least number of blocks per chunk that fits (memory falls
         # and time grows with it); none at all is mode "none", priced apart
-        blocks = sum(1 for u in self.units if u.kind == "block")
+        none, full = (replace(c, recompute=r, recompute_layers=0) for r in ("none", "full"))
         try:
-            self._evaluate(replace(c, recompute="none", recompute_layers=0))
+            self._evaluate(none)
             raise Rejected("partial recomputation where nothing needs recomputing")
         except Rejected as r:
             if r.reason != "memory":
                 raise
-        lo, hi = 1, blocks
-        best = self._evaluate(replace(c, recompute_layers=hi))  # raises if even every block recomputed does not fit
-        while lo < hi:
-            mid = (lo + hi) // 2
+            short, bounds = max(r.need_bytes - self.capacity, 0.0), r.bounds or self._fastest_bounds(none)
+        # counts up to twice a chunk's share of the blocks: beyond, it is (nearly) "full", priced on its own
+        most = min(len(self._blocks), 2 * math.ceil(len(self._blocks) / c.stages))
+        if bounds:  # the least count that fits the partition recomputing nothing took (or would take, memory aside:
+            # time-optimal for it; the recomputation adds about the same to every stage), priced on that partition
+            n = self.least_recompute_on(c, bounds)
             try:
-                best, hi = self._evaluate(replace(c, recompute_layers=mid)), mid
+                return self._price(replace(c, recompute_layers=n), bounds)
             except Rejected:
+                pass  # not even recomputing its share of the blocks fits that partition: look for another
+        # otherwise a first guess from the shortfall (each recomputed block frees (plain - full) bytes per microbatch
+        # in flight), then the least count whose own partition fits
+        kept, least = self.unit_costs(none)[3], self.unit_costs(full)[3]
+        frees = max((kept[i] - least[i] for i in self._blocks), default=0.0) * c.inflight(0)
+        n = min(max(1, math.ceil(short / frees)) if frees else 1, most)
+        tried: dict[int, Evaluation | Rejected] = {}
+
+        def attempt(k: int) -> Evaluation | Rejected:
+            if k not in tried:
+                try:
+                    tried[k] = self._evaluate(replace(c, recompute_layers=k))
+                except Rejected as r:
+                    tried[k] = r
+            return tried[k]
+
+        step = 1
+        while isinstance(attempt(n), Rejected):  # up, doubling the step, until one fits
+            if n == most:
+                raise tried[n]
+            n, step = min(n + step, most), step * 2
+        lo = max((k for k, e in tried.items() if isinstance(e, Rejected)), default=0) + 1
+        if lo < n and isinstance(attempt(n - 1), Rejected):  # the guess was the least (the usual case)
+            lo = n
+        while lo < n:  # the least count that fits, between the last that did not and the first that did
+            mid = (lo + n) // 2
+            if isinstance(attempt(mid), Rejected):
                 lo = mid + 1
-        return best
+            else:
+                n = mid
+        return tried[n]
+
+    def _fastest_bounds(self, c: ParallelConfig) -> tuple[int, ...]:
+        """The partition with the fastest slowest stage, memory aside."""
+        fwd, bwd, _, _, _, _ = self.unit_costs(c)
+        n, k = len(fwd), c.stages
+        zeros = (0.0,) * n
+        return partition(PartitionInput(time_s=tuple(f + b for f, b in zip(fwd, bwd)), static_bytes=zeros,
+                                        activation_bytes=zeros, inflight=(0.0,) * k, cap_bytes=(1.0,) * k)).bounds
+
+    def least_recompute_on(self, c: ParallelConfig, bounds: tuple[int, ...]) -> int:
+        """The least count of blocks per chunk partial recomputation `c` needs to fit the partition `bounds` (its
+        rank memory only, no partition of its own; at most twice a chunk's share of the blocks)."""
+        most = min(len(self._blocks), 2 * math.ceil(len(self._blocks) / c.stages))
+        stages = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+        for k in range(1, most + 1):
+            ck = replace(c, recompute_layers=k)
+            redo = {i for r in self._recomputed(ck, bounds) for i in r}
+            if max(m.total for m in self._rank_memory(ck, stages, redo)) <= self.capacity:
+                return k
+        return most
 
     @cached_property
     def _blocks(self) -> tuple[int, ...]:
@@ -201,10 +257,22 @@ class Evaluator:
                 "recompute_saves": tuple(a - k for a, k in zip(act, kept))}
 
     def _evaluate(self, c: ParallelConfig) -> Evaluation:
+        key = ("rejected", c)  # a configuration that did not fit is asked again by its partial-recomputation sibling
+        if key in self._cache:
+            raise self._cache[key]
+        try:
+            return self._price(c)
+        except Rejected as r:
+            if r.reason == "memory":
+                self._cache[key] = r
+            raise
+
+    def _price(self, c: ParallelConfig, bounds: tuple[int, ...] = ()) -> Evaluation:
+        """`bounds`: this partition, not the best one under the memory caps."""
         fwd, bwd, tpc, act, wgt, wkeep = self.unit_costs(c)
-        part = self._partition(c, fwd, bwd, act, wkeep)
-        stages = [range(a, b) for a, b in zip(part.bounds, part.bounds[1:])]
-        redo = self._recomputed(c, part.bounds)
+        bounds = bounds or self._partition(c, fwd, bwd, act, wkeep).bounds
+        stages = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+        redo = self._recomputed(c, bounds)
         extra = self.hw.eff.action_overhead_s
         split = c.schedule_kind.split_backward  # I and W are two actions, each with its overhead
         f_s = tuple(sum(fwd[i] for i in st) + extra for st in stages)
@@ -218,12 +286,13 @@ class Evaluator:
         wb_s = tuple(sum(wkeep[i] for i in st) for st in stages) if split else ()
         mems = self._rank_memory(c, stages, {i for r in redo for i in r})
         worst = max(m.total for m in mems)
+        p2p = self._p2p_s(c, bounds)
+        pipeline = c.schedule_kind.analytic_s(f_s, b_s, c.pp, c.v, c.m, p2p, w_s)
         if worst > self.capacity:
-            raise Rejected("memory", f"needs {worst / 2**30:.1f} GiB", worst)
-        p2p = self._p2p_s(c, part.bounds)
-        ar, opt = self._allreduce_opt(c, part.bounds, f_s, b_s)
-        it = c.schedule_kind.analytic_s(f_s, b_s, c.pp, c.v, c.m, p2p, w_s) + max(a + o for a, o in zip(ar, opt))
-        return self._finish(c, part.bounds, f_s, b_s, a_s, mems, p2p, ar, opt, sum(tpc), it, None, w_s, wb_s)
+            raise Rejected("memory", f"needs {worst / 2**30:.1f} GiB", worst, lower_s=pipeline, bounds=bounds)
+        ar, opt = self._allreduce_opt(c, bounds, f_s, b_s)
+        it = pipeline + max(a + o for a, o in zip(ar, opt))
+        return self._finish(c, bounds, f_s, b_s, a_s, mems, p2p, ar, opt, sum(tpc), it, None, w_s, wb_s)
 
     def _finish(self, c, bounds, f_s, b_s, a_s, mems, p2p, ar, opt, tpc, it, bubble, w_s=(), wb_s=()) -> Evaluation:
         flops, peak = self.model_flops(), self.hw.gpu.peak(c.peak_dtype)
@@ -294,26 +363,42 @@ class Evaluator:
         acc = self._cache[key]
         return [acc[b] - acc[a] for a, b in zip(bounds, bounds[1:])]
 
+    def _dp_collective_s(self, c: ParallelConfig, dense: float, experts: float, nbytes: float) -> float:
+        """An all-reduce of `nbytes` per parameter (half of it: a reduce-scatter or an all-gather) of a rank's `dense`
+        parameters over the data- and context-parallel ranks, then of its `experts` over the expert-data-parallel
+        ones (every ep-th rank of those holding different tokens; the tensor-parallel ones count under sp)."""
+        node = self.hw.cluster.gpus_per_node
+
+        def reduce_s(n: float, ranks: int, stride: int) -> float:
+            per_node = max(1, min(ranks, node // stride))
+            return allreduce_time(n * nbytes, per_node, ranks // per_node, self.hw.links) if ranks > 1 and n else 0.0
+
+        return reduce_s(dense, c.dp * c.cp, c.tp) + reduce_s(experts, c.expert_dp, c.ep * c.tp // c.sp_degree)
+
+    def dp_comm_floor(self, c: ParallelConfig) -> float:
+        """Under ZeRO-2/3 no iteration is shorter than the average rank's data-parallel communication, which its
+        stream runs whole, hidden or not: every microbatch's reduce-scatter, ZeRO-3's all-gathers before each
+        forward and backward (the search's bound; 0 below ZeRO-2)."""
+        if c.zero < 2:
+            return 0.0
+        experts = sum(expert_count(u, c) for u in self.units) / c.pp
+        dense = sum(param_count(u, c) for u in self.units) / c.pp - experts
+        num = c.numerics
+        return (c.m * self._dp_collective_s(c, dense, experts, num.grad_bytes / 2)
+                + (2 * c.m if c.zero == 3 else 1) * self._dp_collective_s(c, dense, experts, num.weight_bytes / 2))
+
     def _allreduce_opt(self, c: ParallelConfig, bounds: tuple[int, ...], f_s: tuple[float, ...],
                        b_s: tuple[float, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
         """Per rank: the data-parallel gradient reduction (the part left exposed under overlap) and the
         optimizer step."""
         ar, opt, num = [], [], c.numerics
         group = c.dp * c.cp  # gradients are reduced over the data- and context-parallel ranks (Megatron)
-        node = self.hw.cluster.gpus_per_node
-        # an expert's replicas: every ep-th rank of those holding different tokens (the tensor-parallel ranks count
-        # among them under sequence parallelism)
-        expert_stride = c.ep * c.tp // c.sp_degree
         params = self._stage_params(c, bounds)
         experts = self._stage_params(c, bounds, expert_count)
         hbm = self.hw.gpu.hbm_bw * self.hw.eff.hbm
 
-        def reduce_s(n: float, nbytes: float, ranks: int = group, stride: int = c.tp) -> float:
-            per_node = max(1, min(ranks, node // stride))
-            return allreduce_time(n * nbytes, per_node, ranks // per_node, self.hw.links) if ranks > 1 and n else 0.0
-
         def both_s(j: int, nbytes: float) -> float:  # the dense parameters' reduction, then the experts'
-            return reduce_s(params[j] - experts[j], nbytes) + reduce_s(experts[j], nbytes, c.expert_dp, expert_stride)
+            return self._dp_collective_s(c, params[j] - experts[j], experts[j], nbytes)
 
         place = c.placement
         for r in range(c.pp):

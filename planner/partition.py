@@ -74,16 +74,21 @@ def recomputed(recomputable: Sequence[int], n: int, lo: int, hi: int) -> Sequenc
 
 
 def _recompute_sums(inp: PartitionInput):
-    """(lo, hi) -> (seconds added, bytes per microbatch saved) by partial recomputation of stage lo..hi-1."""
+    """(lo, hi) -> (seconds added, bytes per microbatch saved) by partial recomputation of stage lo..hi-1 in O(1)
+    (None without partial recomputation)."""
     if not inp.recompute_first:
-        return lambda lo, hi: (0.0, 0.0)
-    R = inp.recomputable
+        return None
+    R, first = inp.recomputable, inp.recompute_first
+    before = [0] * (len(inp.time_s) + 1)  # recomputable units before index i
+    for i in R:
+        before[i + 1] = 1
+    before = list(accumulate(before))
     Rt = _prefix([inp.recompute_time_s[i] for i in R])
     Rb = _prefix([inp.recompute_saves[i] for i in R])
 
     def sums(lo: int, hi: int) -> tuple[float, float]:
-        a = bisect_left(R, lo)
-        b = a + len(recomputed(R, inp.recompute_first, lo, hi))
+        a = before[lo]
+        b = min(a + first, before[hi])
         return Rt[b] - Rt[a], Rb[b] - Rb[a]
 
     return sums
@@ -97,17 +102,18 @@ def _stage_bytes(inp: PartitionInput):
     Wb = _prefix(inp.weight_bytes) if inp.weight_bytes else [0.0] * len(S)
     pend = inp.w_pending if inp.weight_bytes else (0.0,) * len(fl)
     sums = _recompute_sums(inp)
-
-    def held(j: int, lo: int, hi: int) -> float:
-        return S[hi] - S[lo] + fl[j] * (A[hi] - A[lo] - sums(lo, hi)[1]) + pend[j] * (Wb[hi] - Wb[lo])
-
-    return held
+    if sums is None:
+        return lambda j, lo, hi: S[hi] - S[lo] + fl[j] * (A[hi] - A[lo]) + pend[j] * (Wb[hi] - Wb[lo])
+    return lambda j, lo, hi: (S[hi] - S[lo] + fl[j] * (A[hi] - A[lo] - sums(lo, hi)[1])
+                              + pend[j] * (Wb[hi] - Wb[lo]))
 
 
 def _stage_time(inp: PartitionInput):
     """(lo, hi) -> seconds of stage lo..hi-1 per microbatch, partial recomputation included. It never grows as the
     stage loses its first unit (the recomputation moves to a later unit of the same cost, or goes)."""
     T, sums = _prefix(inp.time_s), _recompute_sums(inp)
+    if sums is None:
+        return lambda lo, hi: T[hi] - T[lo]
     return lambda lo, hi: T[hi] - T[lo] + sums(lo, hi)[0]
 
 

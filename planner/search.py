@@ -9,6 +9,7 @@ the simulated times rank them.
 """
 from __future__ import annotations
 
+import heapq
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -233,9 +234,7 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                 for rc in RECOMPUTE:
                     if pins.recompute not in (None, rc) or (pins.recompute_layers and rc != "block"):
                         continue
-                    if RECOMPUTE[rc].partial and pins.engine == "torchtitan":  # its AC checkpoints every k-th block
-                        rejected["partial recomputation of the first blocks of each chunk: torchtitan does not "
-                                 "run it"] += 1
+                    if RECOMPUTE[rc].partial and pins.recompute != rc:  # priced where "none" does not fit (_fallbacks)
                         continue
                     layers = (pins.recompute_layers or 0) if RECOMPUTE[rc].partial else 0
                     for sp in ((False, True) if pins.sp is None else (pins.sp,)) if t > 1 else (False,):
@@ -262,12 +261,18 @@ def _optimistic_iteration(ev: Evaluator, c: ParallelConfig) -> float:
     work = [f + b for f, b in zip(fwd, bwd)]
     k = c.stages
     stage = max(sum(work) / k, max(work))
+    if c.recompute_mode.partial:  # every stage redoes at least one block (or recompute_layers of them)
+        redo = ev.unit_costs(replace(c, recompute="full", recompute_layers=0))[1]
+        stage += max(1, c.recompute_layers) * min((r - b for u, r, b in zip(ev.units, redo, bwd) if u.kind == "block"),
+                                                  default=0.0)
+    floor = ev.dp_comm_floor(c)  # ZeRO-2/3: the sharded collectives' own time
     if not c.schedule_kind.split_backward:
-        return c.schedule_kind.analytic_s((stage,) * k, (0.0,) * k, c.pp, c.v, c.m, 0.0, ())
+        return max(floor, c.schedule_kind.analytic_s((stage,) * k, (0.0,) * k, c.pp, c.v, c.m, 0.0, ()))
     # a split backward's bubble shrinks as W grows and F shrinks: the extreme shares of any unit bound it below
     f = stage * min((f / x for f, x in zip(fwd, work) if x), default=0.0)
     w = stage * max((w / x for w, x in zip(wgt, work) if x), default=0.0)
-    return c.schedule_kind.analytic_s((f,) * k, (stage - f,) * k, c.pp, c.v, c.m, 0.0, (min(w, stage - f),) * k)
+    return max(floor, c.schedule_kind.analytic_s((f,) * k, (stage - f,) * k, c.pp, c.v, c.m, 0.0,
+                                                 (min(w, stage - f),) * k))
 
 
 def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: int = 3,
@@ -281,34 +286,46 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
     if not pool:
         raise NoFeasibleConfig(_no_candidates_message(ev, pins, rejected))
     leanest: tuple[float, ParallelConfig] | None = None
-    bounded = []
+    bounded, deferred = [], []  # deferred: partial recomputation, ZeRO-2, -3 where less does not fit (_fallbacks)
     for c in pool:
-        for c in (c, *_more_sharding(c, pins)):  # ZeRO-2, -3 only where less sharding does not fit
+        for k, c in enumerate((c, *_fallbacks(c, pins))):
             need = ev.memory_lower_bound(c)
             if need <= ev.capacity:
-                bounded.append((_optimistic_iteration(ev, c), c))
+                (deferred if k else bounded).append((_optimistic_iteration(ev, c), c))
                 break
             rejected["memory (lower bound)"] += 1
             leanest = min(leanest or (need, c), (need, c), key=lambda x: x[0])
-    bounded.sort(key=lambda x: x[0])
     found: list[Evaluation] = []
-    for i, (lower, c) in enumerate(bounded):
+    # one queue by lower bound; what did not fit comes back with more recomputation or sharding (_fallbacks), priced
+    # only where it could beat the best found (not merely rank among the top)
+    heap = [(lower, i, c, False) for i, (lower, c) in enumerate(bounded)]
+    heap += [(lower, len(heap) + i, c, True) for i, (lower, c) in enumerate(deferred)]
+    heapq.heapify(heap)
+    seen, count = {c for _, _, c, _ in heap}, len(heap)
+    while heap:
+        lower, _, c, fallback = heapq.heappop(heap)
         if progress:
-            progress(i, len(bounded))
+            progress(count - len(heap) - 1, count)
         if len(found) >= top and lower >= found[top - 1].iteration_s:
-            rejected["cannot beat the top configurations"] += len(bounded) - i
+            rejected["cannot beat the top configurations"] += 1 + len(heap)
             break
-        for c in (c, *_more_sharding(c, pins)):
-            try:
-                found.append(ev.evaluate(c))
-                break
-            except Rejected as r:
-                rejected[r.reason] += 1
-                if r.need_bytes and (leanest is None or r.need_bytes < leanest[0]):
-                    leanest = (r.need_bytes, c)
-                if r.reason != "memory":
-                    break
-        found.sort(key=lambda e: e.iteration_s)
+        if fallback and found and lower >= found[0].iteration_s:
+            rejected["cannot beat the best configuration"] += 1
+            continue
+        try:
+            found.append(ev.evaluate(c))
+            found.sort(key=lambda e: e.iteration_s)
+        except Rejected as r:
+            rejected[r.reason] += 1
+            if r.need_bytes and (leanest is None or r.need_bytes < leanest[0]):
+                leanest = (r.need_bytes, c)
+            if r.reason == "memory":  # what only adds work to c is no faster than c would have been
+                for f in _fallbacks(c, pins):
+                    if f not in seen:
+                        seen.add(f)
+                        heapq.heappush(heap, (max(lower, r.lower_s, _optimistic_iteration(ev, _at_least(ev, f, r))),
+                                              count, f, True))
+                        count += 1
     if not found:
         raise NoFeasibleConfig(_no_fit_message(ev, leanest, rejected))
     simulated = [ev.simulate_config(e) for e in found[:simulate_top]]
@@ -328,12 +345,32 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
                         evaluated=len(found) + sum(rejected.values()), rejected=dict(rejected))
 
 
-def _more_sharding(c: ParallelConfig, pins: Pins) -> list[ParallelConfig]:
-    """ZeRO-2 then ZeRO-3 for a ZeRO-1 configuration the search chose (zero not pinned): sharding more only adds
-    communication, so it is priced only where less does not fit; the fxplanner runtime runs up to ZeRO-2."""
-    if pins.zero is not None or c.zero != 1:
-        return []
-    return [replace(c, zero=z) for z in range(2, 3 if pins.engine == "fxplanner" else 4)]
+def _at_least(ev: Evaluator, c: ParallelConfig, r: Rejected) -> ParallelConfig:
+    """For bounding a partial recomputation `c` whose sibling recomputing nothing was short of memory by what `r`
+    says: the count of blocks per chunk it needs on that sibling's partition, or, without one, as no block frees more
+    than the most any one does at the busiest microbatch count (a heuristic bound: another partition may need
+    fewer)."""
+    if not c.recompute_mode.partial or c.recompute_layers or r.need_bytes <= ev.capacity:
+        return c
+    if r.bounds:  # the partition that recomputing nothing took, and what it would need
+        return replace(c, recompute_layers=ev.least_recompute_on(c, r.bounds))
+    kept = ev.unit_costs(replace(c, recompute="none"))[3]
+    least = ev.unit_costs(replace(c, recompute="full"))[3]
+    frees = max((a - b for u, a, b in zip(ev.units, kept, least) if u.kind == "block"), default=0.0) * c.inflight(0)
+    return replace(c, recompute_layers=max(1, math.ceil((r.need_bytes - ev.capacity) / frees))) if frees else c
+
+
+def _fallbacks(c: ParallelConfig, pins: Pins) -> list[ParallelConfig]:
+    """What to price, in order, where `c` does not fit: partial recomputation of each chunk's first blocks for a
+    configuration that recomputes nothing (the least count that fits; not torchtitan's: its AC checkpoints every
+    k-th block), then ZeRO-2 and ZeRO-3 for a ZeRO-1 one (the fxplanner runtime runs up to ZeRO-2). Each only adds
+    work, so it is priced only where less does not fit, and only what the search chooses (none pinned)."""
+    out = []
+    if c.recompute == "none" and pins.recompute is None and pins.engine != "torchtitan":
+        out.append(replace(c, recompute="block"))
+    if pins.zero is None and c.zero == 1:
+        out += [replace(c, zero=z) for z in range(2, 3 if pins.engine == "fxplanner" else 4)]
+    return out
 
 
 def _no_candidates_message(ev: Evaluator, pins: Pins, rejected: Counter) -> str:
