@@ -257,8 +257,10 @@ class ParallelConfig:
 
     def unit_key(self) -> tuple:
         """The fields a unit's own time and memory depend on (the evaluator caches by it; cached FP8 weights' casts,
-        spread over the m microbatches, are added apart: UnitTime.weight_cast_s)."""
-        return (self.b, self.tp, self.cp, self.sp, self.tp_comm_overlap, self.recompute, self.precision, self.fp8,
+        spread over the m microbatches, are added apart: UnitTime.weight_cast_s). A partial recomputation mode prices
+        each unit as "none" does (RecomputeMode.partial)."""
+        recompute = "none" if self.recompute_mode.partial else self.recompute
+        return (self.b, self.tp, self.cp, self.sp, self.tp_comm_overlap, recompute, self.precision, self.fp8,
                 self.ep, self.expert_load, self.moe_dispatcher, self.moe_a2a_overlap)
 
     def __str__(self) -> str:

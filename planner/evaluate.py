@@ -151,9 +151,10 @@ class Evaluator:
             self._cache[key] = (sum(param_count(u, c) for u in self.units) - experts, experts,
                                 sum(fp8_weight_bytes(u, c) for u in self.units))
         dense, experts, copies = self._cache[key]
-        key = ("acts", c.unit_key())
-        if key not in self._cache:  # partial recomputation keeps at least what recomputing every block keeps
-            leanest = replace(c, recompute="full", recompute_layers=0) if c.recompute_mode.partial else c
+        # partial recomputation keeps at least what recomputing every block keeps
+        leanest = replace(c, recompute="full", recompute_layers=0) if c.recompute_mode.partial else c
+        key = ("acts", leanest.unit_key())
+        if key not in self._cache:
             self._cache[key] = sum(self.unit_costs(leanest)[3])
         num, params = c.numerics, dense + experts
         static = (c.kept(params, experts, 3) * num.weight_bytes + c.kept(params, experts, 2) * num.grad_bytes
@@ -167,7 +168,7 @@ class Evaluator:
             return self._evaluate(c)
         # partial recomputation with no count pinned: the least number of blocks per chunk that fits (memory falls
         # and time grows with it); none at all is mode "none", priced apart
-        none, full = (replace(c, recompute=r, recompute_layers=0) for r in ("none", "full"))
+        none = replace(c, recompute="none", recompute_layers=0)
         try:
             self._evaluate(none)
             raise Rejected("partial recomputation where nothing needs recomputing")
@@ -175,20 +176,14 @@ class Evaluator:
             if r.reason != "memory":
                 raise
             short, bounds = max(r.need_bytes - self.capacity, 0.0), r.bounds or self._fastest_bounds(none)
-        # counts up to twice a chunk's share of the blocks: beyond, it is (nearly) "full", priced on its own
-        most = min(len(self._blocks), 2 * math.ceil(len(self._blocks) / c.stages))
-        if bounds:  # the least count that fits the partition recomputing nothing took (or would take, memory aside:
-            # time-optimal for it; the recomputation adds about the same to every stage), priced on that partition
-            n = self.least_recompute_on(c, bounds)
-            try:
-                return self._price(replace(c, recompute_layers=n), bounds)
-            except Rejected:
-                pass  # not even recomputing its share of the blocks fits that partition: look for another
-        # otherwise a first guess from the shortfall (each recomputed block frees (plain - full) bytes per microbatch
-        # in flight), then the least count whose own partition fits
-        kept, least = self.unit_costs(none)[3], self.unit_costs(full)[3]
-        frees = max((kept[i] - least[i] for i in self._blocks), default=0.0) * c.inflight(0)
-        n = min(max(1, math.ceil(short / frees)) if frees else 1, most)
+        # the least count that fits the partition recomputing nothing took (or would take, memory aside: time-optimal
+        # for it; the recomputation adds about the same to every stage), priced on that partition
+        try:
+            return self._price(replace(c, recompute_layers=self.least_recompute_on(c, bounds)), bounds)
+        except Rejected:
+            pass  # not even recomputing its share of the blocks fits that partition: look for another
+        # then, from a first guess from the shortfall, the least count whose own partition fits
+        most, n = self._most_recomputed(c), self.recompute_guess(c, short)
         tried: dict[int, Evaluation | Rejected] = {}
 
         def attempt(k: int) -> Evaluation | Rejected:
@@ -223,10 +218,26 @@ class Evaluator:
         return partition(PartitionInput(time_s=tuple(f + b for f, b in zip(fwd, bwd)), static_bytes=zeros,
                                         activation_bytes=zeros, inflight=(0.0,) * k, cap_bytes=(1.0,) * k)).bounds
 
+    def _most_recomputed(self, c: ParallelConfig) -> int:
+        """The most blocks per chunk partial recomputation tries: twice a chunk's share (beyond, it is about "full",
+        priced on its own)."""
+        return min(len(self._blocks), 2 * math.ceil(len(self._blocks) / c.stages))
+
+    def recompute_guess(self, c: ParallelConfig, short: float, bounds: tuple[int, ...] = ()) -> int:
+        """A first count of blocks per chunk for partial recomputation `c` whose sibling recomputing nothing was
+        `short` bytes over: the least that fits `bounds` (that sibling's partition), or, without one, the shortfall
+        over what one block frees at the busiest microbatch count (each frees its plain less its full bytes)."""
+        if bounds:
+            return self.least_recompute_on(c, bounds)
+        kept = self.unit_costs(replace(c, recompute="none", recompute_layers=0))[3]
+        least = self.unit_costs(replace(c, recompute="full", recompute_layers=0))[3]
+        frees = max((kept[i] - least[i] for i in self._blocks), default=0.0) * c.inflight(0)
+        return min(max(1, math.ceil(short / frees)) if frees else 1, self._most_recomputed(c))
+
     def least_recompute_on(self, c: ParallelConfig, bounds: tuple[int, ...]) -> int:
         """The least count of blocks per chunk partial recomputation `c` needs to fit the partition `bounds` (its
-        rank memory only, no partition of its own; at most twice a chunk's share of the blocks)."""
-        most = min(len(self._blocks), 2 * math.ceil(len(self._blocks) / c.stages))
+        rank memory only, no partition of its own; at most _most_recomputed)."""
+        most = self._most_recomputed(c)
         stages = [range(a, b) for a, b in zip(bounds, bounds[1:])]
         for k in range(1, most + 1):
             ck = replace(c, recompute_layers=k)

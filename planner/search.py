@@ -232,11 +232,11 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                     rejected["more stages than units"] += 1
                     continue
                 for rc in RECOMPUTE:
-                    if pins.recompute not in (None, rc) or (pins.recompute_layers and rc != "block"):
+                    partial = RECOMPUTE[rc].partial  # priced where "none" does not fit (_fallbacks) unless pinned
+                    if pins.recompute not in (None, rc) or (pins.recompute_layers and not partial) or (
+                            partial and pins.recompute != rc):
                         continue
-                    if RECOMPUTE[rc].partial and pins.recompute != rc:  # priced where "none" does not fit (_fallbacks)
-                        continue
-                    layers = (pins.recompute_layers or 0) if RECOMPUTE[rc].partial else 0
+                    layers = (pins.recompute_layers or 0) if partial else 0
                     for sp in ((False, True) if pins.sp is None else (pins.sp,)) if t > 1 else (False,):
                         # Megatron-Core runs expert parallelism beside tensor parallelism only under sp
                         eps = ep_choices(experts, (t if sp else 1) * cp * d, pins, rejected) if sp or t == 1 else \
@@ -347,17 +347,11 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
 
 def _at_least(ev: Evaluator, c: ParallelConfig, r: Rejected) -> ParallelConfig:
     """For bounding a partial recomputation `c` whose sibling recomputing nothing was short of memory by what `r`
-    says: the count of blocks per chunk it needs on that sibling's partition, or, without one, as no block frees more
-    than the most any one does at the busiest microbatch count (a heuristic bound: another partition may need
-    fewer)."""
+    says: with the count of blocks per chunk it needs at least (Evaluator.recompute_guess; a heuristic bound: another
+    partition may need fewer)."""
     if not c.recompute_mode.partial or c.recompute_layers or r.need_bytes <= ev.capacity:
         return c
-    if r.bounds:  # the partition that recomputing nothing took, and what it would need
-        return replace(c, recompute_layers=ev.least_recompute_on(c, r.bounds))
-    kept = ev.unit_costs(replace(c, recompute="none"))[3]
-    least = ev.unit_costs(replace(c, recompute="full"))[3]
-    frees = max((a - b for u, a, b in zip(ev.units, kept, least) if u.kind == "block"), default=0.0) * c.inflight(0)
-    return replace(c, recompute_layers=max(1, math.ceil((r.need_bytes - ev.capacity) / frees))) if frees else c
+    return replace(c, recompute_layers=ev.recompute_guess(c, r.need_bytes - ev.capacity, r.bounds))
 
 
 def _fallbacks(c: ParallelConfig, pins: Pins) -> list[ParallelConfig]:

@@ -207,18 +207,23 @@ class GradSync:
 
     def _drain(self) -> None:
         """Wait for the launched ZeRO-2 reductions and add this rank's slice of each to its gradient shard."""
-        lo, hi = self.rank * self.shard_len, (self.rank + 1) * self.shard_len
         for bucket, flat, work in self._pending:
             if work is not None:
                 work.wait()
             at = 0
             for p in bucket.params:
-                o, n = self._offset[id(p)], local_tensor(p).numel()
-                a, b = max(o, lo), min(o + n, hi)
-                if a < b:
-                    self.shard[a - lo:b - lo] += flat[at + a - o:at + b - o].float()
-                at += n
+                if (span := self._in_shard(p)) is not None:
+                    mine, theirs = span
+                    self.shard[mine] += flat[at + theirs.start:at + theirs.stop].float()
+                at += local_tensor(p).numel()
         self._pending = []
+
+    def _in_shard(self, p: torch.nn.Parameter) -> tuple[slice, slice] | None:
+        """Where p's flattened elements meet this rank's shard of the flattened parameters: (the slice of the shard,
+        the slice of p), or None."""
+        lo, o = self.rank * self.shard_len, self._offset[id(p)]
+        a, b = max(o, lo), min(o + local_tensor(p).numel(), lo + self.shard_len)
+        return (slice(a - lo, b - lo), slice(a - o, b - o)) if a < b else None
 
     def _launch(self, bucket: _Bucket, async_op: bool) -> None:
         bucket.flat = torch.cat([self.grad(p).reshape(-1) for p in bucket.params])
@@ -334,10 +339,9 @@ class GradSync:
             if self.zero2:  # the shard of the summed gradients, with the whole ones' (shared, partial) slices
                 g = self.shard / (self.d * scale)
                 for p in self.shared:
-                    o = self._offset[id(p)]
-                    a, b = max(o, lo), min(o + local_tensor(p).numel(), lo + self.shard_len)
-                    if a < b:
-                        g[a - lo:b - lo] = self.grad(p).reshape(-1)[a - o:b - o].float() / scale
+                    if (span := self._in_shard(p)) is not None:
+                        mine, theirs = span
+                        g[mine] = self.grad(p).reshape(-1)[theirs].float() / scale
             else:
                 grads = torch.cat([self.grad(p).reshape(-1).float() for _, p in self.named]) / scale
                 g = torch.zeros(self.shard_len, dtype=torch.float32, device=grads.device)
