@@ -130,7 +130,7 @@ def run(tmp_path_factory) -> dict[str, Any]:
     for name, plan in plans.items():
         save_plan(plan, tmp / f"{name}.json")
     common = ["--steps", str(STEPS), "--optimizer", "adam"]
-    for _ in range(3):  # again when a loaded machine left no unit room in any bubble
+    for _ in range(5):  # again when a loaded machine left no unit room in any bubble, or overran one
         proc = torchrun(2, [*(str(tmp / f"{n}.json") for n in PLANS), *common, "--metrics", str(tmp / "fill.json")],
                         cwd=tmp)
         assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
