@@ -22,7 +22,7 @@ is recorded: tensor parallelism must divide the heads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch.fx as fx
 from torch import nn
@@ -205,9 +205,12 @@ def _heads(nodes: list[fx.Node], gm: fx.GraphModule, sources: Iterable[fx.Node])
     return Heads()
 
 
-def annotate_tp_roles(gm: fx.GraphModule, units: Iterable[list[fx.Node]]) -> list[Heads]:
+def annotate_tp_roles(gm: fx.GraphModule, units: Iterable[list[fx.Node]],
+                      splits: Callable[[fx.Node], bool] | None = None) -> list[Heads]:
     """Write node.meta[TP] for the nodes of each unit (a unit is a list of nodes in order); return
-    each unit's attention heads."""
+    each unit's attention heads. `splits`: whether the engine can split a linear's weight (the fxplanner runtime
+    splits nn.Linear modules only: an nn.MultiheadAttention's packed projections stay whole, and so does the region
+    between them, priced replicated as it runs)."""
     heads = []
     for nodes in units:
         for n in nodes:
@@ -225,6 +228,8 @@ def annotate_tp_roles(gm: fx.GraphModule, units: Iterable[list[fx.Node]]) -> lis
             widths = {shapes[s][1] for s in sources}
             taken = {lin for lin in shapes if lin.meta[TP] in ("col", "row")}
             if not sources or not sinks or (sources | sinks) & taken:
+                continue
+            if splits is not None and not all(map(splits, sources | sinks)):
                 continue
             if not _shardable(region, sources, widths, gm):
                 # a replicated branch (a latent normalized over its features, a rotary key shared by every head) may

@@ -355,7 +355,8 @@ def lower_units(gm: fx.GraphModule, root: nn.Module, engine: str = "fxplanner") 
     (passes.kernels: as traced, or as Megatron-Core's fused kernels run the same ops)."""
     groups = group_nodes(gm, root)
     moe_layers = expert_layers(root)
-    heads = annotate_tp_roles(gm, [nodes for _, _, nodes in groups])
+    heads = annotate_tp_roles(gm, [nodes for _, _, nodes in groups],
+                              splits=None if engine in ENGINE_KERNELS else lambda n: _linear_module(n, root) is not None)
     if engine in ENGINE_KERNELS:
         for _, _, nodes in groups:
             fuse_kernels(nodes)
@@ -429,16 +430,23 @@ def _kv_part(nodes: list[fx.Node], heads: Heads, gm: fx.GraphModule, core: set[s
                    wgrad_bytes=_tensor_bytes(_wgrad_tensors(kv), reach.__contains__), selective_bytes=Poly())
 
 
+def _linear_module(n: fx.Node, root: nn.Module) -> str | None:
+    """The path of the nn.Linear whose product `n` is (a call of the module, or an exported graph's linear
+    inside it), or None (a weight used elsewhere: an nn.MultiheadAttention's packed in_proj_weight)."""
+    if n.op not in ("call_module", "call_function"):
+        return None
+    path = str(n.target) if n.op == "call_module" else n.meta.get(MODULE, "")
+    try:
+        return path if path and isinstance(root.get_submodule(path), nn.Linear) else None
+    except AttributeError:
+        return None
+
+
 def _tp_layout(nodes: list[fx.Node], root: nn.Module) -> tuple[tuple[str, str], ...]:
     """Megatron pairs as torch.distributed.tensor.parallel styles, for the runtime."""
     styles = {"col": "colwise", "row": "rowwise"}
-    out = []
-    for n in nodes:
-        if n.meta[TP] in styles and n.op in ("call_module", "call_function"):
-            path = str(n.target) if n.op == "call_module" else n.meta.get(MODULE, "")
-            if path and isinstance(root.get_submodule(path), nn.Linear):
-                out.append((path, styles[n.meta[TP]]))
-    return tuple(out)
+    return tuple((path, styles[n.meta[TP]]) for n in nodes
+                 if n.meta[TP] in styles and (path := _linear_module(n, root)) is not None)
 
 
 def _tp_allreduces(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr, int]:

@@ -199,17 +199,20 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
         plan, result = make_plan(**{**args, "pins": replace(pins, sp=False)})
         plan.search.rejected[f"sequence parallelism, which the runtime cannot run for this model ({refusal[1]})"] = 1
         return plan, result
+    if refusal and pins.tp is None:  # so was tensor parallelism: the runtime splits nothing of this model
+        plan, result = make_plan(**{**args, "pins": replace(pins, tp=1)})
+        plan.search.rejected[f"tensor parallelism, which the runtime cannot run for this model ({refusal[1]})"] = 1
+        return plan, result
     if refusal:
         raise UserError(refusal[0])
     return plan, result
 
 
 def _runtime_refusal(model: str, model_args: dict[str, Any] | None, plan: Plan) -> tuple[str, str] | None:
-    """What the fxplanner runtime would refuse the plan's tensor-parallel split with (checked on meta tensors
-    where it matters: sequence parallelism, or an exported graph's weights), or None. Only for a model the runtime
-    can train (its file defines sample_batch and loss_fn)."""
+    """What the fxplanner runtime would refuse the plan's tensor-parallel split with (checked on meta tensors), or
+    None. Only for a model the runtime can train (its file defines sample_batch and loss_fn)."""
     c = plan.config
-    if c.tp <= 1 or c.cp > 1 or not (c.sp or plan.source.frontend == "export"):
+    if c.tp <= 1 or c.cp > 1:
         return None
     mf = load_model_file(model, model_args or {})
     if not (mf.has("sample_batch") and mf.has("loss_fn")):

@@ -56,7 +56,7 @@ from .fill_executor import GRACE_S
 from .groups import Groups, make_groups, make_shared_groups
 from .optim import GradSync, SavedBytes, local_tensor
 from .stage import (DTYPES, StageModule, TensorSpec, apply_tensor_parallel, boundary_specs, build_split,
-                    implicit_replication, stage_modules)
+                    stage_modules)
 
 __all__ = ["RunOptions", "NullFill", "FillHooks", "ActionError", "Executor", "prepare", "load_fill_client",
            "failure_text"]
@@ -196,7 +196,6 @@ class Executor:
         self.bubble_samples: dict[int, list[float]] = {}
         """Bubble id -> duration observed in step 0 (seconds, this rank)."""
         self.fill: Any = NullFill()
-        self.tp = groups.coords.tp_size > 1
         self.cuda = options.device.startswith("cuda")
         self.device_bytes = torch.cuda.get_device_properties(options.device).total_memory if self.cuda else 0
         self._slots = slots  # tags must agree between sender and receiver: from all stages' programs
@@ -265,13 +264,12 @@ class Executor:
 
     def _optimizer(self, st: _Step, a: Action) -> None:
         self._end_bubble(st)
-        with implicit_replication(self.tp):
-            if self.scaler is None:
-                self.sync.step()
-            elif self.scaler.update(self.sync.finite()):
-                self.sync.step(self.scaler.applied)
-            else:
-                self._skipped = True
+        if self.scaler is None:
+            self.sync.step()
+        elif self.scaler.update(self.sync.finite()):
+            self.sync.step(self.scaler.applied)
+        else:
+            self._skipped = True
 
     def _send_forward(self, st: _Step, a: Action) -> None:
         self._send(st, st.out_acts.pop((a.stage, a.mb)), a.stage + 1, self._tag(0, a.stage, a.mb))
@@ -325,34 +323,34 @@ class Executor:
                      if o.requires_grad]
             outputs, grads = [o for o, _ in pairs], [g for _, g in pairs]
         inputs = self._grad_values(stage.program.recv, received)
-        with implicit_replication(self.tp):
-            if not split:
-                if outputs:
-                    torch.autograd.backward(outputs, grads)
-            elif not any(x.requires_grad for x in inputs):  # the first stage: its whole backward runs at W (torch)
-                st.weight_grads[(k, mb)] = ("whole", outputs, grads)
-            else:
-                from torch.distributed.pipelining._backward import stage_backward_input
+        if not split:
+            if outputs:
+                torch.autograd.backward(outputs, grads)
+        elif not any(x.requires_grad for x in inputs):  # the first stage: its whole backward runs at W (torch)
+            st.weight_grads[(k, mb)] = ("whole", outputs, grads)
+        else:
+            from torch.distributed.pipelining._backward import stage_backward_input
 
-                weights = [p for p in self._stage_params[k] if p.requires_grad]
-                # torch detaches the outputs in place once done, which a view refuses (a T5 stage hands on one):
-                # such an output's backward starts at a copy of it instead (the gradient is the same)
-                outputs = [o.clone() if o._is_view() else o for o in outputs]
-                _, groups = stage_backward_input(outputs, grads, inputs, iter(weights))
-                st.weight_grads[(k, mb)] = ("weights", weights, groups)
+            weights = [p for p in self._stage_params[k] if p.requires_grad]
+            # torch detaches the outputs in place once done, which a view refuses (a T5 stage hands on one):
+            # such an output's backward starts at a copy of it instead (the gradient is the same)
+            outputs = [o.clone() if o._is_view() else o for o in outputs]
+            _, groups = stage_backward_input(outputs, grads, inputs, iter(weights))
+            st.weight_grads[(k, mb)] = ("weights", weights, groups)
         if k > 0:
             st.in_grads[(k, mb)] = [x.grad if x.grad is not None else torch.zeros_like(x) for x in inputs]
 
     def _backward_weight(self, st: _Step, k: int, mb: int) -> None:
         """W: the weights' gradients of a backward whose I ran (torch's stage_backward_weight)."""
         what, first, second = st.weight_grads.pop((k, mb))
-        with implicit_replication(self.tp):
-            if what == "weights":
-                from torch.distributed.pipelining._backward import stage_backward_weight
+        if what == "weights":
+            from torch.distributed.pipelining._backward import stage_backward_weight
 
-                stage_backward_weight(iter(first), second)
-            elif first:
-                torch.autograd.backward(first, second)
+            # groups of weights may share part of the graph (a tied weight used twice in a stage: T5's): each
+            # group's grad keeps it for the next; it is freed with this microbatch's references just after
+            stage_backward_weight(iter(first), second, retain_graph=True)
+        elif first:
+            torch.autograd.backward(first, second)
 
     def _hand_over(self, st: _Step, a: Action) -> None:
         """Pass what a compute produced to a neighbour stage on this rank (no SEND/RECV in the program)."""

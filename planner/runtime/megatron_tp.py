@@ -14,7 +14,8 @@ shard, guided by the shapes of a meta pass over the same split:
 The forward enters a column-parallel linear through Megatron's ``f`` (identity; all-reduce of the input
 gradient) and leaves a row-parallel one through ``g`` (all-reduce; identity backward). Every other weight
 is replicated and gets identical gradients on every tensor-parallel rank. An op the rules do not know
-applied to a split tensor makes ``plan_shards`` return None, and the caller runs the DTensor path.
+applied to a split tensor makes ``plan_shards`` return a Refusal naming it, and the plan is refused (at plan time:
+planner/runtime/stage.py tensor_parallel_refusal).
 
 Under sequence parallelism the values between the split linears hold 1/t of the sequence (``SeqParallel``).
 """
@@ -407,11 +408,16 @@ def call(piece: fx.GraphModule, module: nn.Module, args: tuple, *, before: fx.No
 
 
 def swap(piece: fx.GraphModule, node: fx.Node, module: nn.Module, args: tuple, prefix: str = "_sp") -> None:
-    """Replace `node` by a call of `module` on `args`."""
-    node.replace_all_uses_with(call(piece, module, args, before=node, prefix=prefix))
-    piece.graph.erase_node(node)
+    """Make `node` a call of `module` on `args`, in place: later rewrites that name the node (a replicated head's
+    output scattered again into the sequence) find it still."""
+    name = f"{prefix}{len(list(piece.named_children()))}"
+    piece.add_submodule(name, module)
+    node.op, node.target, node.kwargs = "call_module", name, {}
+    node.args = args
 
 
+ALONG = {"softmax", "log_softmax", "cumsum", "cumprod", "flip"}
+"""Ops that work along given dims (each slice of the others on its own): a split on another dim passes through."""
 NORMS = {"layer_norm", "LayerNorm", "rms_norm", "RMSNorm", "LlamaRMSNorm", "dropout", "Dropout", "Identity"}
 SEQ_POINTWISE = {"pow", "rsqrt", "mean", "to"}  # a norm written out (exported graphs): per position (mean: of h)
 
@@ -428,6 +434,7 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
     source: dict[str, str] = {}  # sharded node -> the column-parallel linear it comes from
     seq: dict[str, int] = {}  # node -> its sequence dim, split over t (sequence parallelism)
     tuples: dict[str, int] = {}  # unbind/split result -> sharded dim of its items
+    factor: dict[str, int] = {}  # sharded node -> row groups its source's features were split into before it
     local: set[str] = set()  # ints read off sharded tensors: already this rank's sizes
     rewrites: list = []
     graph = piece.graph
@@ -456,7 +463,7 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
         raise _Unsupported(node.name)
 
     def group_of(node: fx.Node, g: int, replicas: int = 1) -> None:
-        src = source[node.name]
+        src, g = source[node.name], g * factor.get(node.name, 1)
         rows = colwise.setdefault(src, Rows(g, replicas))
         if (rows.groups, rows.replicas) != (g, replicas):
             raise _Unsupported(f"{src}: rows needed in {rows.groups} and {g} groups")
@@ -498,10 +505,17 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
             if styles[path] == "colwise":
                 if ins:
                     raise _Unsupported(f"{path} reads a sharded input")
+                dims = [seq[a.name] for a in in_seq]
+                x0 = n.args[0] if isinstance(n.args[0], fx.Node) else None
+                if sp and not in_seq and x0 is not None and len(shape(x0)) == 3 and shape(x0)[1] % t == 0:
+                    # the whole sequence (a replicated linear's output, ALBERT's shared layer called first on it):
+                    # this rank's part joins the split, so every call of the module reads the sequence so
+                    rewrites.append(("wrap", n, x0, "scatter", 1))
+                    dims = [1]
                 if exported:
-                    rewrites.append(("weight", path, n, seq[in_seq[0].name] if in_seq else None))
-                for a in in_seq:  # the sequence, all-gathered into the tensor-parallel region by the linear
-                    rewrites.append(("gathered", path, seq[a.name]))
+                    rewrites.append(("weight", path, n, dims[0] if dims else None))
+                for d in dims:  # the sequence, all-gathered into the tensor-parallel region by the linear
+                    rewrites.append(("gathered", path, d))
                 sharded[n.name], source[n.name] = len(shape(n)) - 1, path
             else:
                 if len(ins) != 1 or sharded[ins[0].name] != len(shape(ins[0])) - 1:
@@ -517,6 +531,8 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
             continue
         if n.op == "call_function" and n.target is operator.getitem and n.args[0].name in tuples:
             sharded[n.name], source[n.name] = tuples[n.args[0].name], source[n.args[0].name]
+            if n.args[0].name in factor:
+                factor[n.name] = factor[n.args[0].name]
             continue
         if kind in ("assert_tensor_metadata", "sym_size"):  # checks dtype and device only / reads the batch
             continue
@@ -630,7 +646,33 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                 group_of(x, shape(x)[dim] // whole)
                 rewrites.append((n, lambda new, n=n: setattr(n, "args", (n.args[0], new, *n.args[2:])),
                                  divided(size, n)))
+                factor[n.name] = factor.get(x.name, 1) * (shape(x)[dim] // whole)  # q | k | v, each of its heads
             tuples[n.name] = dim
+        elif kind == "flatten":  # (..., heads, head_dim) merged back into features: the heads dim leads
+            start, end = (_dims(n, 1, 0), _dims(n, 2, -1))
+            start, end = start % len(shape(x)), end % len(shape(x))
+            if start < dim <= end:
+                raise _Unsupported(f"{n.name}: merges a split dim into the one before it")
+            sharded[n.name] = dim if dim <= start else dim - (end - start)
+        elif kind == "repeat_interleave":  # grouped keys/values repeated for the heads: each rank its own heads'
+            along = _dims(n, 2, None)
+            if along is None or not isinstance(n.args[1] if len(n.args) > 1 else n.kwargs.get("repeats"), int):
+                raise _Unsupported(f"{n.name}: repeats of a flattened or per-element count")
+            replicas = colwise[source[x.name]].replicas if source[x.name] in colwise else 1
+            if along % len(shape(x)) == dim and replicas > 1:  # one whole kv head on each of `replicas` ranks:
+                repeats = (n.args[1] if len(n.args) > 1 else n.kwargs["repeats"])  # repeat it for this rank's heads
+                if repeats % replicas:
+                    raise _Unsupported(f"{n.name}: {repeats} repeats over {replicas} ranks of one kv head")
+                rewrites.append((n, lambda new, n=n: _set_arg(n, 1, "repeats", new), repeats // replicas))
+            sharded[n.name] = dim
+        elif kind in ALONG:  # per slice along dim(s): any but the split one
+            along = _dims(n, 1, -1)
+            along = along if isinstance(along, (tuple, list)) else [along]
+            if any(not isinstance(d, int) or d % len(shape(x)) == dim for d in along):
+                raise _Unsupported(f"{n.name}: {kind} along the split dim")
+            sharded[n.name] = dim
+        elif kind == "getitem" and n.args[0] is x:  # indexing: ints drop dims, full slices keep them, None adds one
+            sharded[n.name] = _indexed_dim(n, dim, len(shape(x)))
         elif kind in ("matmul", "attention", "ContextParallelAttention") or kind in ELEMENTWISE:
             rank_ = len(shape(x))
             for other in n.all_input_nodes:
@@ -646,3 +688,44 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
             raise _Unsupported(f"{n.name}: {kind}")
         source.setdefault(n.name, source[x.name])
     return rewrites, outputs
+
+
+def _dims(n: fx.Node, i: int, default: Any) -> Any:
+    """Positional argument i of a node (a dim), else its keyword (dim, start_dim, end_dim), else the default."""
+    if len(n.args) > i:
+        return n.args[i]
+    names = {1: ("dim", "start_dim"), 2: ("dim", "end_dim")}.get(i, ())
+    return next((n.kwargs[k] for k in names if k in n.kwargs), default)
+
+
+def _set_arg(n: fx.Node, i: int, key: str, value: Any) -> None:
+    if len(n.args) > i:
+        n.args = (*n.args[:i], value, *n.args[i + 1:])
+    else:
+        n.kwargs = {**n.kwargs, key: value}
+
+
+def _indexed_dim(n: fx.Node, dim: int, ndim: int) -> int:
+    """Where the split dim `dim` of an `ndim`-dim tensor lands after indexing it with the node's index; raises
+    _Unsupported when the index selects within that dim."""
+    index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
+    if any(i is Ellipsis for i in index):
+        at = index.index(Ellipsis)
+        fill = ndim - sum(1 for i in index if i is not None and i is not Ellipsis)
+        index = (*index[:at], *([slice(None)] * fill), *index[at + 1:])
+    src, out = 0, 0
+    for i in index:
+        if i is None:
+            out += 1
+            continue
+        if src == dim:
+            if not (isinstance(i, slice) and i == slice(None)):
+                raise _Unsupported(f"{n.name}: indexes the split dim")
+            return out
+        if isinstance(i, int):
+            src += 1
+        elif isinstance(i, slice):
+            src, out = src + 1, out + 1
+        else:
+            raise _Unsupported(f"{n.name}: index {i!r}")
+    return out + (dim - src)

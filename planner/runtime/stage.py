@@ -17,19 +17,17 @@ traced and split the same way, and run on meta inputs of one microbatch; every r
 so the receiver of a p2p transfer knows shape and dtype without a handshake. Non-tensor boundary
 values (Python ints of shapes) are constants of that pass and never travel.
 
-Tensor (and sequence) parallelism: Megatron's layout on local shards where the pieces' ops allow it
-(planner/runtime/megatron_tp.py: attention split by heads, sizes rewritten from a meta shape pass);
-otherwise the plan's linears get DTensor ``ColwiseParallel`` / ``RowwiseParallel``, every other parameter
-becomes a replicated DTensor, and an op whose sharding DTensor cannot propagate runs on replicated inputs
-(attention then runs whole on each TP rank). Stage outputs leave as full tensors.
+Tensor (and sequence) parallelism: Megatron's layout on local shards (planner/runtime/megatron_tp.py: attention
+split by heads, sizes rewritten from a meta shape pass). A plan whose split those rules cannot place is refused, at
+plan time (tensor_parallel_refusal) and again here, naming the op and its source line: nothing runs unlike it was
+priced. Stage outputs leave as full tensors.
 """
 from __future__ import annotations
 
 import re
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -51,7 +49,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Plan precision -> the dtype the runtime's parameters and activations take."""
 
 __all__ = ["Piece", "StageProgram", "TensorSpec", "SplitModel", "StageModule", "build_split", "boundary_specs",
-           "stage_modules", "apply_tensor_parallel", "tensor_parallel_refusal", "implicit_replication"]
+           "stage_modules", "apply_tensor_parallel", "tensor_parallel_refusal"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -300,56 +298,6 @@ class _InnerShapes(fx.Interpreter):
 # Stage modules
 
 
-@contextmanager
-def implicit_replication(enabled: bool = True) -> Iterator[None]:
-    """DTensor ops treat plain tensors (masks, aranges) as replicated; reentrant, unlike torch's."""
-    if not enabled:
-        yield
-        return
-    from torch.distributed.tensor import DTensor
-
-    dispatcher = DTensor._op_dispatcher
-    old = dispatcher._allow_implicit_replication
-    dispatcher._allow_implicit_replication = True
-    try:
-        yield
-    finally:
-        dispatcher._allow_implicit_replication = old
-
-
-class _ReplicatingInterpreter(fx.Interpreter):
-    """Runs a piece on DTensors; an op whose sharding cannot propagate runs on replicated inputs."""
-
-    def __init__(self, module: fx.GraphModule, replicate: set[str]) -> None:
-        super().__init__(module)
-        self.replicate = replicate  # node names that needed it before; shared across calls
-
-    def run_node(self, n: fx.Node) -> Any:
-        if n.name not in self.replicate:
-            try:
-                return super().run_node(n)
-            except RuntimeError as exc:
-                if not _is_sharding_error(exc):
-                    raise
-                self.replicate.add(n.name)  # deterministic: every TP rank takes the same path
-        args, kwargs = self.fetch_args_kwargs_from_env(n)
-        args, kwargs = torch.utils._pytree.tree_map(_replicated, (args, kwargs))
-        return getattr(self, n.op)(n.target, args, kwargs)
-
-
-def _is_sharding_error(exc: RuntimeError) -> bool:
-    text = str(exc)
-    return "redistribute" in text or "haring propagation" in text or "unevenly sharded" in text
-
-
-def _replicated(x: Any) -> Any:
-    from torch.distributed.tensor import DTensor, Replicate
-
-    if isinstance(x, DTensor) and any(not pl.is_replicate() for pl in x.placements):
-        return x.redistribute(x.device_mesh, [Replicate()] * x.device_mesh.ndim)
-    return x
-
-
 class StageModule(nn.Module):
     """One virtual stage: its pieces and the top-level weights it reads, plus the program to run."""
 
@@ -377,8 +325,6 @@ class StageModule(nn.Module):
         self._constants = {name: constants[name] for name in self.program.recv if name in constants}
         self.names = {local: split.canonical[id(p)] for local, p in self.named_parameters(remove_duplicate=False)}
         """Local parameter name -> canonical name in the model."""
-        self.tp_mesh = None
-        self._replicate: dict[str, set[str]] = {}
         self.probe: Callable[[tuple[Any, ...]], None] | None = None  # sees the inputs a checkpoint keeps
         self.tp_sharded: set[str] = set()  # modules split Megatron's way (megatron_tp), on local tensors
         self.tp_full: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {}  # id(param) -> gather of the whole
@@ -390,22 +336,18 @@ class StageModule(nn.Module):
     def run(self, received: dict[str, Any], data: Sequence[Any]) -> tuple[list[Any], Any]:
         """Evaluate the stage: returns (values to send, model output or None)."""
         env: dict[str, Any] = dict(self._constants)
-        env.update({k: self._wrap_input(v) for k, v in received.items()})
-        with implicit_replication(self.tp_mesh is not None):
-            for node in self._nodes:
-                if node.name in env:
-                    continue
-                env[node.name] = self._eval(node, env, data)
-            sends = [self._unwrap(env[name]) for name in self.program.send]
-            out = None
-            if self.program.last:
-                out = torch.utils._pytree.tree_map(self._unwrap, fx.node.map_arg(self._output.args[0],
-                                                                                  lambda n: env[n.name]))
+        env.update(received)
+        for node in self._nodes:
+            if node.name in env:
+                continue
+            env[node.name] = self._eval(node, env, data)
+        sends = [env[name] for name in self.program.send]
+        out = fx.node.map_arg(self._output.args[0], lambda n: env[n.name]) if self.program.last else None
         return sends, out
 
     def _eval(self, node: fx.Node, env: dict[str, Any], data: Sequence[Any]) -> Any:
         if node.op == "placeholder":
-            return self._wrap_input(data[self._placeholders.index(node.name)])
+            return data[self._placeholders.index(node.name)]
         if node.op == "get_attr":
             if _key(node.target) in self.attr_params:
                 return self.attr_params[_key(node.target)]
@@ -419,28 +361,11 @@ class StageModule(nn.Module):
 
     def _call_piece(self, name: str, args: tuple[Any, ...]) -> Any:
         fn: Callable[..., Any] = self.pieces[name]
-        if self.tp_mesh is not None:
-            interp = _ReplicatingInterpreter(self.pieces[name], self._replicate.setdefault(name, set()))
-            fn = interp.run
         if name in self._checkpointed and torch.is_grad_enabled():
             if self.probe is not None:
                 self.probe(args)
             return checkpoint(fn, *args, use_reentrant=False)
         return fn(*args)
-
-    def _wrap_input(self, x: Any) -> Any:
-        if self.tp_mesh is None or not isinstance(x, torch.Tensor):
-            return x
-        from torch.distributed.tensor import DTensor, Replicate
-
-        return x if isinstance(x, DTensor) else DTensor.from_local(x, self.tp_mesh, [Replicate()], run_check=False)
-
-    @staticmethod
-    def _unwrap(x: Any) -> Any:
-        from torch.distributed.tensor import DTensor
-
-        return x.full_tensor() if isinstance(x, DTensor) else x
-
 
 def _key(target: Any) -> str:
     return str(target).replace(".", "__")
@@ -461,21 +386,16 @@ def stage_modules(split: SplitModel, pipeline_rank: int, constants: dict[str, An
 
 def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module, tp_mesh: Any,
                           shapes: dict[str, dict[str, Any]] | None = None) -> None:
-    """Shard the plan's linears over ``tp_mesh``.
-
-    First choice, Megatron's layout on local tensors (planner.runtime.megatron_tp): attention split by heads,
-    the MLP by its hidden features, every other weight replicated; it needs the pieces' meta `shapes`
-    (boundary_specs with `inner`). Where a piece does something to a sharded tensor that layout's rules do not
-    know, every stage falls back to DTensor: the plan's linears get ``ColwiseParallel`` / ``RowwiseParallel``,
-    every other parameter becomes a replicated DTensor, and an op whose sharding DTensor cannot propagate runs
-    replicated (attention then runs whole on every rank).
-    """
+    """Shard the plan's linears over ``tp_mesh``, Megatron's way on local tensors (planner.runtime.megatron_tp):
+    attention split by heads, the MLP by its hidden features, every other weight replicated; it needs the pieces'
+    meta `shapes` (boundary_specs with `inner`). A piece doing something to a sharded tensor that the rules do not
+    know refuses the plan (UserError naming the op and source line)."""
     from .megatron_tp import apply_shards
 
     paths = {id(m): path for path, m in root.named_modules()}
     t, rank, group = tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh.get_group()
     work, colwise, refused = _megatron_layout(stages, plan, paths, t, shapes)
-    if work:
+    if _runs(work, plan):
         for st, piece, mine, rewrites in work:
             done, partial, weights, attr_partial = apply_shards(piece, rewrites, colwise, mine, paths, t, rank, group)
             for path, module in done.items():
@@ -485,11 +405,12 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
             for path, style, rows in weights:
                 _shard_attr(st, path, style, rows, t, rank, group)
             st.tp_partial.extend((st.attr_params[_key(k)], t) for k in attr_partial if _key(k) in st.attr_params)
+        for st in stages:  # a linear wrapped whole (a replicated head reading the split sequence): its old name
+            found = list(st.named_parameters(remove_duplicate=False))
+            known = {id(p): st.names[n] for n, p in found if n in st.names}
+            st.names.update({n: known[id(p)] for n, p in found if n not in st.names and id(p) in known})
         return
-    why = _refusal(stages, plan, refused)
-    if why:
-        raise UserError(why)
-    _dtensor_parallel(stages, plan, root, tp_mesh)
+    raise UserError(_refusal(stages, plan, refused))
 
 
 def _megatron_layout(stages: list[StageModule], plan: Plan, paths: dict[int, str], t: int,
@@ -540,10 +461,9 @@ def _megatron_layout(stages: list[StageModule], plan: Plan, paths: dict[int, str
     return work, colwise, refused
 
 
-def _refusal(stages: list[StageModule], plan: Plan, refused: Any) -> str | None:
-    """Where Megatron's layout does not apply, the sentence refusing the plan (an exported graph's weights, or
-    sequence or context parallelism, have no DTensor fallback), naming the op and its source line; None: DTensor
-    runs it."""
+def _refusal(stages: list[StageModule], plan: Plan, refused: Any) -> str:
+    """Where Megatron's layout does not apply, the sentence refusing the plan, naming the op and its source
+    line."""
     op = _refused_op(refused, plan.source.model_file)
     if any(_key(f"{path}.weight") in st.attr_params for st in stages for path in plan.partition[st.index].tensor_parallel):
         return (f"this model runs from its torch.export graph, and it applies an op to a split tensor that the "
@@ -554,7 +474,9 @@ def _refusal(stages: list[StageModule], plan: Plan, refused: Any) -> str | None:
         return (f"the plan runs {what} parallelism, but this model's graph applies an op to a split tensor that the "
                 f"runtime's Megatron layout does not know ({op}; planner/runtime/megatron_tp.py); re-plan with {fix} "
                 "to run it here")
-    return None
+    return (f"the plan splits this model over {plan.config.tp} tensor-parallel ranks, but its graph applies an op to a "
+            f"split tensor that the runtime's Megatron layout does not know ({op}; planner/runtime/megatron_tp.py); "
+            "re-plan with --tp 1 to run it here, or export the plan to Megatron-LM or torchtitan (`planner export`)")
 
 
 def tensor_parallel_refusal(plan: Plan, model_file: ModelFile) -> tuple[str, str] | None:
@@ -572,8 +494,13 @@ def tensor_parallel_refusal(plan: Plan, model_file: ModelFile) -> tuple[str, str
     stages = [StageModule(split, prog.stage, constants) for prog in split.programs]
     paths = {id(m): path for path, m in meta.named_modules()}
     work, _, refused = _megatron_layout(stages, plan, paths, plan.config.tp, inner)
-    why = None if work else _refusal(stages, plan, refused)
-    return (why, _refused_op(refused, plan.source.model_file)) if why else None
+    return None if _runs(work, plan) else (_refusal(stages, plan, refused), _refused_op(refused, plan.source.model_file))
+
+
+def _runs(work: list | None, plan: Plan) -> bool:
+    """Whether the Megatron layout placed every op; under sequence parallelism it must also split something (a
+    model whose layout splits no module would only be credited with a split that never happens)."""
+    return bool(work) or (work is not None and not plan.config.sp)
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
@@ -635,43 +562,3 @@ def _result_users(node: fx.Node) -> list[tuple[int, str]]:
 def _returns_tuple(piece: fx.GraphModule) -> bool:
     out = next(n for n in piece.graph.nodes if n.op == "output")
     return isinstance(out.args[0], (tuple, list))
-
-
-def _dtensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module, tp_mesh: Any) -> None:
-    """The plan's linears as DTensor Colwise/RowwiseParallel; every other parameter a replicated DTensor. A
-    parameter shared by two stages of this rank stays one object (memo by identity)."""
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    for st in stages:
-        for path, style in plan.partition[st.index].tensor_parallel.items():
-            target = _submodule(root, path, st.index)
-            found = [(piece, name) for piece in st.pieces.values() for name, child in piece.named_children()
-                     if child is target]
-            if not found:
-                raise UserError(f"stage {st.index} of the plan shards {path!r}, which that stage does not run")
-            for piece, name in found:
-                parallelize_module(piece, tp_mesh, {name: styles[style](use_local_output=False)})
-        st.tp_mesh = tp_mesh
-    memo: dict[int, nn.Parameter] = {}
-    for st in stages:
-        for module in st.modules():
-            for name, param in list(module._parameters.items()):
-                if param is None or isinstance(param, DTensor):
-                    continue
-                if id(param) not in memo:
-                    local = DTensor.from_local(param.detach(), tp_mesh, [Replicate()], run_check=False)
-                    memo[id(param)] = nn.Parameter(local, requires_grad=param.requires_grad)
-                module._parameters[name] = memo[id(param)]
-
-
-def _submodule(root: nn.Module, path: str, stage: int) -> nn.Module:
-    try:
-        module = root.get_submodule(path)
-    except AttributeError:
-        raise UserError(f"stage {stage} of the plan shards {path!r}, which the model does not have") from None
-    if not isinstance(module, (nn.Linear, nn.Embedding)):
-        raise UserError(f"stage {stage} of the plan shards {path!r}, a {type(module).__name__}; only nn.Linear "
-                        "and nn.Embedding can be split by torch.distributed.tensor.parallel")
-    return module

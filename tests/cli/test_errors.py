@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from planner.cli import app
-from tests.conftest import EXAMPLES, FIXTURES
+from tests.conftest import EXAMPLES, FIXTURES, ROOT
 
 runner = CliRunner()
 
@@ -46,11 +46,16 @@ def run(*args: str):
      "cannot write plan /nonexistent-folder/plan.json: folder /nonexistent-folder does not exist"),
     (["calibrate", str(EXAMPLES / "mlp.py"), "--measure", "--no-comm", "-o", "/nonexistent-folder/cal.json"],
      "cannot write calibration /nonexistent-folder/cal.json: folder /nonexistent-folder does not exist"),
+    # issue 22: a tensor-parallel split the runtime cannot run is refused at plan time, naming the op and its line
+    (["plan", str(ROOT / "tests" / "runtime" / "fixtures" / "cumsum_mlp.py"), "--gpus", "2", "--gpus-per-node", "2",
+      "--tp", "2", "--global-batch", "4", "--model-arg", "preset=tiny", "--model-arg", "layers=2"],
+     "`cumsum` (cumsum along the split dim) at " + str(ROOT / "tests" / "runtime" / "fixtures" / "cumsum_mlp.py")
+     + ":14"),
 ])
 def test_bad_input_is_one_clear_message(args, needle):
     result, text = run(*args)
     assert result.exit_code != 0
-    assert needle in text
+    assert needle in " ".join(text.split())  # (rich wraps a long sentence at spaces)
     assert "Traceback" not in text
     assert len(text.strip().splitlines()) < 5
 
@@ -105,6 +110,20 @@ def test_an_edited_plan_is_refused_on_every_load_with_one_sentence(plan_file, tm
     assert "Traceback" not in text and len(text.strip().splitlines()) < 5
 
 
+@pytest.mark.parametrize("args,needle", [
+    (["launch", "{plan}", "--local"], "local launch: 16 rank processes on"),  # 16 ranks, beyond what this machine holds
+    (["validate", "{plan}", "--metrics", "{other}"], "holds runs of other plans than"),  # metrics of another plan
+    (["refit", "{plan}", "--measured", "{other}"], "holds runs of other plans than"),
+])
+def test_a_plan_and_what_its_commands_are_given_must_match(plan_file, args, needle):
+    """Issue 22: a launch this machine cannot hold, and metrics from another plan (tests/fixtures/
+    metrics_other_plan.json: a real run of a CNN), are one sentence each."""
+    other = FIXTURES / "metrics_other_plan.json"
+    result, text = run(*(a.format(plan=plan_file, other=other) for a in args))
+    assert result.exit_code != 0 and needle in " ".join(text.split()), text
+    assert "Traceback" not in text and len(text.strip().splitlines()) < 5
+
+
 def test_outputs_into_a_missing_folder_are_one_sentence_and_nothing_is_half_written(tmp_path):
     plan = tmp_path / "plan.json"
     made, _ = run("plan", str(EXAMPLES / "mlp.py"), "--gpus", "2", "-o", str(plan))
@@ -121,3 +140,18 @@ def test_rich_markup_in_a_message_is_printed_as_written(tmp_path):
     bad = tmp_path / "[bold]weird[/bold].py"
     result, text = run("profile", str(bad))
     assert result.exit_code != 0 and "[bold]weird[/bold].py" in text
+
+
+def test_a_torchtitan_check_of_another_models_config_is_one_sentence(tmp_path):
+    """Issue 22: `export --to torchtitan --check` of a 40-layer Llama plan against llama3_8b (32 layers) is refused."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    pytest.importorskip("torchtitan", reason="the engines extra is not installed")
+    plan = tmp_path / "plan.json"
+    made, text = run("plan", str(EXAMPLES / "hf_llama.py"), "--gpus", "64", "--model-arg", "layers=40",
+                     "-o", str(plan))
+    assert made.exit_code == 0, text
+    result, text = run("export", str(plan), "--to", "torchtitan", "--titan-module", "llama3", "--titan-config",
+                       "llama3_8b", "--check")
+    assert result.exit_code != 0 and "Traceback" not in text, text
+    (error,) = " ".join(text.split()).split("error: ")[1:]  # after the export's notes, one sentence
+    assert "llama3_8b builds 32 layers of width 4096, the plan's model 40" in error

@@ -94,8 +94,13 @@ def test_every_linear_of_a_block_is_tensor_parallel(priced):
     block = next(u for u in prof.units if u.kind == "block")
     roles = Counter(n.meta[TP] for n in ctx.gm.graph.nodes if n.meta.get(UNIT) == block.index)
     cols = {"gpt2": 2, "bert": 4}.get(family, 5)  # GPT-2's fused c_attn; BERT's q, k, v, intermediate
+    if family == "gpt2":  # Conv1D is no nn.Linear: the fxplanner runtime cannot split it, so neither is it priced
+        assert (roles["col"], roles["row"], block.tp_layout) == (0, 0, ())  # split; Megatron's own linears are:
+        prof, ctx = analyze(EXAMPLES / "hf_gpt2.py", {"layers": 2, "seq": SEQ}, engine="megatron")
+        block = next(u for u in prof.units if u.kind == "block")
+        roles = Counter(n.meta[TP] for n in ctx.gm.graph.nodes if n.meta.get(UNIT) == block.index)
     assert (roles["col"], roles["row"]) == (cols, 2)
-    if family != "gpt2":  # GPT-2's Conv1D is no nn.Linear: the runtime's DTensor styles do not apply to it
+    if family != "gpt2":
         assert len(block.tp_layout) == cols + 2
     t = 5 if family == "gpt2" else 2  # GPT-2 XL has 25 heads
     assert tp_reason(t, [(block.heads, block.kv_heads)]) is None

@@ -69,22 +69,23 @@ def test_what_cannot_be_drawn_apart_is_aggregated_and_said(wide, small, tmp_path
     assert draw_plan(wide, str(path)) == note and path.stat().st_size > 10_000
 
 
-def test_at_p32_a_bubbles_filled_share_is_drawn_in_the_fills_colour():
-    """Issue 22: charts show fill at p = 32 too, where each column is a mix: the filled share of a bubble is drawn
-    in the fill's colour instead of the bubble's."""
+@pytest.mark.parametrize("p", [8, 32])
+def test_at_p8_and_p32_a_bubbles_filled_share_is_drawn_in_the_fills_colour(p):
+    """Issue 22: charts show fill at p = 8 and 32 too, where each column is a mix: the filled share of a bubble is
+    drawn in the fill's colour instead of the bubble's."""
     import numpy as np
 
     from planner.chart import _binned, _filled, plan_simulation
 
-    plan = make_plan(str(EXAMPLES / "gpt.py"), gpus=256, global_batch=256, target="a100-80gb",
+    plan = make_plan(str(EXAMPLES / "gpt.py"), gpus=8 * p, global_batch=256, target="a100-80gb",
                      fill=load_fill_spec(EXAMPLES / "fill" / "jobs.yaml"),
-                     pins=Pins(tp=8, pp=32, b=1, schedule="1f1b", recompute="selective", sp=True))[0]
+                     pins=Pins(tp=8, pp=p, b=1, schedule="1f1b", recompute="selective", sp=True))[0]
     filled = _filled(plan)
     assert filled and all(0 < share <= 1 for share in filled.values())
     assert {r for r, _ in filled} == {c.rank for c in plan.fill.chunks}
     sim = plan_simulation(plan)
-    with_fill, without = _binned(sim, 32, 200, filled), _binned(sim, 32, 200)
-    changed = {r for r in range(32) if not np.allclose(with_fill[r], without[r])}
+    with_fill, without = _binned(sim, p, 200, filled), _binned(sim, p, 200)
+    changed = {r for r in range(p) if not np.allclose(with_fill[r], without[r])}
     assert changed == {r for r, _ in filled}
     _, note = figure(plan)
     assert "the share fill runs in as fill" in note

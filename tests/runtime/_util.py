@@ -90,7 +90,7 @@ def reference(model: Path, model_args: dict[str, Any], *, global_batch: int, ste
     for step in range(steps):
         net.zero_grad(set_to_none=True)
         inputs, targets = mf.call("sample_batch", global_batch, step)
-        out = net(*inputs)
+        out = net(*(i.to(dtype) if i.is_floating_point() else i for i in inputs))  # as the runtime casts them
         loss = mf.module.loss_fn(out.float() if isinstance(out, torch.Tensor) else out, targets)
         loss.backward()
         if step in skip:

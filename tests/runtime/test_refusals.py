@@ -20,12 +20,15 @@ KW = dict(gpus=2, global_batch=4, target=str(ROOT / "examples" / "targets" / "cp
           model_args={"preset": "tiny", "layers": 2, "dropout": 0})
 
 
-def test_the_planner_leaves_out_or_refuses_sequence_parallelism_the_runtime_cannot_run():
-    plan, _ = make_plan(str(CUMSUM), pins=Pins(tp=2, pp=1, dp=1, precision="fp32"), **KW)
-    assert plan.config.tp == 2 and not plan.config.sp  # the search's choice, made again without it
-    (why,) = [k for k in plan.search.rejected if k.startswith("sequence parallelism")]
-    assert "`cumsum`" in why and LINE in why
-    with pytest.raises(UserError, match=r"the plan runs sequence parallelism, .*`cumsum` at .*cumsum_mlp\.py:14"):
+def test_the_planner_leaves_out_or_refuses_a_split_the_runtime_cannot_run():
+    """cumsum over the features cannot run on a tensor-parallel shard: sequence parallelism and then tensor
+    parallelism are left out where the search chose them, refused in one sentence where the user pinned them."""
+    plan, _ = make_plan(str(CUMSUM), pins=Pins(pp=1, precision="fp32"), **KW)
+    assert plan.config.tp == 1
+    with pytest.raises(UserError, match=r"the plan splits this model over 2 tensor-parallel ranks, .*`cumsum` "
+                                        r"\(cumsum along the split dim\) at .*cumsum_mlp\.py:14.*re-plan with --tp 1"):
+        make_plan(str(CUMSUM), pins=Pins(tp=2, pp=1, dp=1, precision="fp32"), **KW)
+    with pytest.raises(UserError, match=r"the plan runs sequence parallelism, .*`cumsum`.* at .*cumsum_mlp\.py:14"):
         make_plan(str(CUMSUM), pins=Pins(tp=2, pp=1, dp=1, sp=True, precision="fp32"), **KW)
 
 
