@@ -54,7 +54,7 @@ from passes.errors import UserError
 from .context_parallel import ContextParallel
 from .fill_executor import GRACE_S
 from .groups import Groups, make_groups, make_shared_groups
-from .optim import GradSync, SavedBytes, local_tensor
+from .optim import GradSync, SavedBytes
 from .stage import (DTYPES, StageModule, TensorSpec, apply_tensor_parallel, boundary_specs, build_split,
                     stage_modules)
 
@@ -512,14 +512,10 @@ class Executor:
 
     def holdings(self) -> dict[str, Any]:
         """What this rank holds and runs (planner.metrics.Holdings)."""
-        from torch.distributed.tensor import DTensor, Shard
-
         unique = {id(p): (n, p) for n, p in self.params.items()}.values()
-        sharded = sorted({n.rsplit(".", 1)[0] for n, p in unique
-                          if isinstance(p, DTensor) and any(isinstance(pl, Shard) for pl in p.placements)}
-                         | {m for st in self.stages.values() for m in st.tp_sharded})
+        sharded = sorted({m for st in self.stages.values() for m in st.tp_sharded})
         modes = {st.recompute for st in self.stages.values()}
-        return {"parameters": sum(local_tensor(p).numel() for _, p in unique),
+        return {"parameters": sum(p.numel() for _, p in unique),
                 "parameter_dtype": str(next(iter(unique))[1].dtype).removeprefix("torch.") if unique else "float32",
                 "optimizer_state_bytes": self.sync.state_bytes(), "tensor_parallel": sharded,
                 "recompute": next((m for m in ("full", "block", "selective") if m in modes), "none"),
@@ -563,14 +559,12 @@ class Executor:
 
     def dump(self, path: Path) -> None:
         """Debug: this rank's parameters and gradients, full tensors under canonical names."""
-        from torch.distributed.tensor import DTensor
-
         gather = {k: f for st in self.stages.values() for k, f in st.tp_full.items()}
 
         def full(t: torch.Tensor, owner: torch.nn.Parameter) -> torch.Tensor:
             if id(owner) in gather:  # a Megatron-layout shard: gathered in the model's order
                 t = gather[id(owner)](t.detach())
-            return (t.full_tensor() if isinstance(t, DTensor) else t).detach().cpu().clone()
+            return t.detach().cpu().clone()
 
         params, grads = {}, {}
         for name, p in self.params.items():

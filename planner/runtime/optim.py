@@ -30,27 +30,15 @@ import torch.distributed as dist
 
 from costmodels.comm import megatron_bucket_params
 
-__all__ = ["GradSync", "SavedBytes", "local_grad", "local_tensor"]
-
-
-def local_tensor(t: torch.Tensor) -> torch.Tensor:
-    """The rank's own part of a (possibly DTensor) tensor, sharing its storage."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
+__all__ = ["GradSync", "SavedBytes", "local_grad"]
 
 
 def local_grad(p: torch.nn.Parameter) -> torch.Tensor:
-    """The rank's part of p's gradient laid out like p (a partial DTensor gradient is reduced over the
-    tensor-parallel group first); zeros where the parameter got no gradient."""
-    from torch.distributed.tensor import DTensor
-
+    """p's gradient; zeros where the parameter got no gradient."""
     with torch.no_grad():
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-        if isinstance(p.grad, DTensor) and tuple(p.grad.placements) != tuple(p.placements):
-            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-        return local_tensor(p.grad)
+        return p.grad
 
 
 class _Bucket:
@@ -91,7 +79,7 @@ class GradSync:
         # fp32 gradient accumulation (Megatron's main_grad): each microbatch's gradient is added to an fp32
         # buffer and the parameter's own gradient dropped; the reduction and the step read the buffers
         self.grad_fp32 = grad_fp32
-        self.main = {id(p): torch.zeros_like(local_tensor(p), dtype=torch.float32) for _, p in self.named} \
+        self.main = {id(p): torch.zeros_like(p, dtype=torch.float32) for _, p in self.named} \
             if grad_fp32 and not self.zero2 and any(p.dtype != torch.float32 for _, p in self.named) else None
         if self.overlap or self.main is not None or self.zero2:
             for _, p in self.named:
@@ -102,7 +90,7 @@ class GradSync:
         self.masters: list[torch.nn.Parameter] = []
         if self.zero:
             with torch.no_grad():
-                flat = torch.cat([local_tensor(p).detach().reshape(-1).float() for _, p in self.named])
+                flat = torch.cat([p.detach().reshape(-1).float() for _, p in self.named])
             self.shard_len = -(-flat.numel() // dp_size)
             flat = torch.nn.functional.pad(flat, (0, self.shard_len * dp_size - flat.numel()))  # to d equal shards
             lo = dp_rank * self.shard_len
@@ -111,10 +99,10 @@ class GradSync:
             self.shard = torch.zeros_like(self.master.detach()) if self.zero2 else None  # the rank's summed gradients
             offsets = [0]
             for _, p in self.named:
-                offsets.append(offsets[-1] + local_tensor(p).numel())
+                offsets.append(offsets[-1] + p.numel())
             self._offset = {id(p): o for (_, p), o in zip(self.named, offsets)}
         elif self.lower:
-            self.masters = [torch.nn.Parameter(local_tensor(p).detach().float().clone()) for _, p in self.named]
+            self.masters = [torch.nn.Parameter(p.detach().float().clone()) for _, p in self.named]
             self.optimizer = opt(self.masters, lr=lr) if self.masters else None
         else:
             ps = [p for _, p in self.named]
@@ -124,7 +112,7 @@ class GradSync:
         limit, out, cur, size = megatron_bucket_params(self.d), [], [], 0
         for p in params:
             cur.append(p)
-            size += local_tensor(p).numel()
+            size += p.numel()
             if size >= limit:
                 out.append(_Bucket(cur))
                 cur, size = [], 0
@@ -215,14 +203,14 @@ class GradSync:
                 if (span := self._in_shard(p)) is not None:
                     mine, theirs = span
                     self.shard[mine] += flat[at + theirs.start:at + theirs.stop].float()
-                at += local_tensor(p).numel()
+                at += p.numel()
         self._pending = []
 
     def _in_shard(self, p: torch.nn.Parameter) -> tuple[slice, slice] | None:
         """Where p's flattened elements meet this rank's shard of the flattened parameters: (the slice of the shard,
         the slice of p), or None."""
         lo, o = self.rank * self.shard_len, self._offset[id(p)]
-        a, b = max(o, lo), min(o + local_tensor(p).numel(), lo + self.shard_len)
+        a, b = max(o, lo), min(o + p.numel(), lo + self.shard_len)
         return (slice(a - lo, b - lo), slice(a - o, b - o)) if a < b else None
 
     def _launch(self, bucket: _Bucket, async_op: bool) -> None:
@@ -263,17 +251,14 @@ class GradSync:
     def offload(self, limit: int) -> int:
         """PipeFill 4.2's main-job offload: move optimizer state tensors, in order, to host memory while their bytes
         stay within `limit` (pinned buffers filled on a side stream on CUDA, so the copies overlap the forward
-        passes); they stay there until `restore`. Returns the bytes moved. DTensor state (tensor parallelism)
-        stays on the device."""
-        from torch.distributed.tensor import DTensor
-
+        passes); they stay there until `restore`. Returns the bytes moved."""
         self._away = []
         if self.optimizer is None or limit <= 0:
             return 0
         moved, cuda = 0, None
         for st in self.optimizer.state.values():
             for key, t in st.items():
-                if not isinstance(t, torch.Tensor) or isinstance(t, DTensor) or t.dim() == 0:
+                if not isinstance(t, torch.Tensor) or t.dim() == 0:
                     continue
                 if moved + t.nbytes > limit:
                     return moved
@@ -325,7 +310,7 @@ class GradSync:
             self.optimizer.step()
             with torch.no_grad():
                 for (_, p), m in zip(self.named, self.masters):
-                    local_tensor(p).copy_(m)
+                    p.copy_(m)
             return
         if not self.zero:
             if scale != 1.0:
@@ -354,7 +339,7 @@ class GradSync:
             dist.all_gather(shards, self.master.detach(), group=self.group)
             flat, offset = torch.cat(shards), 0
             for _, p in self.named:
-                t = local_tensor(p)
+                t = p
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
 
@@ -364,7 +349,7 @@ class GradSync:
         """Bytes of optimizer state this rank holds (moments; the fp32 master shard under ZeRO-1)."""
         if self.optimizer is None:
             return 0
-        held = sum(local_tensor(t).numel() * t.element_size() for s in self.optimizer.state.values()
+        held = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                    for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
         masters = [self.master] if self.zero else self.masters
         return held + (sum(m.numel() * m.element_size() for m in masters) if self.lower else 0)
@@ -388,13 +373,13 @@ class SavedBytes:
     saved-tensor hooks see them, plus the inputs a checkpointed piece keeps (`keep`) to recompute from."""
 
     def __init__(self, params: Iterable[torch.nn.Parameter]) -> None:
-        self._weights = {local_tensor(p).untyped_storage().data_ptr() for p in params}
+        self._weights = {p.untyped_storage().data_ptr() for p in params}
         self._seen: set[int] = set()
         self.total = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _count(self, t: torch.Tensor) -> None:
-        storage = local_tensor(t).untyped_storage()
+        storage = t.untyped_storage()
         ptr = storage.data_ptr()
         if ptr and ptr not in self._weights and ptr not in self._seen:
             self._seen.add(ptr)
@@ -406,7 +391,7 @@ class SavedBytes:
 
     def exclude(self, tensors: Iterable[Any]) -> None:
         """Storages not to count from here on (a stage's output, saved again by its loss)."""
-        self._weights.update(local_tensor(t).untyped_storage().data_ptr() for t in tensors
+        self._weights.update(t.untyped_storage().data_ptr() for t in tensors
                              if isinstance(t, torch.Tensor))
 
     def keep(self, args: Iterable[Any]) -> None:

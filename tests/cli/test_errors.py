@@ -51,6 +51,9 @@ def run(*args: str):
       "--tp", "2", "--global-batch", "4", "--model-arg", "preset=tiny", "--model-arg", "layers=2"],
      "`cumsum` (cumsum along the split dim) at " + str(ROOT / "tests" / "runtime" / "fixtures" / "cumsum_mlp.py")
      + ":14"),
+    (["plan", str(ROOT / "tests" / "runtime" / "fixtures" / "cumsum_mlp.py"), "--gpus", "2", "--gpus-per-node", "2",
+      "--tp", "2", "--sequence-parallel", "--global-batch", "4", "--model-arg", "preset=tiny", "--model-arg",
+      "layers=2"], "the plan runs sequence parallelism, but this model's graph applies an op to a split tensor"),
 ])
 def test_bad_input_is_one_clear_message(args, needle):
     result, text = run(*args)
