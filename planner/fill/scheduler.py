@@ -16,8 +16,8 @@ work already assigned to the rank (seconds), decides. Jobs no rank can run are r
 Built-in policies (``POLICIES``): 'fifo' (earliest arrival), 'sjf' (PipeFill's
 ``1 / min(proc_times)``), 'makespan' (PipeFill's ``1 / max(proc_times[i], s.rem_times)``: the pair that
 leaves the least time until every Executor is idle again), 'edf' (earliest
-deadline; jobs without one after all jobs with one). Built-ins return tuples compared
-lexicographically; user functions return a float.
+deadline; jobs without one after all jobs with one), each after the job's priority (higher first). Built-ins
+return tuples compared lexicographically; user functions return a float (and see the priority in JobInfo).
 """
 
 from __future__ import annotations
@@ -285,23 +285,27 @@ def _least_loaded(state: SchedulerState, rank: int) -> float:
     return -state.executors[rank].assigned_s
 
 
+# Every built-in policy ranks a job's priority first (higher first, as the job file says), then by its own rule:
+# PipeFill's hierarchical policy (001 l.172), a user's ordering above the scheduler's.
+
+
 def fifo_score(job: JobInfo, state: SchedulerState, rank: int) -> tuple:
-    return (-job.arrival_s, _least_loaded(state, rank))
+    return (job.priority, -job.arrival_s, _least_loaded(state, rank))
 
 
 def sjf_score(job: JobInfo, state: SchedulerState, rank: int) -> tuple:
-    return (-min(job.proc_times), _least_loaded(state, rank))
+    return (job.priority, -min(job.proc_times), _least_loaded(state, rank))
 
 
 def makespan_score(job: JobInfo, state: SchedulerState, rank: int) -> tuple:
     """PipeFill 4.4 (001 l.169-172): 1 / max(j.proc_times[i], s.rem_times), the longest any Executor stays busy
     once the job starts on executor i; higher is better, so the key is its negation."""
-    return (-max((job.proc_times[rank], *state.rem_times)), _least_loaded(state, rank))
+    return (job.priority, -max((job.proc_times[rank], *state.rem_times)), _least_loaded(state, rank))
 
 
 def edf_score(job: JobInfo, state: SchedulerState, rank: int) -> tuple:
     deadline = -math.inf if job.deadline_s is None else -job.deadline_s
-    return (deadline, -job.arrival_s, _least_loaded(state, rank))
+    return (job.priority, deadline, -job.arrival_s, _least_loaded(state, rank))
 
 
 POLICIES: dict[str, ScoreFn] = {

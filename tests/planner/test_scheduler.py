@@ -78,7 +78,7 @@ def test_makespan_score_is_pipefills_formula():
     picked, at = choose(infos, [0], state, POLICIES["makespan"], {i.name: (0, 1) for i in infos})
     assert (picked.name, at) == ("short", 0)
     key = POLICIES["makespan"](infos[0], state, 0)
-    assert key[0] == -max(infos[0].proc_times[0], 5.0)
+    assert key[:2] == (0.0, -max(infos[0].proc_times[0], 5.0))  # (priority, PipeFill's score)
 
 
 def test_makespan_policy_takes_the_rank_that_finishes_earliest():
@@ -107,7 +107,21 @@ def test_sjf_score_is_pipefills_min_processing_time():
     assert info.proc_times == (6 * PERIOD, 2 * PERIOD)
     state = SchedulerState(now_s=0.0, executors=tuple(
         ExecutorState(rank=i, busy_until_s=0.0, running=None, assigned_s=0.0) for i in range(2)))
-    assert POLICIES["sjf"](info, state, 0)[0] == -2 * PERIOD
+    assert POLICIES["sjf"](info, state, 0)[:2] == (0.0, -2 * PERIOD)
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+def test_every_built_in_policy_runs_a_higher_priority_job_first(policy):
+    """The job file's `priority: 1  # higher first` ranks above each policy's own rule (PipeFill's hierarchical
+    policies): a long, late, deadline-free job with priority runs before short, early ones with deadlines."""
+    from dataclasses import replace
+
+    jobs = [job("short", 1, deadline=3.0), job("early", 1, deadline=4.0),
+            replace(job("urgent", 10, arrival=0.0), priority=1.0)]
+    rep = simulate(jobs, [rank(0)], policy)
+    assert min(rep.jobs, key=lambda j: j.start_s).name == "urgent"
+    plain = simulate([replace(j, priority=0.0) for j in jobs], [rank(0)], policy)
+    assert min(plain.jobs, key=lambda j: j.start_s).name != "urgent"
 
 
 def test_least_loaded_idle_rank_gets_the_job():
