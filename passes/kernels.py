@@ -20,6 +20,10 @@ so the same model, however written, is priced as the engine runs it:
 - **Grouped keys and values** repeated for the attention kernel are read at their grouped size (the flash kernel
   takes the kv heads as they are): the copies cost nothing and the kernel keeps, and context parallelism's ring
   passes, the grouped tensors (node.meta[KV_SOURCE]).
+- **Mixture of experts.** Tokens repeated once per chosen expert are Megatron's permute kernel, never part of the
+  norm before it (so the norm keeps what a norm keeps, not an fp32 copy at the routed size); an expert's output
+  scaled by its routing probability keeps the probability only, as Megatron-Core's weighted SwiGLU applies it
+  before fc2 (`_weighted_products`): per routed token fc1's input and output and fc2's input, as TEGroupedMLP keeps.
 
 FLOPs are unchanged (a fused kernel does the same arithmetic). `megatron_cross_entropy` is the loss Megatron runs
 in place of the model file's `loss_fn`.
@@ -108,8 +112,12 @@ def _gathers(n: fx.Node) -> bool:
         return False
     if (m := n.meta.get(MEASURED)) is not None and m.weight_gather:
         return True
-    if node_kind(n, n.graph.owning_module) not in LAYOUT | SHAPING:
+    kind = node_kind(n, n.graph.owning_module)
+    if kind not in LAYOUT | SHAPING:
         return True
+    if kind in ("repeat_interleave", "repeat") and (out := _info(n)) is not None and \
+            any((i := _info(a)) is not None and _size(out.numel) > _size(i.numel) for a in n.all_input_nodes):
+        return True  # tokens copied once per chosen expert: Megatron's permute kernel, not a norm's epilogue
     indices = [x for a in n.args[1:] for x in (a if isinstance(a, (list, tuple)) else (a,))]
     return any(isinstance(x, fx.Node) and _info(x) is not None for x in indices)
 
@@ -177,7 +185,10 @@ def _fuse(region: list[fx.Node]) -> None:
                 sources[n.name].update(sources[a.name])
             elif a.name in external and _info(a).requires_grad and a.op != "get_attr":
                 sources[n.name][storage_of(a).name] = _info(a).nbytes
-    largest = max((_size(i.numel) for n in region if (i := _info(n)) is not None), default=0.0)
+    # full size: the largest tensor the kernel computes (a view of one of its inputs, SwiGLU's gate|up halves of
+    # the fc1 output, is not computed here)
+    largest = max((_size(i.numel) for n in region if n.name not in aliased and (i := _info(n)) is not None),
+                  default=0.0)
     by_name = {n.name: n for n in region}
     saved: dict[str, sympy.Expr] = {}
     for c in costs:
@@ -204,9 +215,30 @@ def _fuse(region: list[fx.Node]) -> None:
                                 bwd_bytes=ZERO, saved=()))
 
 
+def _weighted_products(nodes: list[fx.Node]) -> None:
+    """A product's output scaled by a per-row weight that needs a gradient (an expert's output by its token's
+    routing probability, as Hugging Face's MoE blocks write it): Megatron-Core applies the probability inside its
+    weighted SwiGLU before fc2 instead (TEGroupedMLP with weighted_bias_swiglu_impl, which keeps fc1's output and the
+    probabilities), so the scale's backward keeps the small weights, not the product's output."""
+    for n in nodes:
+        cost: NodeCost = n.meta[COST]
+        if cost.kind != "elementwise" or node_kind(n, n.graph.owning_module) != "mul" or len(n.all_input_nodes) != 2:
+            continue
+        a, w = n.all_input_nodes
+        gemm = lambda x: storage_of(x).meta[COST].kind in ("matmul", "linear")  # noqa: E731 (through its views)
+        if not gemm(a):
+            a, w = w, a
+        if not gemm(a) or _info(a) is None or _info(w) is None or not _info(w).requires_grad \
+                or _size(_info(w).numel) * 64 > _size(_info(a).numel):
+            continue
+        product = storage_of(a).name
+        n.meta[COST] = replace(cost, saved=tuple((k, v) for k, v in cost.saved if k.split(".")[0] != product))
+
+
 def fuse_kernels(nodes: list[fx.Node]) -> None:
     """Rewrite the priced costs (node.meta[COST]) of one unit's nodes as Megatron-Core with Transformer Engine runs
     them (module docstring). Needs the tensor-parallel roles (passes.tp) written."""
+    _weighted_products(nodes)
     freed = _grouped_attention(nodes)
     for n in nodes:
         if n.name in freed:

@@ -93,3 +93,17 @@ def test_the_same_llama_written_two_ways_plans_the_same():
     for ma, mb in zip(a.predictions.memory, b.predictions.memory):
         assert ma.total == pytest.approx(mb.total, rel=0.002)
         assert ma.activations == pytest.approx(mb.activations, rel=0.005)
+
+
+def test_an_moe_layers_experts_keep_what_megatron_cores_grouped_mlp_keeps():
+    """Hugging Face's Qwen3-MoE repeats each token once per chosen expert, runs SwiGLU as silu * up and scales each
+    expert's output by its routing probability after fc2. Megatron-Core (TEGroupedMLP with weighted SwiGLU, since
+    Megatron-LM !2668) permutes the tokens in their own kernel, applies the probability inside the SwiGLU and keeps,
+    per routed copy of a token: fc1's input (h), fc1's output (2f), fc2's input (f), all bf16, and the probability
+    (bf16 here, as the file computes it): not silu's output, fc2's output, or an fp32 norm copy at the routed size."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    seq, k, h, f = 64, 8, 2048, 768  # qwen3-30b-a3b: top-8 experts, hidden 2048, expert intermediate 768
+    prof, _ = analyze(EXAMPLES / "hf_qwen3_moe.py", {"preset": "qwen3-30b-a3b", "num_hidden_layers": 2, "seq": seq},
+                      engine="megatron")
+    block = _block(prof)
+    assert block.experts and block.moe.saved_bytes(1) == seq * (2 * k * (h + 2 * f + f) + 2 * k)
