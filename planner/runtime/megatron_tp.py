@@ -691,10 +691,10 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
 
 
 def _dims(n: fx.Node, i: int, default: Any) -> Any:
-    """Positional argument i of a node (a dim), else its keyword (dim, start_dim, end_dim), else the default."""
+    """Positional argument i of a node (a dim), else its keyword (dim, dims, start_dim, end_dim), else the default."""
     if len(n.args) > i:
         return n.args[i]
-    names = {1: ("dim", "start_dim"), 2: ("dim", "end_dim")}.get(i, ())
+    names = {1: ("dim", "dims", "start_dim"), 2: ("dim", "end_dim")}.get(i, ())
     return next((n.kwargs[k] for k in names if k in n.kwargs), default)
 
 

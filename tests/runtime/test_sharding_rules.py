@@ -167,7 +167,7 @@ def test_indexing_keeps_the_split_unless_it_selects_within_it():
 class Along(Indexed):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.gelu(self.up(x))
-        return self.down(y.cumsum(self.index) + F.softmax(y, dim=self.index) + y.flip(self.index))
+        return self.down(y.cumsum(self.index) + F.softmax(y, dim=self.index) + torch.flip(y, dims=[self.index]))
 
 
 def test_ops_along_a_dim_keep_the_split_unless_it_is_theirs():
