@@ -220,12 +220,14 @@ def _weighted_products(nodes: list[fx.Node]) -> None:
     routing probability, as Hugging Face's MoE blocks write it): Megatron-Core applies the probability inside its
     weighted SwiGLU before fc2 instead (TEGroupedMLP with weighted_bias_swiglu_impl, which keeps fc1's output and the
     probabilities), so the scale's backward keeps the small weights, not the product's output."""
+    def gemm(x: fx.Node) -> bool:  # a matrix product's output, through its views
+        return storage_of(x).meta[COST].kind in ("matmul", "linear")
+
     for n in nodes:
         cost: NodeCost = n.meta[COST]
         if cost.kind != "elementwise" or node_kind(n, n.graph.owning_module) != "mul" or len(n.all_input_nodes) != 2:
             continue
         a, w = n.all_input_nodes
-        gemm = lambda x: storage_of(x).meta[COST].kind in ("matmul", "linear")  # noqa: E731 (through its views)
         if not gemm(a):
             a, w = w, a
         if not gemm(a) or _info(a) is None or _info(w) is None or not _info(w).requires_grad \

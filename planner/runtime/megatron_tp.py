@@ -655,13 +655,12 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                 raise _Unsupported(f"{n.name}: merges a split dim into the one before it")
             sharded[n.name] = dim if dim <= start else dim - (end - start)
         elif kind == "repeat_interleave":  # grouped keys/values repeated for the heads: each rank its own heads'
-            along = _dims(n, 2, None)
-            if along is None or not isinstance(n.args[1] if len(n.args) > 1 else n.kwargs.get("repeats"), int):
+            along, repeats = _dims(n, 2, None), n.args[1] if len(n.args) > 1 else n.kwargs.get("repeats")
+            if along is None or not isinstance(repeats, int):
                 raise _Unsupported(f"{n.name}: repeats of a flattened or per-element count")
             replicas = colwise[source[x.name]].replicas if source[x.name] in colwise else 1
             if along % len(shape(x)) == dim and replicas > 1:  # one whole kv head on each of `replicas` ranks:
-                repeats = (n.args[1] if len(n.args) > 1 else n.kwargs["repeats"])  # repeat it for this rank's heads
-                if repeats % replicas:
+                if repeats % replicas:  # repeated for this rank's heads
                     raise _Unsupported(f"{n.name}: {repeats} repeats over {replicas} ranks of one kv head")
                 rewrites.append((n, lambda new, n=n: _set_arg(n, 1, "repeats", new), repeats // replicas))
             sharded[n.name] = dim

@@ -339,9 +339,8 @@ class GradSync:
             dist.all_gather(shards, self.master.detach(), group=self.group)
             flat, offset = torch.cat(shards), 0
             for _, p in self.named:
-                t = p
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
 
     # -- what the rank holds -----------------------------------------------------------------------
 
