@@ -7,8 +7,9 @@ depends on the schedule kind (planner.schedules).
 """
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
+from itertools import accumulate
 from typing import TYPE_CHECKING
 
 from passes.units import Unit
@@ -128,14 +129,21 @@ def in_flight_bytes(units: list[Unit], cfg: ParallelConfig) -> tuple[float, floa
 
 
 def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int,
-                 full: Collection[int] = ()) -> StageMemory:
-    """Peak memory of pipeline rank `rank` holding `units` (all its model chunks); under partial recomputation the
-    units whose index is in `full` are recomputed in full, the others keep everything."""
+                 full: Collection[int] = (), chunks: Sequence[int] = ()) -> StageMemory:
+    """Peak memory of pipeline rank `rank` holding `units` (all its model chunks, `chunks` units in each, in stage
+    order); under partial recomputation the units whose index is in `full` are recomputed in full, the others keep
+    everything. Without `chunks` every chunk is taken to hold the rank's average microbatches in flight."""
     num = cfg.numerics
     params = rank_param_count(units, cfg)
     mode = cfg.recompute_mode
     redo = replace(cfg, recompute="full", recompute_layers=0) if full else cfg
-    acts = sum(activation_bytes(u, redo if u.index in full else cfg) for u in units) * cfg.inflight(rank)
+    per_unit = [activation_bytes(u, redo if u.index in full else cfg) for u in units]
+    if len(chunks) == cfg.v and sum(chunks) == len(units):
+        ends = [0, *accumulate(chunks)]
+        per_chunk = [sum(per_unit[a:b]) for a, b in zip(ends, ends[1:])]
+        acts = max(sum(n * a for n, a in zip(peak, per_chunk)) for peak in cfg.chunk_peaks(rank))
+    else:
+        acts = sum(per_unit) * cfg.inflight(rank)
     if pending := cfg.w_pending(rank):  # split backward: what the weight gradients still owed keep
         acts += sum(held_bytes(u, cfg) for u in units) * pending
     if mode.working_set:  # the unit being recomputed holds its full activations during its backward

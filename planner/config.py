@@ -227,6 +227,10 @@ class ParallelConfig:
         """Microbatches (of a whole stage) whose activations pipeline rank `rank` holds at its peak."""
         return self.schedule_kind.inflight(self.pp, self.v, self.m, rank)
 
+    def chunk_peaks(self, rank: int) -> tuple[tuple[float, ...], ...]:
+        """Microbatches each of pipeline rank `rank`'s v chunks holds at each moment that can be its peak."""
+        return self.schedule_kind.peaks(self.pp, self.v, self.m, rank)
+
     def w_pending(self, rank: int) -> float:
         """Microbatches (of a whole stage) whose weight gradient pipeline rank `rank` still owes at its peak
         (split-backward schedules; 0 otherwise)."""

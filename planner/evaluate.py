@@ -8,6 +8,7 @@ timelines and bubbles.
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
@@ -15,13 +16,15 @@ from functools import cached_property
 from costmodels.comm import allreduce_time, exposed_reduction_s, megatron_bucket_params, p2p_time
 from costmodels.compute import unit_time
 from costmodels.hardware import Hardware
-from costmodels.memory import (StageMemory, activation_bytes, expert_count, fp8_weight_bytes, held_bytes, param_count,
+from costmodels.memory import (StageMemory, activation_bytes, expert_count, fp8_weight_bytes, held_bytes, in_flight_bytes,
+                               param_count,
                                stage_memory, static_bytes)
 from costmodels.recompute import recompute_mode
 from passes.units import Unit
 
 from .config import ParallelConfig
-from .partition import NoFeasiblePartition, PartitionInput, partition, recomputed
+from .partition import (NoFeasiblePartition, PartitionInput, chunk_shares, partition, rank_load, rebalance,
+                        recomputed)
 from .simulate import SimCosts, SimResult, simulate
 
 __all__ = ["Evaluation", "Evaluator", "Rejected"]
@@ -210,6 +213,23 @@ class Evaluator:
                 n = mid
         return tried[n]
 
+    def memory_shaped(self, e: Evaluation) -> bool:
+        """Memory shaped the evaluation's partition: a rank is within 1% of capacity and the slowest rank is more than
+        1% slower than a perfectly balanced one."""
+        c = e.config
+        fwd, bwd, *_ = self.unit_costs(c)
+        work = [0.0, *accumulate(f + b for f, b in zip(fwd, bwd))]
+        slowest = max(sum(work[e.bounds[j + 1]] - work[e.bounds[j]] for j in c.placement.stages(r))
+                      for r in range(c.pp))
+        return (max(m.total for m in e.rank_memory) >= 0.99 * self.capacity
+                and slowest > 1.01 * self._balanced_s(fwd, bwd, c.pp))
+
+    @staticmethod
+    def _balanced_s(fwd, bwd, p: int) -> float:
+        """No rank of p is faster than this: the average, or the slowest unit."""
+        work = [f + b for f, b in zip(fwd, bwd)]
+        return max(sum(work) / p, max(work))
+
     def _fastest_bounds(self, c: ParallelConfig) -> tuple[int, ...]:
         """The partition with the fastest slowest stage, memory aside."""
         fwd, bwd, _, _, _, _ = self.unit_costs(c)
@@ -324,30 +344,57 @@ class Evaluator:
         k = c.stages
         static = [static_bytes(u, c) for u in self.units]
         work = max(act, default=0.0) if c.recompute_mode.working_set else 0.0
-        rank_of = c.placement.rank_of
-        fl = [c.inflight(rank_of[j]) for j in range(k)]
+        place = c.placement
+        rank_of, ranks = place.rank_of, [place.stages(r) for r in range(c.pp)]
+        peaks = [c.chunk_peaks(r) for r in range(c.pp)]
+        # each chunk at the most microbatches it ever holds, and a share of its rank's memory in proportion to them
+        most = [[max(x) for x in zip(*pk)] for pk in peaks]
+        fl = [most[rank_of[j]][ranks[rank_of[j]].index(j)] for j in range(k)]
         pending = [c.w_pending(rank_of[j]) for j in range(k)]
-        room = self.capacity - self.hw.reserve_bytes - work
+        room = self.capacity - self.hw.reserve_bytes - work - sum(in_flight_bytes(self.units, c))  # ZeRO-2/3's whole
+        # units (at most the model's largest)
+        caps = tuple(room * fl[j] / sum(most[rank_of[j]]) if fl[j] else room / c.v for j in range(k))
         inp = PartitionInput(time_s=tuple(f + b for f, b in zip(fwd, bwd)), static_bytes=tuple(static),
-                             activation_bytes=tuple(act), inflight=tuple(fl), cap_bytes=(room / c.v,) * k,
+                             activation_bytes=tuple(act), inflight=tuple(fl), cap_bytes=caps,
                              weight_bytes=tuple(wkeep) if any(pending) else (), w_pending=tuple(pending),
                              **self._recompute_input(c, act))
-        try:
-            return partition(inp)
-        except NoFeasiblePartition:
-            pass
-        if c.v > 1:  # a rank's memory is shared by its v chunks: one (the embedding's, the head's) may take more than
-            # 1/v of it. Each stage may then take the whole rank; evaluate checks what every rank really holds.
+        if c.v == 1:
             try:
-                return partition(replace(inp, cap_bytes=(room,) * k))
+                return partition(inp)
             except NoFeasiblePartition:
                 pass
+        else:  # a rank's chunks share its memory: each chunk its share of the rank's in proportion to its microbatches
+            # at the most; unless that fits as fast as memory aside, also spread as typical units would be
+            # (partition.chunk_shares); where neither fits, each stage the whole rank. The one whose slowest rank is
+            # fastest, else the one least over, repaired (partition.rebalance)
+            load, done = rank_load(inp, ranks, peaks, room), []
+
+            def tries():
+                yield inp
+                n = len(self.units)
+                if shares := chunk_shares(n, sorted(static)[n // 2], sorted(act)[n // 2], ranks, peaks, room):
+                    yield replace(inp, time_share=shares[0], cap_bytes=shares[1], inflight=shares[2])
+                if not any(over == 0 for over, _, _ in done):
+                    yield replace(inp, cap_bytes=(room,) * k)
+
+            for attempt in tries():
+                try:
+                    part = partition(attempt)
+                except NoFeasiblePartition:
+                    continue
+                times, over = zip(*(load(part.bounds, r) for r in range(c.pp)))
+                done.append((sum(over), max(times), part))
+                if len(done) == 1 and not done[0][0] and done[0][1] <= 1.001 * self._balanced_s(fwd, bwd, c.pp):
+                    break
+            if done:
+                return rebalance(inp, min(done, key=lambda x: x[:2])[2], ranks, peaks, room)
         need = self.memory_lower_bound(c)
         raise Rejected("memory", "no partition fits", max(need, self.capacity * 1.0001))
 
     def _rank_memory(self, c: ParallelConfig, stages: list[range], full: set[int] = frozenset()) -> list[StageMemory]:
         place = c.placement
-        return [stage_memory([self.units[i] for j in place.stages(r) for i in stages[j]], self.hw, c, r, full)
+        return [stage_memory([self.units[i] for j in place.stages(r) for i in stages[j]], self.hw, c, r, full,
+                             chunks=[len(stages[j]) for j in place.stages(r)])
                 for r in range(c.pp)]
 
     def _p2p_s(self, c: ParallelConfig, bounds: tuple[int, ...]) -> float:

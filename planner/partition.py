@@ -13,7 +13,8 @@ from bisect import bisect_left
 from itertools import accumulate
 from typing import Sequence
 
-__all__ = ["PartitionInput", "Partition", "partition", "brute_force_partition", "NoFeasiblePartition", "recomputed"]
+__all__ = ["PartitionInput", "Partition", "partition", "brute_force_partition", "NoFeasiblePartition", "rank_load", "rebalance",
+           "recomputed"]
 
 INF = float("inf")
 
@@ -36,6 +37,8 @@ class PartitionInput:
     recomputable: tuple[int, ...] = ()  # ascending unit indices (the blocks)
     recompute_time_s: tuple[float, ...] = ()  # per unit
     recompute_saves: tuple[float, ...] = ()  # per unit, per microbatch in flight
+    time_share: tuple[float, ...] = ()  # per stage: minimize the slowest stage's time over its share, not its time
+    # (several stages on one rank: a rank's shares sum to at most 1, so no rank is slower than the optimum)
 
     def __post_init__(self) -> None:
         n = len(self.time_s)
@@ -94,18 +97,29 @@ def _recompute_sums(inp: PartitionInput):
     return sums
 
 
-def _stage_bytes(inp: PartitionInput):
-    """(j, lo, hi) -> bytes stage j holds with units lo..hi-1: static, activations in flight (less what partial
-    recomputation frees), and under a split backward what the pending weight gradients still hold (no W pending:
-    zeros)."""
-    S, A, fl = _prefix(inp.static_bytes), _prefix(inp.activation_bytes), inp.inflight
+def _stage_parts(inp: PartitionInput):
+    """(j, lo, hi) -> (bytes stage j holds whatever is in flight: static, and under a split backward what its pending
+    weight gradients still hold (no W pending: none); bytes one microbatch of units lo..hi-1 keeps, less what partial
+    recomputation frees)."""
+    S, A = _prefix(inp.static_bytes), _prefix(inp.activation_bytes)
     Wb = _prefix(inp.weight_bytes) if inp.weight_bytes else [0.0] * len(S)
-    pend = inp.w_pending if inp.weight_bytes else (0.0,) * len(fl)
+    pend = inp.w_pending if inp.weight_bytes else (0.0,) * len(inp.inflight)
     sums = _recompute_sums(inp)
     if sums is None:
-        return lambda j, lo, hi: S[hi] - S[lo] + fl[j] * (A[hi] - A[lo]) + pend[j] * (Wb[hi] - Wb[lo])
-    return lambda j, lo, hi: (S[hi] - S[lo] + fl[j] * (A[hi] - A[lo] - sums(lo, hi)[1])
-                              + pend[j] * (Wb[hi] - Wb[lo]))
+        return lambda j, lo, hi: (S[hi] - S[lo] + pend[j] * (Wb[hi] - Wb[lo]), A[hi] - A[lo])
+    return lambda j, lo, hi: (S[hi] - S[lo] + pend[j] * (Wb[hi] - Wb[lo]), A[hi] - A[lo] - sums(lo, hi)[1])
+
+
+def _stage_bytes(inp: PartitionInput):
+    """(j, lo, hi) -> bytes stage j holds with units lo..hi-1: static, activations in flight (less what partial
+    recomputation frees), and under a split backward what the pending weight gradients still hold."""
+    parts, fl = _stage_parts(inp), inp.inflight
+
+    def held(j: int, lo: int, hi: int) -> float:
+        fixed, act = parts(j, lo, hi)
+        return fixed + fl[j] * act
+
+    return held
 
 
 def _stage_time(inp: PartitionInput):
@@ -130,13 +144,14 @@ def partition(inp: PartitionInput) -> Partition:
     best[0][0] = 0.0
     for j in range(1, k + 1):
         prev, row = best[j - 1], best[j]
+        Tj = T if not inp.time_share else (lambda a, b, w=1 / inp.time_share[j - 1]: T(a, b) * w)
         for i in range(j, n - (k - j) + 1):
             lo = _first_fitting(fits, j - 1, i, j - 1)  # smallest split k whose segment fits
             if lo is None:
                 continue
             # among splits s in [lo, i-1]: minimize max(prev[s], T(s, i)); prev rises, segment falls
-            s = _crossing(prev, T, lo, i)
-            row[i], choice[j][i] = max(prev[s], T(s, i)), s
+            s = _crossing(prev, Tj, lo, i)
+            row[i], choice[j][i] = max(prev[s], Tj(s, i)), s
     if best[k][n] == INF:
         raise NoFeasiblePartition(f"no split of {n} units into {k} stages fits the memory caps")
     bounds = [n]
@@ -177,6 +192,125 @@ def _result(bounds: tuple[int, ...], T, held) -> Partition:
     times = tuple(T(a, b) for a, b in zip(bounds, bounds[1:]))
     mem = tuple(held(j, a, b) for j, (a, b) in enumerate(zip(bounds, bounds[1:])))
     return Partition(bounds=bounds, stage_time_s=times, stage_bytes=mem)
+
+
+def chunk_shares(n: int, static: float, act: float, ranks: Sequence[Sequence[int]],
+                 peaks: Sequence[Sequence[Sequence[float]]], cap: float) -> tuple[tuple[float, ...], ...] | None:
+    """Per stage (time share, memory cap, microbatches in flight) for `partition` when a rank's stages share its
+    memory `cap`: how n units that each keep `static` bytes and `act` bytes per microbatch in flight are best
+    spread over the ranks' chunks (chunk c of rank r holding peaks[r][i][c] microbatches at the rank's i-th
+    possible peak). The least units U on the busiest rank for which the ranks hold all n, each rank filling the
+    chunk whose peak grows least, then trimmed from the fullest ranks' dearest chunks; a stage's time share is its
+    units over U and its cap its part of the rank's bytes at the binding peak. None if no spread fits."""
+    def held(L: list[int], peak_of: Sequence[Sequence[float]]) -> tuple[float, Sequence[float]]:
+        return max((static * sum(L) + act * sum(x * y for x, y in zip(pk, L)), pk) for pk in peak_of)
+
+    def fill(r: int, most: int) -> list[int]:
+        L = [1] * len(ranks[r])
+        if held(L, peaks[r])[0] > cap:
+            return []
+        while sum(L) < most:  # as many as fit: each unit where the peak grows least
+            grown = min((held(L[:c] + [L[c] + 1] + L[c + 1:], peaks[r])[0], c) for c in range(len(L)))
+            if grown[0] > cap:
+                break
+            L[grown[1]] += 1
+        total, k = sum(L), len(L)
+        even = [total // k + (c >= k - total % k) for c in range(k)]  # then as evenly as fits (the schedule's
+        while (peak := held(even, peaks[r]))[0] > cap:  # bubble is a chunk's), moving units to cheaper chunks
+            pk = peak[1]
+            dear = max((c for c in range(k) if even[c] > 1), key=lambda c: pk[c], default=None)
+            cheap = min(range(k), key=lambda c: pk[c])
+            if dear is None or pk[dear] <= pk[cheap]:
+                return L
+            even[dear] -= 1
+            even[cheap] += 1
+        return even
+
+    v = len(ranks[0])
+    most = [sum(fill(r, n)) for r in range(len(ranks))]  # the greedy to U is the greedy to n stopped at U
+    if not all(most) or sum(most) < n:
+        return None
+    lo = next(u for u in range(-(-n // len(ranks)), n + 1) if sum(min(u, x) for x in most) >= n)
+    counts = [fill(r, lo) for r in range(len(ranks))]
+    for _ in range(sum(map(sum, counts)) - n):  # trim the fullest rank's chunk that holds the most microbatches
+        r = max(range(len(ranks)), key=lambda r: (sum(counts[r]), held(counts[r], peaks[r])[0]))
+        pk = held(counts[r], peaks[r])[1]
+        c = max((c for c in range(v) if counts[r][c] > 1), key=lambda c: pk[c])
+        counts[r][c] -= 1
+    out = {}
+    for r, js in enumerate(ranks):
+        total, pk = held(counts[r], peaks[r])
+        for c, j in enumerate(js):
+            part = (static + act * pk[c]) * counts[r][c]
+            out[j] = (counts[r][c] / lo, cap * part / total if total else cap / v, pk[c])
+    return tuple(zip(*(out[j] for j in range(len(out)))))
+
+
+def rank_load(inp: PartitionInput, ranks: Sequence[Sequence[int]], peaks: Sequence[Sequence[Sequence[float]]],
+              cap: float):
+    """(bounds, r) -> (seconds of rank r's stages `ranks[r]` per microbatch, bytes it holds over `cap`), its chunk c
+    holding peaks[r][i][c] microbatches at its i-th possible peak."""
+    T, parts, seen = _stage_time(inp), _stage_parts(inp), {}
+
+    def load(bounds: Sequence[int], r: int) -> tuple[float, float]:
+        key = (r, *(bounds[j + d] for j in ranks[r] for d in (0, 1)))
+        if key not in seen:
+            fixed, acts = 0.0, []
+            for j in ranks[r]:
+                f, a = parts(j, bounds[j], bounds[j + 1])
+                fixed += f
+                acts.append(a)
+            seen[key] = (sum(T(bounds[j], bounds[j + 1]) for j in ranks[r]),
+                         max(0.0, fixed + max(sum(n * a for n, a in zip(peak, acts)) for peak in peaks[r]) - cap))
+        return seen[key]
+
+    return load
+
+
+def rebalance(inp: PartitionInput, part: Partition, ranks: Sequence[Sequence[int]],
+              peaks: Sequence[Sequence[Sequence[float]]], cap: float) -> Partition:
+    """`part` (optimal per stage, each under a cap of its own) repaired where a rank's chunks together hold more than
+    `cap`, and its slowest rank (the sum of its stages, `ranks[r]`) made faster: chunk c of rank r holds
+    peaks[r][i][c] microbatches at the rank's i-th possible peak. Moves one unit at a time from a stage of the rank
+    most over `cap` (none over: of the slowest rank) to its neighbours, to the rank's other chunks, to the nearest
+    stage on each side whose rank has room, or to the fastest rank's stages (the stages between shift by one unit)
+    while the bytes over the caps, then the slowest stage's time (an interleaved pipeline fills and drains at its
+    slowest stage), then the slowest rank's, then the sum of squared rank times fall."""
+    T, rank_of = _stage_time(inp), rank_load(inp, ranks, peaks, cap)
+    owner = [0] * (len(part.bounds) - 1)
+    for r, js in enumerate(ranks):
+        for j in js:
+            owner[j] = r
+
+    def key(bounds: list[int], times: list[float], over: list[float]) -> tuple[float, float, float, float]:
+        return sum(over), max(T(a, b) for a, b in zip(bounds, bounds[1:])), max(times), sum(t * t for t in times)
+
+    bounds = list(part.bounds)
+    times, over = map(list, zip(*(rank_of(bounds, r) for r in range(len(ranks)))))
+    now = key(bounds, times, over)
+    for _ in range(4 * len(owner)):
+        src = max(range(len(ranks)), key=lambda r: (over[r], times[r]))
+        fast = min(range(len(ranks)), key=times.__getitem__)
+        best = None
+        for s in ranks[src]:
+            if bounds[s + 1] - bounds[s] < 2:
+                continue
+            near = [next((t for t in side if not over[owner[t]]), None)
+                    for side in (range(s - 1, -1, -1), range(s + 1, len(owner)))]
+            for t in {s - 1, s + 1, *ranks[src], *ranks[fast], *near} - {s, None, -1, len(owner)}:
+                trial = bounds[:]
+                for b in (range(t + 1, s + 1) if t < s else range(s + 1, t + 1)):
+                    trial[b] += 1 if t < s else -1
+                new_t, new_o = times[:], over[:]
+                for r in {owner[j] for j in range(min(s, t), max(s, t) + 1)}:
+                    new_t[r], new_o[r] = rank_of(trial, r)
+                k = key(trial, new_t, new_o)
+                if k < now and (best is None or k < best[0]):
+                    best = (k, trial, new_t, new_o)
+        if best is None:
+            break
+        now, bounds, times, over = best
+    return _result(tuple(bounds), T, _stage_bytes(inp))
 
 
 def brute_force_partition(inp: PartitionInput) -> float:

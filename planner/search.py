@@ -313,8 +313,14 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
             rejected["cannot beat the best configuration"] += 1
             continue
         try:
-            found.append(ev.evaluate(c))
+            found.append(e := ev.evaluate(c))
             found.sort(key=lambda e: e.iteration_s)
+            if ev.memory_shaped(e):
+                more = [f for f in _fallbacks(c, pins) if f not in seen]  # it fits, but slower than it would with
+                for f in more:  # more memory: as where it does not fit
+                    seen.add(f)
+                    heapq.heappush(heap, (max(lower, _optimistic_iteration(ev, f)), count, f, True))
+                    count += 1
         except Rejected as r:
             rejected[r.reason] += 1
             if r.need_bytes and (leanest is None or r.need_bytes < leanest[0]):

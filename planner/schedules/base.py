@@ -39,6 +39,16 @@ class ScheduleKind:
     """(p, v, m, rank) -> at the rank's activation peak, microbatches whose I ran and whose W has not (what the
     weight gradient still needs: each linear's input and output gradient), in whole-stage units."""
 
+    chunk_peaks: Callable[[int, int, int, int], tuple[tuple[float, ...], ...]] | None = None
+    """(p, v, m, rank) -> microbatches each of the rank's v chunks holds (in its own units, chunk by chunk in stage
+    order) at each moment that can be the rank's activation peak. None: every chunk holds `inflight` of them (a
+    uniform average over the chunks, exact with one chunk)."""
+
+    def peaks(self, p: int, v: int, m: int, rank: int) -> tuple[tuple[float, ...], ...]:
+        if self.chunk_peaks is None:
+            return ((self.inflight(p, v, m, rank),) * v,)
+        return self.chunk_peaks(p, v, m, rank)
+
     def generate(self, p: int, m: int, v: int = 1) -> Schedule:
         """Every rank's lowered action list for one iteration."""
         from planner.schedule import lower

@@ -3,6 +3,7 @@ FP8, its schedules), their launch is the export's, and fxplanner's runtime refus
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -84,3 +85,27 @@ def test_a_torchtitan_plan_of_a_family_torchtitan_does_not_ship_names_what_to_fi
     assert "--titan-module MODULE --titan-config CONFIG" in plan.launch.commands[0]
     assert any("torchtitan ships no model matching" in n for n in plan.source.notes)
     assert not any(n.startswith("the fxplanner runtime") for n in plan.source.notes)
+
+
+def test_llama3_405b_as_meta_ran_it_plans_an_interleaved_schedule():
+    """Llama-3-405B on 8,192 and 16,384 H100 (t8 p16, global batch 2048 and 4096 of 8192 tokens, no recomputation,
+    as Meta ran it; issue 25): the first ranks' first chunks hold about twice the microbatches of their later ones
+    (interleaved.chunk_peaks), so their layers go to those later chunks and the schedule fits interleaved."""
+    from costmodels.hardware import Hardware
+    from passes.pipeline import analyze
+    from planner.api import engine_pins
+    from planner.evaluate import Evaluator
+    from planner.search import search
+    from targets.registry import get_target
+
+    hw = Hardware(target=get_target("h100-sxm"))
+    units = analyze(str(EXAMPLES / "hf_llama.py"), {"preset": "llama3-405b", "seq": 8192}, engine="megatron")[0].units
+    hw = hw.with_eff(fusion=0.0)
+    for gpus in (8192, 16384):
+        pins = engine_pins(Pins(engine="megatron", tp=8, pp=16, recompute="none"), hw)
+        ev = Evaluator(units=units, hw=hw, global_batch=gpus // 4, n_gpus=gpus, tokens_per_sample=8192)
+        best = search(ev, pins).best
+        assert best.config.schedule == "interleaved" and best.config.v > 1, (gpus, str(best.config))
+        assert max(m.total for m in best.rank_memory) <= hw.capacity
+        one_f_one_b = search(ev, replace(pins, schedule="1f1b")).best
+        assert best.iteration_s < one_f_one_b.iteration_s

@@ -46,3 +46,42 @@ def test_memory_cap_moves_units_off_the_first_stage():
     inp = PartitionInput(time_s=(1.0,) * 4, static_bytes=(0.0,) * 4, activation_bytes=(1.0,) * 4,
                          inflight=(2.0, 1.0), cap_bytes=(2.0, 3.0))
     assert partition(inp).bounds == (0, 1, 4)
+
+
+@st.composite
+def shared_ranks(draw):
+    """Two ranks of two chunks each (stages 0, 2 on rank 0 and 1, 3 on rank 1, as loop placement puts them), each
+    chunk holding its own count of microbatches at each of the rank's peaks, and a split to start from."""
+    n = draw(st.integers(4, 10))
+    floats = st.floats(0.0, 10.0, allow_nan=False)
+    row = st.lists(floats, min_size=n, max_size=n)
+    counts = st.tuples(st.integers(0, 6), st.integers(0, 6))
+    peaks = [draw(st.lists(counts, min_size=1, max_size=3)) for _ in range(2)]
+    cuts = sorted(draw(st.lists(st.integers(1, n - 1), min_size=3, max_size=3, unique=True)))
+    inp = PartitionInput(time_s=tuple(draw(row)), static_bytes=tuple(draw(row)), activation_bytes=tuple(draw(row)),
+                         inflight=(1.0,) * 4, cap_bytes=(1.0,) * 4)
+    return inp, (0, *cuts, n), peaks, draw(st.floats(1.0, 200.0))
+
+
+@settings(max_examples=200, deadline=None)
+@given(shared_ranks())
+def test_rebalance_never_makes_a_rank_fuller_or_the_slowest_slower(case):
+    """partition.rebalance: from any split, the bytes over a rank's memory do not grow, and where they do not either,
+    neither does the slowest stage, then the slowest rank; what it returns is a split into non-empty stages."""
+    from planner.partition import _result, _stage_bytes, _stage_time, rank_load, rebalance
+
+    inp, bounds, peaks, cap = case
+    ranks = [(0, 2), (1, 3)]
+    T = _stage_time(inp)
+    load = rank_load(inp, ranks, peaks, cap)
+
+    def key(b):
+        times, over = zip(*(load(b, r) for r in range(2)))
+        return sum(over), max(T(x, y) for x, y in zip(b, b[1:])), max(times)
+
+    got = rebalance(inp, _result(bounds, T, _stage_bytes(inp)), ranks, peaks, cap).bounds
+    assert got[0] == 0 and got[-1] == len(inp.time_s) and all(a < b for a, b in zip(got, got[1:]))
+    before, after = key(bounds), key(got)
+    assert after[0] <= before[0] + 1e-9
+    if after[0] == pytest.approx(before[0], abs=1e-9):
+        assert after[1:] <= tuple(x + 1e-9 for x in before[1:])

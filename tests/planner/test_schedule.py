@@ -304,3 +304,51 @@ def test_memory_model_in_flight_count_is_the_generated_orders_peak(name, p, v, m
             live += {Op.F: 1, Op.B: -1}.get(a.op, 0)
             peak = max(peak, live)
         assert kind.inflight(p, v, m, r) == pytest.approx(peak / v), (r, peak)
+
+
+@pytest.mark.parametrize("p,v,m", [(2, 2, 2), (4, 2, 4), (4, 3, 9), (4, 2, 10), (3, 2, 5), (8, 2, 12), (8, 4, 32),
+                                   (16, 2, 32)])
+def test_each_chunks_in_flight_microbatches_are_the_generated_orders(p, v, m):
+    """interleaved.chunk_peaks: after every forward of the generated order, the microbatches each of the rank's chunks
+    holds are at most one of the returned peaks, each peak is reached, and the largest total is the rank's inflight
+    (so a rank whose chunks keep alike needs what it needed before)."""
+    from planner.schedule import placement_of
+    from planner.schedules.interleaved import chunk_peaks
+
+    kind = SCHEDULES["interleaved"]
+    sched = kind.generate(p, m, v)
+    for r, acts in enumerate(sched.ranks):
+        local = {s: c for c, s in enumerate(placement_of("loop", p, v).stages(r))}
+        live, states = [0] * v, set()
+        for a in acts:
+            if a.op in (Op.F, Op.B):
+                live[local[a.stage]] += 1 if a.op == Op.F else -1
+                if a.op == Op.F:
+                    states.add(tuple(live))
+        peaks = chunk_peaks(p, v, m, r)
+        assert all(any(all(x <= y for x, y in zip(s, pk)) for pk in peaks) for s in states)
+        assert {tuple(int(x) for x in pk) for pk in peaks} <= states
+        assert max(sum(pk) for pk in peaks) == pytest.approx(kind.inflight(p, v, m, r) * v)
+
+
+def test_a_ranks_memory_counts_each_chunk_at_its_own_microbatches():
+    """p=8 v=4 m=128: rank 0's first chunk holds 15 or 16 microbatches at its peak, the others 8 or fewer. With the
+    embedding alone in the first chunk and a block in each other, the rank holds the most over its peaks of each
+    chunk's count times its bytes, not the average count times the sum."""
+    from costmodels.hardware import Hardware
+    from costmodels.memory import activation_bytes, stage_memory
+    from passes.pipeline import analyze
+    from planner.config import ParallelConfig
+    from planner.schedules.interleaved import chunk_peaks
+    from targets.registry import get_target
+    from tests.conftest import EXAMPLES
+
+    units = analyze(EXAMPLES / "gpt.py", {"layers": 4, "hidden": 64, "heads": 4, "seq": 32, "vocab": 128})[0].units
+    chunks = [units[0], *[u for u in units if u.kind == "block"][:3]]
+    cfg = ParallelConfig(tp=1, pp=8, dp=1, b=1, m=128, v=4, schedule="interleaved")
+    hw = Hardware(target=get_target("a100-80gb"))
+    exact = stage_memory(chunks, hw, cfg, 0, chunks=[1, 1, 1, 1]).activations
+    a = [activation_bytes(u, cfg) for u in chunks]
+    assert a[0] < a[1]
+    assert exact == pytest.approx(max(sum(n * x for n, x in zip(pk, a)) for pk in chunk_peaks(8, 4, 128, 0)))
+    assert exact < stage_memory(chunks, hw, cfg, 0).activations  # the average charges the embedding's count to all
