@@ -8,17 +8,16 @@ timelines and bubbles.
 from __future__ import annotations
 
 import math
-from itertools import accumulate
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from itertools import accumulate
 
 from costmodels.comm import allreduce_time, exposed_reduction_s, megatron_bucket_params, p2p_time
 from costmodels.compute import unit_time
 from costmodels.hardware import Hardware
-from costmodels.memory import (StageMemory, activation_bytes, expert_count, fp8_weight_bytes, held_bytes, in_flight_bytes,
-                               param_count,
-                               stage_memory, static_bytes)
+from costmodels.memory import (StageMemory, activation_bytes, expert_count, fp8_weight_bytes, held_bytes,
+                               in_flight_bytes, param_count, stage_memory, static_bytes)
 from costmodels.recompute import recompute_mode
 from passes.units import Unit
 
