@@ -283,7 +283,8 @@ def rebalance(inp: PartitionInput, part: Partition, ranks: Sequence[Sequence[int
             owner[j] = r
 
     def key(bounds: list[int], times: list[float], over: list[float]) -> tuple[float, float, float, float]:
-        return sum(over), max(T(a, b) for a, b in zip(bounds, bounds[1:])), max(times), sum(t * t for t in times)
+        return (round(sum(over) / cap, 9), max(T(a, b) for a, b in zip(bounds, bounds[1:])), max(times),
+                sum(t * t for t in times))  # bytes over to a billionth of the cap: not the sums' rounding
 
     bounds = list(part.bounds)
     times, over = map(list, zip(*(rank_of(bounds, r) for r in range(len(ranks)))))
