@@ -13,8 +13,8 @@ from bisect import bisect_left
 from itertools import accumulate
 from typing import Sequence
 
-__all__ = ["PartitionInput", "Partition", "partition", "brute_force_partition", "NoFeasiblePartition", "rank_load", "rebalance",
-           "recomputed"]
+__all__ = ["PartitionInput", "Partition", "partition", "brute_force_partition", "NoFeasiblePartition", "rank_load",
+           "rebalance", "recomputed"]
 
 INF = float("inf")
 
@@ -276,7 +276,7 @@ def rebalance(inp: PartitionInput, part: Partition, ranks: Sequence[Sequence[int
     stage on each side whose rank has room, or to the fastest rank's stages (the stages between shift by one unit)
     while the bytes over the caps, then the slowest stage's time (an interleaved pipeline fills and drains at its
     slowest stage), then the slowest rank's, then the sum of squared rank times fall."""
-    T, rank_of = _stage_time(inp), rank_load(inp, ranks, peaks, cap)
+    T, load = _stage_time(inp), rank_load(inp, ranks, peaks, cap)
     owner = [0] * (len(part.bounds) - 1)
     for r, js in enumerate(ranks):
         for j in js:
@@ -287,7 +287,7 @@ def rebalance(inp: PartitionInput, part: Partition, ranks: Sequence[Sequence[int
                 sum(t * t for t in times))  # bytes over to a billionth of the cap: not the sums' rounding
 
     bounds = list(part.bounds)
-    times, over = map(list, zip(*(rank_of(bounds, r) for r in range(len(ranks)))))
+    times, over = map(list, zip(*(load(bounds, r) for r in range(len(ranks)))))
     now = key(bounds, times, over)
     for _ in range(4 * len(owner)):
         src = max(range(len(ranks)), key=lambda r: (over[r], times[r]))
@@ -304,7 +304,7 @@ def rebalance(inp: PartitionInput, part: Partition, ranks: Sequence[Sequence[int
                     trial[b] += 1 if t < s else -1
                 new_t, new_o = times[:], over[:]
                 for r in {owner[j] for j in range(min(s, t), max(s, t) + 1)}:
-                    new_t[r], new_o[r] = rank_of(trial, r)
+                    new_t[r], new_o[r] = load(trial, r)
                 k = key(trial, new_t, new_o)
                 if k < now and (best is None or k < best[0]):
                     best = (k, trial, new_t, new_o)

@@ -302,6 +302,17 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
     heap += [(lower, len(heap) + i, c, True) for i, (lower, c) in enumerate(deferred)]
     heapq.heapify(heap)
     seen, count = {c for _, _, c, _ in heap}, len(heap)
+
+    def retry(c: ParallelConfig, lower: float, r: Rejected | None = None) -> None:
+        """Queue what c falls back to (_fallbacks), each bounded below by `lower` and its own optimistic time (with
+        at least the recomputation `r`, c's shortfall, says it needs)."""
+        nonlocal count
+        for f in _fallbacks(c, pins):
+            if f not in seen:
+                seen.add(f)
+                bound = _optimistic_iteration(ev, f if r is None else _at_least(ev, f, r))
+                heapq.heappush(heap, (max(lower, bound), count, f, True))
+                count += 1
     while heap:
         lower, _, c, fallback = heapq.heappop(heap)
         if progress:
@@ -313,25 +324,18 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
             rejected["cannot beat the best configuration"] += 1
             continue
         try:
-            found.append(e := ev.evaluate(c))
-            found.sort(key=lambda e: e.iteration_s)
-            if ev.memory_shaped(e):
-                more = [f for f in _fallbacks(c, pins) if f not in seen]  # it fits, but slower than it would with
-                for f in more:  # more memory: as where it does not fit
-                    seen.add(f)
-                    heapq.heappush(heap, (max(lower, _optimistic_iteration(ev, f)), count, f, True))
-                    count += 1
+            e = ev.evaluate(c)
         except Rejected as r:
             rejected[r.reason] += 1
             if r.need_bytes and (leanest is None or r.need_bytes < leanest[0]):
                 leanest = (r.need_bytes, c)
             if r.reason == "memory":  # what only adds work to c is no faster than c would have been
-                for f in _fallbacks(c, pins):
-                    if f not in seen:
-                        seen.add(f)
-                        heapq.heappush(heap, (max(lower, r.lower_s, _optimistic_iteration(ev, _at_least(ev, f, r))),
-                                              count, f, True))
-                        count += 1
+                retry(c, max(lower, r.lower_s), r)
+        else:
+            found.append(e)
+            found.sort(key=lambda e: e.iteration_s)
+            if ev.memory_shaped(e):  # it fits, but slower than with more memory: as where it does not fit
+                retry(c, lower)
     if not found:
         raise NoFeasibleConfig(_no_fit_message(ev, leanest, rejected))
     simulated = [ev.simulate_config(e) for e in found[:simulate_top]]
