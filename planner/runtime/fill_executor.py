@@ -146,7 +146,7 @@ class ExecutorOptions:
     iterations: dict[str, int] = field(default_factory=dict)
     """Fill job name -> iterations after which its work is done (STOPPED); absent: the plan's
     FillJob.iterations (the fill spec's amount of work), else it runs until shutdown."""
-    profile_reps: int = 2
+    profile_reps: int = 3
     """Timed passes over the linearized units during InitSideTask (after one warm-up pass)."""
     step_safety: float = STEP_SAFETY
     """A step starts only if usable time left >= profiled (or recently observed) time x this + overhead (the
@@ -184,7 +184,7 @@ class TaskSpec:
     interface: Interface
     iterations: int | None
     leaves: tuple[str, ...] = ()
-    profile_reps: int = 2
+    profile_reps: int = 3
     cpu_threads: int = 1
     seed: int = 0
     batch_first: int = 0

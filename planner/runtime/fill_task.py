@@ -20,6 +20,7 @@ import functools
 import operator
 import os
 import signal
+import statistics
 import sys
 import threading
 import time
@@ -345,7 +346,9 @@ class UnitRunner:
             self.loss = None
 
     def profile(self, reps: int) -> list[float]:
-        """Seconds of each linearized unit: the slowest of `reps` timed passes after a warm-up pass.
+        """Seconds of each linearized unit: the upper median of `reps` timed passes after a warm-up pass (the
+        slowest of two; of three, not a pass the OS descheduled: on a loaded host one such pass once profiled a
+        2 ms unit at 300 ms, which no bubble then fitted for the rest of the run).
 
         Runs iteration 0's batch with a throw-away optimizer, then restores the weights, so the job's
         own trajectory is unchanged by profiling."""
@@ -353,7 +356,7 @@ class UnitRunner:
         optimizer, host, pos, iterations = self.optimizer, self.host, self.pos, self.iterations
         self.optimizer = self._make_optimizer() if self.train else None
         self.profiling = True  # the gradients' copy to the host is timed; the replicas do not meet
-        times = [0.0] * len(self.linearized)
+        times: list[list[float]] = [[] for _ in self.linearized]
         try:
             for rep in range(reps + 1):
                 self.pos = 0
@@ -363,7 +366,7 @@ class UnitRunner:
                     t0 = time.perf_counter()
                     self.step()
                     if rep:
-                        times[k] = max(times[k], time.perf_counter() - t0)
+                        times[k].append(time.perf_counter() - t0)
         finally:
             self.module.load_state_dict(saved)
             for p in self.module.parameters():
@@ -373,7 +376,7 @@ class UnitRunner:
             self._reset()
             if self.streamer is not None:
                 self.streamer.reset()
-        return times
+        return [statistics.median_high(t) for t in times]
 
 
 def _join_replicas(spec: TaskSpec) -> Any:
