@@ -43,6 +43,7 @@ fp8_params      the linear layers' weights kept in FP8 only (row- and column-wis
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import cache
 from typing import TYPE_CHECKING
 
 from costmodels.fp8 import FP8_RECIPES, Fp8Recipe
@@ -65,6 +66,12 @@ ZERO_STAGES = (0, 1, 2, 3)
 
 class ConfigError(UserError, ValueError):
     """A configuration breaks a rule; the message carries the numbers."""
+
+
+@cache
+def _numerics(precision: str, grad_fp32: bool) -> Precision:
+    num = PRECISIONS[precision]
+    return replace(num, grad_bytes=4.0) if grad_fp32 else num
 
 
 def _positive(name: str, what: str, value: object) -> None:
@@ -204,8 +211,7 @@ class ParallelConfig:
     def numerics(self) -> Precision:
         """Bytes per parameter and the peak FLOP/s key of the training precision (4-byte gradients under
         grad_fp32)."""
-        num = PRECISIONS[self.precision]
-        return replace(num, grad_bytes=4.0) if self.grad_fp32 else num
+        return _numerics(self.precision, self.grad_fp32)
 
     @property
     def fp8_recipe(self) -> Fp8Recipe | None:

@@ -145,14 +145,18 @@ class Evaluator:
             self._cache[key] = sum(u.fwd_flops(1) + u.bwd_flops(1) + extra(u) for u in self.units) * self.global_batch
         return self._cache[key]
 
-    def memory_lower_bound(self, c: ParallelConfig) -> float:
-        """No rank can need less than the average rank (the last rank holds the fewest activations)."""
+    def _totals(self, c: ParallelConfig) -> tuple[float, float, float]:
+        """Parameters (dense, experts') and FP8 weight-copy bytes one rank of each stage holds, summed over stages."""
         key = ("counts", c.tp, c.ep, c.fp8)
-        if key not in self._cache:  # parameters (dense, experts') and FP8 weight copies one rank of each stage holds
+        if key not in self._cache:
             experts = sum(expert_count(u, c) for u in self.units)
             self._cache[key] = (sum(param_count(u, c) for u in self.units) - experts, experts,
                                 sum(fp8_weight_bytes(u, c) for u in self.units))
-        dense, experts, copies = self._cache[key]
+        return self._cache[key]
+
+    def memory_lower_bound(self, c: ParallelConfig) -> float:
+        """No rank can need less than the average rank (the last rank holds the fewest activations)."""
+        dense, experts, copies = self._totals(c)
         # partial recomputation keeps at least what recomputing every block keeps
         leanest = replace(c, recompute="full", recompute_layers=0) if c.recompute_mode.partial else c
         key = ("acts", leanest.unit_key())
@@ -438,8 +442,7 @@ class Evaluator:
         forward and backward (the search's bound; 0 below ZeRO-2)."""
         if c.zero < 2:
             return 0.0
-        experts = sum(expert_count(u, c) for u in self.units) / c.pp
-        dense = sum(param_count(u, c) for u in self.units) / c.pp - experts
+        dense, experts, _ = (x / c.pp for x in self._totals(c))
         num = c.numerics
         return (c.m * self._dp_collective_s(c, dense, experts, num.grad_bytes / 2)
                 + (2 * c.m if c.zero == 3 else 1) * self._dp_collective_s(c, dense, experts, num.weight_bytes / 2))

@@ -3,14 +3,16 @@
 Dynamic programming over (stages, units): best[j][i] is the smallest possible slowest-stage time
 when the first i units form j stages. Stage j (0-based) of a candidate segment must fit its cap:
 static bytes + inflight[j] x activation bytes <= cap[j] (in 1F1B stage j holds p - j microbatches).
-Because best[j-1][k] never decreases in k while the last segment's time never increases, the
-optimal split point is found by bisection, so a partition costs O(stages x units x log units).
+Because best[j-1][s] never decreases in s while the last segment's time never increases, the optimal split
+point is where the two cross; the smallest split whose segment fits and that crossing only move right as i grows,
+so two pointers find them and a partition costs O(stages x units).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from bisect import bisect_left
+from dataclasses import dataclass
 from itertools import accumulate
+from operator import itemgetter, mul
 from typing import Sequence
 
 __all__ = ["PartitionInput", "Partition", "partition", "brute_force_partition", "NoFeasiblePartition", "rank_load",
@@ -131,61 +133,58 @@ def _stage_time(inp: PartitionInput):
     return lambda lo, hi: T[hi] - T[lo] + sums(lo, hi)[0]
 
 
+def _segments(inp: PartitionInput):
+    """j -> (fits(lo, hi): whether units lo..hi-1 fit stage j's cap; time(lo, hi): their seconds, over stage j's
+    time share if any), each one flat call (the partition's inner loop makes O(stages x units) of them)."""
+    S, A, T = _prefix(inp.static_bytes), _prefix(inp.activation_bytes), _prefix(inp.time_s)
+    W = _prefix(inp.weight_bytes) if inp.weight_bytes else S
+    sums = _recompute_sums(inp)
+
+    def segment(j: int):
+        w = inp.w_pending[j] if inp.weight_bytes else 0.0
+        cap, fl, share = inp.cap_bytes[j], inp.inflight[j], 1 / inp.time_share[j] if inp.time_share else 1.0
+        if sums is None:
+            return (lambda lo, hi: S[hi] - S[lo] + w * (W[hi] - W[lo]) + fl * (A[hi] - A[lo]) <= cap,
+                    lambda lo, hi: (T[hi] - T[lo]) * share)
+        return (lambda lo, hi: S[hi] - S[lo] + w * (W[hi] - W[lo]) + fl * (A[hi] - A[lo] - sums(lo, hi)[1]) <= cap,
+                lambda lo, hi: (T[hi] - T[lo] + sums(lo, hi)[0]) * share)
+
+    return segment
+
+
 def partition(inp: PartitionInput) -> Partition:
     n, k = len(inp.time_s), len(inp.inflight)
-    T = _stage_time(inp)
-    held, cap = _stage_bytes(inp), inp.cap_bytes
-
-    def fits(j: int, lo: int, hi: int) -> bool:
-        return held(j, lo, hi) <= cap[j]
-
     best = [[INF] * (n + 1) for _ in range(k + 1)]
     choice = [[-1] * (n + 1) for _ in range(k + 1)]
     best[0][0] = 0.0
+    segment = _segments(inp)
     for j in range(1, k + 1):
-        prev, row = best[j - 1], best[j]
-        Tj = T if not inp.time_share else (lambda a, b, w=1 / inp.time_share[j - 1]: T(a, b) * w)
+        prev, row, pick = best[j - 1], best[j], choice[j]
+        fits, Tj = segment(j - 1)
+        lo = cross = j - 1  # both only move right as i grows: a longer segment fits from no earlier split, and
+        # its time crosses the rising prev no earlier
         for i in range(j, n - (k - j) + 1):
-            lo = _first_fitting(fits, j - 1, i, j - 1)  # smallest split k whose segment fits
-            if lo is None:
+            ok = fits(lo, i)
+            while not ok and lo < i - 1:  # the smallest split whose segment fits
+                lo += 1
+                ok = fits(lo, i)
+            if not ok:
                 continue
             # among splits s in [lo, i-1]: minimize max(prev[s], T(s, i)); prev rises, segment falls
-            s = _crossing(prev, Tj, lo, i)
-            row[i], choice[j][i] = max(prev[s], Tj(s, i)), s
+            cross = max(cross, lo)
+            while cross < i - 1 and prev[cross] < Tj(cross, i):  # the first s where prev[s] >= the segment
+                cross += 1
+            s, slowest = cross, max(prev[cross], Tj(cross, i))
+            if cross > lo and (before := max(prev[cross - 1], Tj(cross - 1, i))) <= slowest:  # ties: the earlier
+                s, slowest = cross - 1, before
+            row[i], pick[i] = slowest, s
     if best[k][n] == INF:
         raise NoFeasiblePartition(f"no split of {n} units into {k} stages fits the memory caps")
     bounds = [n]
     for j in range(k, 0, -1):
         bounds.append(choice[j][bounds[-1]])
     bounds.reverse()
-    return _result(tuple(bounds), T, held)
-
-
-def _first_fitting(fits, j: int, i: int, min_split: int) -> int | None:
-    """Smallest s in [min_split, i-1] with units s..i-1 fitting stage j (segments shrink as s grows)."""
-    lo, hi = min_split, i - 1
-    if not fits(j, hi, i):
-        return None
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(j, mid, i):
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo
-
-
-def _crossing(prev: list[float], T, lo: int, i: int) -> int:
-    """argmin over s in [lo, i-1] of max(prev[s], T(s, i))."""
-    a, b = lo, i - 1
-    while a < b:  # first s where prev[s] >= segment time
-        mid = (a + b) // 2
-        if prev[mid] >= T(mid, i):
-            b = mid
-        else:
-            a = mid + 1
-    cands = [s for s in (a - 1, a) if lo <= s <= i - 1]
-    return min(cands, key=lambda s: (max(prev[s], T(s, i)), s))
+    return _result(tuple(bounds), _stage_time(inp), _stage_bytes(inp))
 
 
 def _result(bounds: tuple[int, ...], T, held) -> Partition:
@@ -251,9 +250,10 @@ def rank_load(inp: PartitionInput, ranks: Sequence[Sequence[int]], peaks: Sequen
     """(bounds, r) -> (seconds of rank r's stages `ranks[r]` per microbatch, bytes it holds over `cap`), its chunk c
     holding peaks[r][i][c] microbatches at its i-th possible peak."""
     T, parts, seen = _stage_time(inp), _stage_parts(inp), {}
+    ends = [itemgetter(*(j + d for j in js for d in (0, 1))) for js in ranks]  # a rank's stages' bounds
 
     def load(bounds: Sequence[int], r: int) -> tuple[float, float]:
-        key = (r, *(bounds[j + d] for j in ranks[r] for d in (0, 1)))
+        key = (r, ends[r](bounds))
         if key not in seen:
             fixed, acts = 0.0, []
             for j in ranks[r]:
@@ -261,7 +261,7 @@ def rank_load(inp: PartitionInput, ranks: Sequence[Sequence[int]], peaks: Sequen
                 fixed += f
                 acts.append(a)
             seen[key] = (sum(T(bounds[j], bounds[j + 1]) for j in ranks[r]),
-                         max(0.0, fixed + max(sum(n * a for n, a in zip(peak, acts)) for peak in peaks[r]) - cap))
+                         max(0.0, fixed + max(sum(map(mul, peak, acts)) for peak in peaks[r]) - cap))
         return seen[key]
 
     return load
@@ -282,13 +282,14 @@ def rebalance(inp: PartitionInput, part: Partition, ranks: Sequence[Sequence[int
         for j in js:
             owner[j] = r
 
-    def key(bounds: list[int], times: list[float], over: list[float]) -> tuple[float, float, float, float]:
-        return (round(sum(over) / cap, 9), max(T(a, b) for a, b in zip(bounds, bounds[1:])), max(times),
+    def key(stage: list[float], times: list[float], over: list[float]) -> tuple[float, float, float, float]:
+        return (round(sum(over) / cap, 9), max(stage), max(times),
                 sum(t * t for t in times))  # bytes over to a billionth of the cap: not the sums' rounding
 
     bounds = list(part.bounds)
+    stage = [T(a, b) for a, b in zip(bounds, bounds[1:])]
     times, over = map(list, zip(*(load(bounds, r) for r in range(len(ranks)))))
-    now = key(bounds, times, over)
+    now = key(stage, times, over)
     for _ in range(4 * len(owner)):
         src = max(range(len(ranks)), key=lambda r: (over[r], times[r]))
         fast = min(range(len(ranks)), key=times.__getitem__)
@@ -299,18 +300,20 @@ def rebalance(inp: PartitionInput, part: Partition, ranks: Sequence[Sequence[int
             near = [next((t for t in side if not over[owner[t]]), None)
                     for side in (range(s - 1, -1, -1), range(s + 1, len(owner)))]
             for t in {s - 1, s + 1, *ranks[src], *ranks[fast], *near} - {s, None, -1, len(owner)}:
-                trial = bounds[:]
-                for b in (range(t + 1, s + 1) if t < s else range(s + 1, t + 1)):
+                trial, lo, hi = bounds[:], min(s, t), max(s, t)  # stages lo..hi change
+                for b in range(lo + 1, hi + 1):
                     trial[b] += 1 if t < s else -1
-                new_t, new_o = times[:], over[:]
-                for r in {owner[j] for j in range(min(s, t), max(s, t) + 1)}:
+                new_s, new_t, new_o = stage[:], times[:], over[:]
+                for j in range(lo, hi + 1):
+                    new_s[j] = T(trial[j], trial[j + 1])
+                for r in {owner[j] for j in range(lo, hi + 1)}:
                     new_t[r], new_o[r] = load(trial, r)
-                k = key(trial, new_t, new_o)
+                k = key(new_s, new_t, new_o)
                 if k < now and (best is None or k < best[0]):
-                    best = (k, trial, new_t, new_o)
+                    best = (k, trial, new_s, new_t, new_o)
         if best is None:
             break
-        now, bounds, times, over = best
+        now, bounds, stage, times, over = best
     return _result(tuple(bounds), T, _stage_bytes(inp))
 
 

@@ -13,6 +13,7 @@ import heapq
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
+from itertools import chain
 from typing import Callable, Iterable, Iterator
 
 from costmodels.fp8 import FP8_RECIPES
@@ -257,20 +258,24 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
 
 def _optimistic_iteration(ev: Evaluator, c: ParallelConfig) -> float:
     """The schedule's own time with perfectly balanced stages and free p2p: no partition beats it."""
-    fwd, bwd, _, _, wgt, _ = ev.unit_costs(c)
-    work = [f + b for f, b in zip(fwd, bwd)]
-    k = c.stages
-    stage = max(sum(work) / k, max(work))
-    if c.recompute_mode.partial:  # every stage redoes at least one block (or recompute_layers of them)
-        redo = ev.unit_costs(replace(c, recompute="full", recompute_layers=0))[1]
-        stage += max(1, c.recompute_layers) * min((r - b for u, r, b in zip(ev.units, redo, bwd) if u.kind == "block"),
-                                                  default=0.0)
+    k, split = c.stages, c.schedule_kind.split_backward
+    key = ("optimistic", c.unit_key(), c.m, k, c.recompute_layers if c.recompute_mode.partial else -1, split)
+    if key not in ev._cache:  # (a balanced stage's seconds; under a split backward its least F and most W)
+        fwd, bwd, _, _, wgt, _ = ev.unit_costs(c)
+        work = [f + b for f, b in zip(fwd, bwd)]
+        stage = max(sum(work) / k, max(work))
+        if c.recompute_mode.partial:  # every stage redoes at least one block (or recompute_layers of them)
+            redo = ev.unit_costs(replace(c, recompute="full", recompute_layers=0))[1]
+            stage += max(1, c.recompute_layers) * min(
+                (r - b for u, r, b in zip(ev.units, redo, bwd) if u.kind == "block"), default=0.0)
+        # a split backward's bubble shrinks as W grows and F shrinks: the extreme shares of any unit bound it below
+        f = stage * min((f / x for f, x in zip(fwd, work) if x), default=0.0) if split else 0.0
+        w = stage * max((w / x for w, x in zip(wgt, work) if x), default=0.0) if split else 0.0
+        ev._cache[key] = (stage, f, w)
+    stage, f, w = ev._cache[key]
     floor = ev.dp_comm_floor(c)  # ZeRO-2/3: the sharded collectives' own time
-    if not c.schedule_kind.split_backward:
+    if not split:
         return max(floor, c.schedule_kind.analytic_s((stage,) * k, (0.0,) * k, c.pp, c.v, c.m, 0.0, ()))
-    # a split backward's bubble shrinks as W grows and F shrinks: the extreme shares of any unit bound it below
-    f = stage * min((f / x for f, x in zip(fwd, work) if x), default=0.0)
-    w = stage * max((w / x for w, x in zip(wgt, work) if x), default=0.0)
     return max(floor, c.schedule_kind.analytic_s((f,) * k, (stage - f,) * k, c.pp, c.v, c.m, 0.0,
                                                  (min(w, stage - f),) * k))
 
@@ -288,7 +293,7 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
     leanest: tuple[float, ParallelConfig] | None = None
     bounded, deferred = [], []  # deferred: partial recomputation, ZeRO-2, -3 where less does not fit (_fallbacks)
     for c in pool:
-        for k, c in enumerate((c, *_fallbacks(c, pins))):
+        for k, c in enumerate(chain((c,), _fallbacks(c, pins))):
             need = ev.memory_lower_bound(c)
             if need <= ev.capacity:
                 (deferred if k else bounded).append((_optimistic_iteration(ev, c), c))
@@ -364,17 +369,16 @@ def _at_least(ev: Evaluator, c: ParallelConfig, r: Rejected) -> ParallelConfig:
     return replace(c, recompute_layers=ev.recompute_guess(c, r.need_bytes - ev.capacity, r.bounds))
 
 
-def _fallbacks(c: ParallelConfig, pins: Pins) -> list[ParallelConfig]:
+def _fallbacks(c: ParallelConfig, pins: Pins) -> Iterator[ParallelConfig]:
     """What to price, in order, where `c` does not fit: partial recomputation of each chunk's first blocks for a
     configuration that recomputes nothing (the least count that fits; not torchtitan's: its AC checkpoints every
     k-th block), then ZeRO-2 and ZeRO-3 for a ZeRO-1 one (the fxplanner runtime runs up to ZeRO-2). Each only adds
-    work, so it is priced only where less does not fit, and only what the search chooses (none pinned)."""
-    out = []
+    work, so it is priced only where less does not fit, and only what the search chooses (none pinned); made as
+    they are asked for."""
     if c.recompute == "none" and pins.recompute is None and pins.engine != "torchtitan":
-        out.append(replace(c, recompute="block"))
+        yield replace(c, recompute="block")
     if pins.zero is None and c.zero == 1:
-        out += [replace(c, zero=z) for z in range(2, 3 if pins.engine == "fxplanner" else 4)]
-    return out
+        yield from (replace(c, zero=z) for z in range(2, 3 if pins.engine == "fxplanner" else 4))
 
 
 def _no_candidates_message(ev: Evaluator, pins: Pins, rejected: Counter) -> str:
