@@ -78,23 +78,32 @@ def recomputed(recomputable: Sequence[int], n: int, lo: int, hi: int) -> Sequenc
     return recomputable[first:min(first + n, bisect_left(recomputable, hi))]
 
 
+def _recompute_tables(inp: PartitionInput) -> tuple[list[int], list[float], list[float]] | None:
+    """(stop, Rt, Rb): a stage from unit lo redoes its recomputable units before stop[lo] (the first
+    `recompute_first` of them), and Rt / Rb are prefix sums over the units of the seconds partial recomputation
+    adds and the bytes per microbatch it saves (0 for a unit it never redoes). None without it."""
+    if not inp.recompute_first:
+        return None
+    n, R, first = len(inp.time_s), inp.recomputable, inp.recompute_first
+    only = set(R)
+    before = list(accumulate((i in only for i in range(n)), initial=0))  # recomputable units before index i
+    stop = [R[before[lo] + first - 1] + 1 if before[lo] + first <= len(R) else n for lo in range(n + 1)]
+    Rt = _prefix([inp.recompute_time_s[i] if i in only else 0.0 for i in range(n)])
+    Rb = _prefix([inp.recompute_saves[i] if i in only else 0.0 for i in range(n)])
+    return stop, Rt, Rb
+
+
 def _recompute_sums(inp: PartitionInput):
     """(lo, hi) -> (seconds added, bytes per microbatch saved) by partial recomputation of stage lo..hi-1 in O(1)
     (None without partial recomputation)."""
-    if not inp.recompute_first:
+    tables = _recompute_tables(inp)
+    if tables is None:
         return None
-    R, first = inp.recomputable, inp.recompute_first
-    before = [0] * (len(inp.time_s) + 1)  # recomputable units before index i
-    for i in R:
-        before[i + 1] = 1
-    before = list(accumulate(before))
-    Rt = _prefix([inp.recompute_time_s[i] for i in R])
-    Rb = _prefix([inp.recompute_saves[i] for i in R])
+    stop, Rt, Rb = tables
 
     def sums(lo: int, hi: int) -> tuple[float, float]:
-        a = before[lo]
-        b = min(a + first, before[hi])
-        return Rt[b] - Rt[a], Rb[b] - Rb[a]
+        e = min(hi, stop[lo])
+        return Rt[e] - Rt[lo], Rb[e] - Rb[lo]
 
     return sums
 
@@ -138,16 +147,25 @@ def _segments(inp: PartitionInput):
     time share if any), each one flat call (the partition's inner loop makes O(stages x units) of them)."""
     S, A, T = _prefix(inp.static_bytes), _prefix(inp.activation_bytes), _prefix(inp.time_s)
     W = _prefix(inp.weight_bytes) if inp.weight_bytes else S
-    sums = _recompute_sums(inp)
+    tables = _recompute_tables(inp)
 
     def segment(j: int):
         w = inp.w_pending[j] if inp.weight_bytes else 0.0
         cap, fl, share = inp.cap_bytes[j], inp.inflight[j], 1 / inp.time_share[j] if inp.time_share else 1.0
-        if sums is None:
+        if tables is None:
             return (lambda lo, hi: S[hi] - S[lo] + w * (W[hi] - W[lo]) + fl * (A[hi] - A[lo]) <= cap,
                     lambda lo, hi: (T[hi] - T[lo]) * share)
-        return (lambda lo, hi: S[hi] - S[lo] + w * (W[hi] - W[lo]) + fl * (A[hi] - A[lo] - sums(lo, hi)[1]) <= cap,
-                lambda lo, hi: (T[hi] - T[lo] + sums(lo, hi)[0]) * share)
+        stop, Rt, Rb = tables
+
+        def fits(lo: int, hi: int) -> bool:
+            e = stop[lo] if stop[lo] < hi else hi
+            return S[hi] - S[lo] + w * (W[hi] - W[lo]) + fl * (A[hi] - A[lo] - (Rb[e] - Rb[lo])) <= cap
+
+        def time(lo: int, hi: int) -> float:
+            e = stop[lo] if stop[lo] < hi else hi
+            return (T[hi] - T[lo] + (Rt[e] - Rt[lo])) * share
+
+        return fits, time
 
     return segment
 
