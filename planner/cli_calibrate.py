@@ -9,7 +9,7 @@ from rich.table import Table
 
 from passes.errors import UserError, output_path, write_atomic
 
-from .cli import _ms, app, err, out, unit_progress, user_errors
+from .cli import _ms, app, err, out, print_json, unit_progress, user_errors
 
 
 @app.command()
@@ -58,7 +58,7 @@ def calibrate(
                             progress=unit_progress(st))
         write_atomic(output, cal.model_dump_json(by_alias=True, indent=1) + "\n", "calibration")
     if as_json:
-        out.print_json(json.dumps({"calibration": json.loads(cal.model_dump_json(by_alias=True)), "units": rows}))
+        print_json(json.dumps({"calibration": json.loads(cal.model_dump_json(by_alias=True)), "units": rows}, indent=2))
         return
     table = Table(title=f"calibration of {cal.target} on {cal.device} ({cal.dtype}, b={batch})")
     for col in ("unit kind", "units", "forward: measured/predicted", "backward: measured/predicted"):

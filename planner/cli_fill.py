@@ -11,7 +11,7 @@ from rich.table import Table
 
 from passes.errors import UserError
 
-from .cli import app, out, user_errors
+from .cli import app, out, print_json, user_errors
 
 
 @app.command("simulate-fill")
@@ -56,7 +56,7 @@ def simulate_fill(
                          "work_done": j.work_done, "work": j.work, "dedicated_s": j.dedicated_s} for j in report.jobs],
                "unplaceable": {u.job: f"{u.reason}: {u.detail}" for u in report.unplaceable}}
     if as_json:
-        out.print_json(json.dumps(summary))
+        print_json(json.dumps(summary, indent=2))
         return
     table = Table(title=f"{Path(trace).name} through {Path(plan_file).name} ({report.policy})")
     for col in ("job", "rank", "arrival", "completion", "JCT", "done", "dedicated"):

@@ -10,7 +10,7 @@ from rich.table import Table
 
 from passes.errors import UserError
 
-from .cli import _fail, _ms, app, out, user_errors
+from .cli import _fail, _ms, app, out, print_json, user_errors
 
 if TYPE_CHECKING:
     from .metrics import MetricsDocument, RunEntry
@@ -84,7 +84,7 @@ def _report(metrics: MetricsDocument, baseline: MetricsDocument | None, as_json:
                     "slowdown": with_fill / without - 1 if without > 0 else None}
     if as_json:
         dump = lambda doc: None if doc is None else doc.model_dump(mode="json", by_alias=True)  # noqa: E731
-        out.print_json(json.dumps({"metrics": dump(metrics), "no_fill": dump(baseline), "comparison": slowdown}))
+        print_json(json.dumps({"metrics": dump(metrics), "no_fill": dump(baseline), "comparison": slowdown}, indent=2))
         return
     rows = summarize(metrics)
     table = Table(title="main job per step (slowest rank)")

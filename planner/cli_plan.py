@@ -14,7 +14,7 @@ from costmodels.recompute import RECOMPUTE
 from passes.errors import UserError
 from targets.builtin import DEFAULT_TARGET
 
-from .cli import GiB, TARGET_HELP, _ms, _si, app, err, out, user_errors
+from .cli import GiB, TARGET_HELP, _ms, _si, app, err, out, print_json, user_errors
 from .fill.assign import PACKERS
 from .plan import Plan, load_plan, save_plan
 from .schedules import SCHEDULES
@@ -134,7 +134,7 @@ def plan(
                                                                          completed=i, total=n))
         save_plan(plan_, output)
     if as_json:
-        out.print_json(plan_.model_dump_json(by_alias=True))
+        print_json(plan_.model_dump_json(by_alias=True, indent=2))
         return
     print_summary(plan_)
     for note in plan_.source.notes:
@@ -243,7 +243,7 @@ def show(plan_file: str = typer.Argument("plan.json"),
     with user_errors():
         p = load_plan(plan_file)
         if as_json:
-            out.print_json(p.model_dump_json(by_alias=True))
+            print_json(p.model_dump_json(by_alias=True, indent=2))
             return
         print_summary(p)
         try:

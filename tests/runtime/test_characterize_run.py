@@ -1,4 +1,5 @@
-"""Bubble characterization in a real pipeline finds a planted bubble (a known sleep) within 20%."""
+"""Bubble characterization in a real pipeline finds a planted bubble (a known sleep): at least the sleep (less 10% for
+the timers), and not more than twice it (a loaded machine only adds to it; the plan predicted microseconds)."""
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,10 @@ def test_characterize_finds_the_planted_sleep(tmp_path):
     path = tmp_path / "plan.json"
     save_plan(plan, path)
     last = max(b.id for b in plan.bubbles if b.rank == 0)  # rank 0's last wait: nothing later absorbs a delay
+    predicted = next(b for b in plan.bubbles if b.rank == 0 and b.id == last).duration_s
+    assert predicted < planted / 100  # the cost model cannot see the sleep: only a measurement finds it
     res = CliRunner().invoke(app, ["characterize", str(path), "--rank", "0", "--bubble", str(last), "--write"])
     assert res.exit_code == 0, res.stdout
     measured = next(b for b in load_plan(path).bubbles if b.rank == 0 and b.id == last).duration_s
-    assert measured == pytest.approx(planted, rel=0.2)
+    assert 0.9 * planted <= measured <= 2 * planted  # the sleep is a floor; scheduling noise only adds (a loaded
+    # 2-core machine once measured 0.124 s)
