@@ -267,19 +267,19 @@ def rank_load(inp: PartitionInput, ranks: Sequence[Sequence[int]], peaks: Sequen
               cap: float):
     """(bounds, r) -> (seconds of rank r's stages `ranks[r]` per microbatch, bytes it holds over `cap`), its chunk c
     holding peaks[r][i][c] microbatches at its i-th possible peak."""
-    T, parts, seen = _stage_time(inp), _stage_parts(inp), {}
+    T, parts, seen, stages = _stage_time(inp), _stage_parts(inp), {}, {}
     ends = [itemgetter(*(j + d for j in js for d in (0, 1))) for js in ranks]  # a rank's stages' bounds
+
+    def stage(j: int, lo: int, hi: int) -> tuple[float, float, float]:  # (seconds, fixed bytes, bytes per microbatch)
+        if (j, lo, hi) not in stages:
+            stages[j, lo, hi] = (T(lo, hi), *parts(j, lo, hi))
+        return stages[j, lo, hi]
 
     def load(bounds: Sequence[int], r: int) -> tuple[float, float]:
         key = (r, ends[r](bounds))
         if key not in seen:
-            fixed, acts = 0.0, []
-            for j in ranks[r]:
-                f, a = parts(j, bounds[j], bounds[j + 1])
-                fixed += f
-                acts.append(a)
-            seen[key] = (sum(T(bounds[j], bounds[j + 1]) for j in ranks[r]),
-                         max(0.0, fixed + max(sum(map(mul, peak, acts)) for peak in peaks[r]) - cap))
+            times, fixed, acts = zip(*(stage(j, bounds[j], bounds[j + 1]) for j in ranks[r]))
+            seen[key] = (sum(times), max(0.0, sum(fixed) + max(sum(map(mul, peak, acts)) for peak in peaks[r]) - cap))
         return seen[key]
 
     return load
