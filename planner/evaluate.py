@@ -160,8 +160,10 @@ class Evaluator:
         # partial recomputation keeps at least what recomputing every block keeps
         leanest = replace(c, recompute="full", recompute_layers=0) if c.recompute_mode.partial else c
         key = ("acts", leanest.unit_key())
-        if key not in self._cache:
-            self._cache[key] = sum(self.unit_costs(leanest)[3])
+        if key not in self._cache:  # activation bytes only (unit_costs' fourth column): most configurations this
+            # bound rejects are never timed
+            acts = {i: activation_bytes(self.units[i], leanest) for i in set(self._twins)}
+            self._cache[key] = sum(acts[i] for i in self._twins)
         num, params = c.numerics, dense + experts
         static = (c.kept(params, experts, 3) * num.weight_bytes + c.kept(params, experts, 2) * num.grad_bytes
                   + c.kept(params, experts, 1) * num.optimizer_bytes + copies)
