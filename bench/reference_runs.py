@@ -48,7 +48,8 @@ def main() -> None:
             continue
         h100 = r["gpu"] != "a100-80"  # NeMo / Megatron-Bridge runs: distributed optimizer, overlapped reductions
         pins = Pins(tp=r["tp"], pp=r["pp"], dp=r["dp"], cp=r["cp"], b=r["microbatch"], v=r["vp"], recompute=r["recompute"],
-                    sp=r["sequence_parallel"], zero=1 if h100 else 0, overlap_grad_reduce=r.get("overlap_grad_reduce", h100), max_v=max(8, r["vp"] or 0),
+                    sp=r["sequence_parallel"], zero=1 if h100 else 0, max_v=max(8, r["vp"] or 0),
+                    overlap_grad_reduce=r.get("overlap_grad_reduce", h100),
                     schedule=("interleaved" if r["vp"] else None) if r["pp"] > 1 else None,
                     schedules=MEGATRON_SCHEDULES, engine="megatron", fp8=r.get("fp8") or "", ep=r.get("ep", 1),
                     precision="bf16" if h100 else "fp16", grad_fp32=r.get("grad_reduce_in_fp32"),

@@ -30,6 +30,7 @@ def print_json(text: str) -> None:
     sys.stdout.write(text + "\n")
     sys.stdout.flush()
 
+
 GiB = 2**30
 TARGET_HELP = "built-in target name (see `planner targets`) or a target YAML file"
 
