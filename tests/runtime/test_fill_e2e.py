@@ -74,11 +74,13 @@ def _everything() -> Plan:
 def _paired(planned: Plan) -> Plan:
     """Two MLP training jobs on rank 0 where one job's peak is all the memory they may share beside an inference job,
     in the bubbles and between them (rank 1 has room for the inference job only): side by side they do not fit, so
-    the planner pairs them (Waterwave). Meanwhile the inference job runs on both ranks, streamed in per bubble by
-    PipeSwitch's groups, and the main job offloads its optimizer state for the bubbles: issue 24's mechanisms together
-    (the checkpointed configuration runs in "all")."""
+    the planner pairs them (Waterwave). The pair has the higher priority, so it takes rank 0's turn first whatever the
+    machine's load (under SJF the inference job went first and, on a loaded machine, kept rank 0's bubbles for the
+    whole run); the inference job runs on rank 1, streamed in per bubble by PipeSwitch's groups, and the main job
+    offloads its optimizer state for the bubbles: issue 24's mechanisms together (the checkpointed configuration runs
+    in "all")."""
     args = {"features": 32, "width": 64, "depth": 2}
-    jobs = [*(FillJobSpec(name=n, model=str(MLP), model_args=args, kind="train", batch_sizes=[8],
+    jobs = [*(FillJobSpec(name=n, model=str(MLP), model_args=args, kind="train", batch_sizes=[8], priority=1,
                           work=Work(iterations=100_000)) for n in ("mlp-a", "mlp-b")),
             FillJobSpec(name="mlp-infer", model=str(MLP), model_args=args, kind="infer", batch_sizes=[8],
                         work=Work(iterations=6))]
