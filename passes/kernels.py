@@ -122,10 +122,10 @@ def _gathers(n: fx.Node) -> bool:
     return any(isinstance(x, fx.Node) and _info(x) is not None for x in indices)
 
 
-def _regions(nodes: list[fx.Node], fusable: set[str]) -> list[list[fx.Node]]:
+def _regions(nodes: list[fx.Node], fusable: set[str], closing: set[str] = frozenset()) -> list[list[fx.Node]]:
     """Closed regions of fusable nodes: connected, and at one level, a node's level being the most matrix products
     or other kernels on a path to it (a path that leaves a region through a kernel and comes back would arrive a
-    level higher)."""
+    level higher). A `closing` node ends its region: its users start another kernel."""
     level: dict[str, int] = {}
     parent: dict[str, str] = {}
 
@@ -141,7 +141,7 @@ def _regions(nodes: list[fx.Node], fusable: set[str]) -> list[list[fx.Node]]:
         if n.name in fusable:
             parent[n.name] = n.name
             for a in n.all_input_nodes:
-                if a.name in fusable and level[a.name] == level[n.name]:
+                if a.name in fusable and a.name not in closing and level[a.name] == level[n.name]:
                     parent[root(a.name)] = root(n.name)
     regions: dict[str, list[fx.Node]] = {}
     for n in nodes:
@@ -191,18 +191,23 @@ def _fuse(region: list[fx.Node]) -> None:
                   default=0.0)
     by_name = {n.name: n for n in region}
     saved: dict[str, sympy.Expr] = {}
-    for c in costs:
+    masks = ZERO  # what a dropout saves is its mask (however measured or named): the kernel writes and keeps it
+    for n, c in zip(region, costs):
+        dropout = node_kind(n, gm) == "dropout"
         for name, by in c.saved:
             src = by_name.get(name.split(".")[0])
             info = _info(src) if src is not None else None
-            if src is not None and info is not None and name not in written and not name.endswith(".mask") \
+            if dropout:
+                saved[name], masks = by, masks + by
+            elif src is not None and info is not None and name not in written and not name.endswith(".mask") \
                     and _size(info.numel) >= largest:  # a full-size intermediate: the kernel keeps its sources
                 saved.update(sources[src.name])
             elif src is None and name in external:  # a region input, at its own size (not a copy's)
                 saved[name] = _info(external[name]).nbytes
             else:
                 saved[name] = by
-    moved = sum((_info(a).nbytes for a in external.values()), ZERO) + sum((_info(n).nbytes for n in outputs), ZERO)
+    moved = sum((_info(a).nbytes for a in external.values()), ZERO) + sum((_info(n).nbytes for n in outputs), ZERO) \
+        + masks
     head = compute[0]
     total = lambda field: sum((getattr(c, field) for c in costs), ZERO)  # noqa: E731
     for n, c in zip(region, costs):
@@ -247,7 +252,9 @@ def fuse_kernels(nodes: list[fx.Node]) -> None:
             n.meta[COST] = replace(n.meta[COST], kind="view", fwd_bytes=ZERO, bwd_bytes=ZERO)
     fusable = {n.name for n in nodes if n.op in ("call_function", "call_method", "call_module")
                and n.name not in freed and n.meta[COST].kind in FUSED and not _gathers(n)}
-    for region in _regions(nodes, fusable):
+    gm = nodes[0].graph.owning_module if nodes else None
+    softmax = {n.name for n in nodes if n.name in fusable and node_kind(n, gm) in ("softmax", "log_softmax")}
+    for region in _regions(nodes, fusable, softmax):
         _fuse(region)
 
 

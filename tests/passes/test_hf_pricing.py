@@ -198,7 +198,11 @@ def test_planning_the_llama_example_on_64_a100s_prints_an_honest_mfu():
                                    "--model-arg", "layers=8", "-o", "/dev/null"])
     assert res.exit_code == 0, res.stdout
     mfu = float(re.search(r"MFU ([0-9.]+)% \(PaLM\)", res.stdout).group(1))
-    assert 30 < mfu <= 65  # GEMMs at 66% of the A100 peak, FlashAttention-2 at 56%: no dense run on A100 beats ~65%
+    from costmodels.hardware import Efficiency
+    from targets.registry import get_target
+
+    gemms = 100 * get_target("a100-80gb").gpu.matmul_ceiling * Efficiency().gemm_max  # 67% of the A100 peak
+    assert 30 < mfu <= gemms  # flash attention runs slower still: no step beats its GEMMs' rate
     assert "tokens/s" in res.stdout and "runtime runs this model from its torch.export graph" in res.stdout
 
 

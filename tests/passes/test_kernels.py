@@ -107,3 +107,22 @@ def test_an_moe_layers_experts_keep_what_megatron_cores_grouped_mlp_keeps():
                       engine="megatron")
     block = _block(prof)
     assert block.experts and block.moe.saved_bytes(1) == seq * (2 * k * (h + 2 * f + f) + 2 * k)
+
+
+def test_megatrons_gpt_block_keeps_korthikantis_closed_form():
+    """A GPT block with Megatron-LM's dropouts (bench/models/ref_gpt_megatron.py: attention probabilities, and the
+    attention and MLP outputs before their residual adds), t = 1, no recomputation, keeps sbh(34 + 5as/h) bytes
+    (Korthikanti et al. 2022, eq. 1): 11sbh + 5as^2b in attention (the softmax output, its dropout mask and output),
+    19sbh in the MLP, 4sbh in the two norms. Megatron's scale-mask-softmax is a kernel of its own (the dropout on its
+    output another), and each dropout writes its one-byte mask: the dropout kernel moves 5 bytes per score."""
+    h, a, s = 512, 8, 256
+    shape = dict(layers=2, hidden=h, heads=a, seq=s, vocab=1024)
+    with_dropout = _block(analyze(ROOT / "bench" / "models" / "ref_gpt_megatron.py", shape, engine="megatron")[0])
+    without = _block(analyze(ROOT / "bench" / "models" / "ref_gpt_megatron.py",
+                             {**shape, "attention_dropout": 0.0, "hidden_dropout": 0.0}, engine="megatron")[0])
+    for b in (1, 3):
+        assert with_dropout.sharded.saved_bytes(b) + with_dropout.replicated.saved_bytes(b) == \
+            s * b * h * 34 + 5 * a * s * s * b
+        assert with_dropout.sharded.fwd_bytes(b) - without.sharded.fwd_bytes(b) == 5 * a * s * s * b
+        assert with_dropout.replicated.fwd_bytes(b) - without.replicated.fwd_bytes(b) == 2 * s * b * h
+    assert with_dropout.sharded.kernels == without.sharded.kernels + 1
