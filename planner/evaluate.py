@@ -368,19 +368,19 @@ class Evaluator:
                 return partition(inp)
             except NoFeasiblePartition:
                 pass
-        else:  # a rank's chunks share its memory: each chunk its share of the rank's in proportion to its microbatches
-            # at the most; unless that fits as fast as memory aside, also spread as typical units would be
-            # (partition.chunk_shares); where neither fits, each stage the whole rank. The one whose slowest rank is
-            # fastest, else the one least over, repaired (partition.rebalance)
+        else:  # a rank's chunks share its memory: first each chunk the whole rank's (the fastest chunks, memory
+            # aside: where their ranks hold them, nothing does better); else each chunk its share of the rank's in
+            # proportion to its microbatches at the most, and, unless that fits as fast as memory aside, also spread
+            # as typical units would be (partition.chunk_shares). The one whose slowest rank is fastest, else the one
+            # least over, repaired (partition.rebalance)
             load, done = rank_load(inp, ranks, peaks, room), []
 
             def tries():
+                yield replace(inp, cap_bytes=(room,) * k)
                 yield inp
                 n = len(self.units)
                 if shares := chunk_shares(n, sorted(static)[n // 2], sorted(act)[n // 2], ranks, peaks, room):
                     yield replace(inp, time_share=shares[0], cap_bytes=shares[1], inflight=shares[2])
-                if not any(over == 0 for over, _, _ in done):
-                    yield replace(inp, cap_bytes=(room,) * k)
 
             for attempt in tries():
                 try:
@@ -389,8 +389,8 @@ class Evaluator:
                     continue
                 times, over = zip(*(load(part.bounds, r) for r in range(c.pp)))
                 done.append((sum(over), max(times), part))
-                if len(done) == 1 and not done[0][0] and done[0][1] <= 1.001 * self._balanced_s(fwd, bwd, c.pp):
-                    break
+                if not done[-1][0] and (len(done) == 1 or done[-1][1] <= 1.001 * self._balanced_s(fwd, bwd, c.pp)):
+                    break  # the fastest chunks with memory aside fit their ranks: nothing does better
             if done:
                 return rebalance(inp, min(done, key=lambda x: x[:2])[2], ranks, peaks, room)
         need = self.memory_lower_bound(c)
