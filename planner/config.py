@@ -42,7 +42,7 @@ fp8_params      the linear layers' weights kept in FP8 only (row- and column-wis
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from functools import cache
 from typing import TYPE_CHECKING
 
@@ -160,6 +160,24 @@ class ParallelConfig:
         if why is not None:
             raise ConfigError(f"schedule {self.schedule} with pp={self.pp} v={self.v} m={self.m}: {why}")
 
+    def fallback(self, *, recompute: str | None = None, zero: int | None = None) -> ParallelConfig:
+        """This configuration recomputing `recompute` (no layer count) or sharding at ZeRO stage `zero`: checked for
+        those two fields only, as nothing else changes (the search makes tens of thousands of these per plan, and
+        dataclasses.replace checks every rule again)."""
+        if recompute is not None and recompute not in RECOMPUTE:
+            raise ConfigError(f"recompute mode {recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        if zero is not None and zero not in ZERO_STAGES:
+            raise ConfigError(f"optimizer sharding stage zero={zero!r} is not one of {ZERO_STAGES}")
+        new = object.__new__(ParallelConfig)
+        for name in _FIELDS:
+            object.__setattr__(new, name, getattr(self, name))
+        if recompute is not None:
+            object.__setattr__(new, "recompute", recompute)
+            object.__setattr__(new, "recompute_layers", 0)
+        if zero is not None:
+            object.__setattr__(new, "zero", zero)
+        return new
+
     # -- derived ---------------------------------------------------------------------------------
 
     @property
@@ -269,7 +287,7 @@ class ParallelConfig:
         """The fields a unit's own time and memory depend on (the evaluator caches by it; cached FP8 weights' casts,
         spread over the m microbatches, are added apart: UnitTime.weight_cast_s). A partial recomputation mode prices
         each unit as "none" does (RecomputeMode.partial)."""
-        recompute = "none" if self.recompute_mode.partial else self.recompute
+        recompute = "none" if self.recompute_mode.partial else self.recompute  # sixth: memory_lower_bound sets it
         return (self.b, self.tp, self.cp, self.sp, self.tp_comm_overlap, recompute, self.precision, self.fp8,
                 self.ep, self.expert_load, self.moe_dispatcher, self.moe_a2a_overlap)
 
@@ -284,3 +302,6 @@ class ParallelConfig:
         layers = f"({self.recompute_layers} per chunk)" if self.recompute_mode.partial else ""
         return (f"t={self.tp} p={self.pp} d={self.dp}{extra} b={self.b} m={self.m} v={self.v} "
                 f"{self.schedule} recompute={self.recompute}{layers}")
+
+
+_FIELDS = tuple(f.name for f in fields(ParallelConfig))

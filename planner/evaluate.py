@@ -158,10 +158,12 @@ class Evaluator:
         """No rank can need less than the average rank (the last rank holds the fewest activations)."""
         dense, experts, copies = self._totals(c)
         # partial recomputation keeps at least what recomputing every block keeps
-        leanest = replace(c, recompute="full", recompute_layers=0) if c.recompute_mode.partial else c
-        key = ("acts", leanest.unit_key())
+        partial = c.recompute_mode.partial
+        key = c.unit_key()
+        key = ("acts", key[:5] + ("full",) + key[6:] if partial else key)
         if key not in self._cache:  # activation bytes only (unit_costs' fourth column): most configurations this
             # bound rejects are never timed
+            leanest = replace(c, recompute="full", recompute_layers=0) if partial else c
             acts = {i: activation_bytes(self.units[i], leanest) for i in set(self._twins)}
             self._cache[key] = sum(acts[i] for i in self._twins)
         num, params = c.numerics, dense + experts

@@ -376,9 +376,9 @@ def _fallbacks(c: ParallelConfig, pins: Pins) -> Iterator[ParallelConfig]:
     work, so it is priced only where less does not fit, and only what the search chooses (none pinned); made as
     they are asked for."""
     if c.recompute == "none" and pins.recompute is None and pins.engine != "torchtitan":
-        yield replace(c, recompute="block")
+        yield c.fallback(recompute="block")
     if pins.zero is None and c.zero == 1:
-        yield from (replace(c, zero=z) for z in range(2, 3 if pins.engine == "fxplanner" else 4))
+        yield from (c.fallback(zero=z) for z in range(2, 3 if pins.engine == "fxplanner" else 4))
 
 
 def _no_candidates_message(ev: Evaluator, pins: Pins, rejected: Counter) -> str:
