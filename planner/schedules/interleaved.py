@@ -89,8 +89,11 @@ def chunk_peaks(p: int, v: int, m: int, rank: int) -> tuple[tuple[float, ...], .
         live[local[stage]] += 1 if op is _F else -1
         if op is _F:
             seen.add(tuple(live))
-    top = sorted(a for a in seen if not any(b != a and all(x >= y for x, y in zip(b, a)) for b in seen))
-    return tuple(tuple(float(x) for x in a) for a in _maximizers(top))
+    top: list[tuple[int, ...]] = []  # the states no other one dominates: in descending order a state's dominators
+    for a in sorted(seen, reverse=True):  # come before it, and one of those kept dominates it too
+        if not any(all(x >= y for x, y in zip(b, a)) for b in top):
+            top.append(a)
+    return tuple(tuple(float(x) for x in a) for a in _maximizers(sorted(top)))
 
 
 def _maximizers(points: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
