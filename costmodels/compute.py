@@ -104,6 +104,13 @@ def _gemm_s(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: Fp8
                if not fused and f(b) > 0 and (rows is None or (i in part.row_products) == rows)) * hw.eff.calibration
 
 
+DISPATCHER_SMS = {"deepep": 20, "hybridep": 16}
+"""SMs the flex dispatchers' dispatch and combine kernels occupy: Megatron-Core's TransformerConfig defaults
+moe_deepep_num_sms = 20 and moe_hybridep_num_sms = 16 (Megatron-Bridge's recipes keep them). Overlapped with another
+microbatch's compute (--overlap-moe-expert-parallel-comm), that compute runs on the other SMs while they do: a hidden
+all-to-all of A seconds costs A x sms / SMs (the work those SMs would have done meanwhile). Megatron's NCCL
+all-to-all dispatcher is not charged: its channel count is NCCL's choice, not a stated configuration."""
+
 UB_SMS = 16
 """SMs a Transformer Engine userbuffers overlap takes from the GEMM it runs beside, for its "pipeline" (a row-parallel
 linear's forward reduce-scatter) and "bulk" (a column-parallel linear's backward all-gather / reduce-scatter) methods:
@@ -195,8 +202,11 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     cp_f, cp_b = cp_ring_s(unit, hw, cfg)
     kf, kb = hw.eff.unit_factor(unit.kind)
     if cfg.moe_a2a_overlap and ep_f:  # Megatron's 1F1B all-to-all overlap: a microbatch's forward all-to-alls run
-        # while another's backward computes, and its backward's while the other's forward computes
-        ep_f, ep_b = max(0.0, ep_f - (sb + rb) * kb), max(0.0, ep_b - (sf + rf) * kf)
+        # while another's backward computes, and its backward's while the other's forward computes; the flex
+        # dispatchers' kernels take their SMs from that compute while they run (DISPATCHER_SMS)
+        hid_f, hid_b = min(ep_f, (sb + rb) * kb), min(ep_b, (sf + rf) * kf)
+        taken = DISPATCHER_SMS.get(cfg.moe_dispatcher, 0) / hw.gpu.sms if hw.gpu.sms else 0.0
+        ep_f, ep_b = ep_f - hid_f * (1 - taken), ep_b - hid_b * (1 - taken)
     fwd = (sf + rf) * kf + ar_f + cp_f + ep_f + cast / cfg.m
     bwd = (sb + rb) * kb + ar_b + cp_b + ep_b
     bwd += cfg.recompute_mode.extra_backward_s(unit, b, t, hw, cfg.precision, fwd)

@@ -124,3 +124,8 @@ def test_the_flex_dispatcher_sends_a_token_once_per_node_and_overlap_hides_the_a
     a2a = plain.ep_comm_s / 2
     assert over.ep_comm_s == pytest.approx(max(0, a2a - compute_b) + max(0, a2a - compute_f))
     assert over.fwd_s + over.bwd_s < plain.fwd_s + plain.bwd_s
+    # DeepEP's kernels take 20 of the H100's 132 SMs from the compute they hide behind, for as long as they run
+    deepep = unit_time(u, HW, config(dp=32, ep=32, moe_dispatcher="deepep", moe_a2a_overlap=True))
+    a2a, compute_f, compute_b = flex.ep_comm_s / 2, flex.fwd_s - flex.ep_comm_s / 2, flex.bwd_s - flex.ep_comm_s / 2
+    hidden = min(a2a, compute_b) + min(a2a, compute_f)
+    assert deepep.ep_comm_s == pytest.approx(2 * a2a - hidden + hidden * 20 / 132)
