@@ -8,7 +8,8 @@ parallelism; H100 rows also shard the optimizer and overlap its reduce-scatter a
 as NeMo's recipes do with Megatron-Core's distributed optimizer; the 2021 Megatron of the SC21 rows did
 neither; they ran fp16, the others bf16, with gradients reduced in fp32, Megatron's default, unless the row states
 grad_reduce_in_fp32 false as NeMo's and Megatron-Bridge's performance recipes set it). Every row is planned for Megatron-Core
-(--engine megatron: its schedules and fused kernels), with the row's FP8 recipe,
+(--engine megatron: its schedules and fused kernels), with the partition the run used (the layout the row states,
+else Megatron's even split where the layers divide the virtual stages: _layout), with the row's FP8 recipe,
 expert-parallel degree and tensor-parallel communication overlap where it states them. The planner
 chooses only what the row leaves open (recompute when null). Prints predicted against measured
 iteration time. The SC21 rows are priced with ref_gpt.py's GPT plus the dropouts Megatron-LM applied at its
@@ -39,6 +40,16 @@ docstring), which the reference file omits."""
 MEGATRON_SCHEDULES = ("gpipe", "1f1b", "interleaved")  # what the published Megatron-LM / NeMo runs ran (no split backward)
 
 
+def _layout(r: dict) -> str | None:
+    """The partition the run used: the layout it states, else Megatron's even split of the layers over the virtual
+    stages, where the row's layers divide them (Megatron refuses the default otherwise, so the run stated something
+    the row does not record: then the planner's own partition)."""
+    if r.get("layout"):
+        return r["layout"]
+    layers = r["model_args"].get("layers")
+    return "even" if r["pp"] > 1 and layers and layers % (r["pp"] * (r["vp"] or 1)) == 0 else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -59,7 +70,8 @@ def main() -> None:
                     schedules=MEGATRON_SCHEDULES, engine="megatron", fp8=r.get("fp8") or "", ep=r.get("ep", 1),
                     precision="bf16" if h100 else "fp16", grad_fp32=r.get("grad_reduce_in_fp32"),
                     tp_comm_overlap=bool(r.get("tp_comm_overlap")), fp8_params=bool(r.get("fp8_params")),
-                    moe_dispatcher=r.get("moe_dispatcher", "alltoall"), moe_a2a_overlap=bool(r.get("moe_a2a_overlap")))
+                    moe_dispatcher=r.get("moe_dispatcher", "alltoall"), moe_a2a_overlap=bool(r.get("moe_a2a_overlap")),
+                    layout=_layout(r))
         model = (ROOT / "examples" / f"hf_{r['model'][3:]}.py" if r["model"].startswith("hf:")
                  else AS_RUN.get(r["model"], REFS / "models" / r["model"]))
         kw = dict(gpus=r["gpus"], global_batch=r["global_batch"], model_args=r["model_args"], pins=pins)

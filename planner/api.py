@@ -23,6 +23,7 @@ from . import __version__
 from .config import ParallelConfig
 from .evaluate import Evaluation, Evaluator
 from .launch import launch_script, torchrun_commands
+from .layout import layout_bounds, layout_stages
 from .plan import (Alternative, ConfigModel, Launch, Plan, Predictions, RankMemory, SearchInfo, Source,
                    Stage)
 from .fill.joint import JointChoice, choose_joint, choose_shrink_or_fill, greedy_proven_optimal
@@ -153,10 +154,12 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
                         "plan them without --engine (or the main job alone with it)")
     profile, _ = analyze(model, model_args, leaves=leaves, dtype=pins.precision, engine=pins.engine,
                          progress=progress)
+    if pins.layout and (stages := layout_stages(pins.layout)):  # a layout the model cannot take: one sentence now
+        layout_bounds(pins.layout, [u.kind for u in profile.units], stages)
     if pins.engine in ENGINE_KERNELS:  # the units are priced as the engine's fused kernels: nothing more to fuse
         hw = hw.with_eff(fusion=0.0)
     ev = Evaluator(units=profile.units, hw=hw, global_batch=global_batch, n_gpus=gpus,
-                   tokens_per_sample=profile.tokens_per_sample)
+                   tokens_per_sample=profile.tokens_per_sample, layout=pins.layout or "")
     start = time.perf_counter()
     if main_slack < 0:
         raise UserError(f"--main-slack must be >= 0, got {main_slack}")

@@ -51,6 +51,10 @@ def plan(
         None, "--recompute-layers", help="pin, with --recompute block: the first blocks of each model chunk "
         "recomputed in full (Megatron --recompute-num-layers); by default the least that fits"),
     schedule: Optional[str] = typer.Option(None, "--schedule", help=f"pin: {_choices(SCHEDULES)}"),
+    pipeline_layout: Optional[str] = typer.Option(
+        None, "--pipeline-layout", help="pin the partition: Megatron-Core's --pipeline-model-parallel-layout "
+        "(E embedding, t layer, L loss, '|' between virtual stages, '(..)*n' repeats; e.g. 'Et|(tt|)*30L'), or "
+        "'even' (Megatron's default split)"),
     allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let t span nodes"),
     zero: Optional[int] = typer.Option(
         None, "--zero", help="pin the sharding over d x cp: 0 none, 1 the optimizer state (ZeRO-1), 2 and the "
@@ -113,7 +117,7 @@ def plan(
         if dtype == "fp8":
             dtype, fp8 = "bf16", fp8 or "auto"
         pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, b=microbatch, v=vp, recompute=recompute,
-                    recompute_layers=recompute_layers, schedule=schedule,
+                    recompute_layers=recompute_layers, schedule=schedule, layout=pipeline_layout,
                     zero=zero if zero is not None else None if shard_optimizer is None else int(shard_optimizer), grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce,
                     tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype, fp8=fp8 or "", engine=engine, fp8_params=fp8_params,
                     expert_load=expert_load, moe_dispatcher=moe_dispatcher, moe_a2a_overlap=moe_a2a_overlap,

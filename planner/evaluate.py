@@ -19,9 +19,11 @@ from costmodels.hardware import Hardware
 from costmodels.memory import (StageMemory, activation_bytes, expert_count, fp8_weight_bytes, held_bytes,
                                in_flight_bytes, param_count, stage_memory, static_bytes)
 from costmodels.recompute import recompute_mode
+from passes.errors import UserError
 from passes.units import Unit
 
 from .config import ParallelConfig
+from .layout import EVEN, layout_bounds
 from .partition import (NoFeasiblePartition, PartitionInput, chunk_shares, partition, rank_load, rebalance,
                         recomputed)
 from .simulate import SimCosts, SimResult, simulate
@@ -97,6 +99,7 @@ class Evaluator:
     global_batch: int
     n_gpus: int
     tokens_per_sample: int = 0  # sequence length of token-id input (context parallelism splits it); 0: none
+    layout: str = ""  # a stated partition (planner.layout: Megatron-Core's layout string, or "even"); "": searched
     _cache: dict = field(default_factory=dict)
 
     @property
@@ -308,7 +311,7 @@ class Evaluator:
     def _price(self, c: ParallelConfig, bounds: tuple[int, ...] = ()) -> Evaluation:
         """`bounds`: this partition, not the best one under the memory caps."""
         fwd, bwd, tpc, act, wgt, wkeep = self.unit_costs(c)
-        bounds = bounds or self._partition(c, fwd, bwd, act, wkeep).bounds
+        bounds = bounds or self._stated_bounds(c) or self._partition(c, fwd, bwd, act, wkeep).bounds
         stages = [range(a, b) for a, b in zip(bounds, bounds[1:])]
         redo = self._recomputed(c, bounds)
         extra = self.hw.eff.action_overhead_s
@@ -346,6 +349,17 @@ class Evaluator:
                           tflops_per_gpu=per_gpu / 1e12, mfu=flops / (self.n_gpus * it) / peak, hfu=executed / peak,
                           hardware_tflops_per_gpu=executed / 1e12,
                           bubble_fraction=frac, simulated=bubble is not None, weight_s=w_s, weight_bytes=wb_s)
+
+    def _stated_bounds(self, c: ParallelConfig) -> tuple[int, ...]:
+        """The partition the layout states (planner.layout), or () when none is stated."""
+        if not self.layout or c.stages == 1:
+            return ()
+        try:
+            return layout_bounds(self.layout, [u.kind for u in self.units], c.stages)
+        except UserError as exc:
+            if self.layout != EVEN:
+                raise
+            raise Rejected("layers not divisible by the virtual stages (Megatron's even layout)", str(exc)) from exc
 
     def _partition(self, c: ParallelConfig, fwd, bwd, act, wkeep):
         k = c.stages

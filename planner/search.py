@@ -23,6 +23,7 @@ from passes.errors import UserError
 
 from .config import ZERO_STAGES, ParallelConfig
 from .evaluate import Evaluation, Evaluator, Rejected
+from .layout import layout_stages
 from .schedules import SCHEDULES
 from .simulate import SimResult
 
@@ -67,6 +68,7 @@ class Pins:
     expert_load: float = 1.0  # the busiest expert-parallel rank's tokens over the balanced share (ParallelConfig)
     moe_dispatcher: str = "alltoall"  # ParallelConfig.moe_dispatcher
     moe_a2a_overlap: bool = False  # ParallelConfig.moe_a2a_overlap
+    layout: str | None = None  # the partition as stated (planner.layout: Megatron-Core's layout string, or "even")
     max_microbatch: int = 16
     max_v: int = 8
     allow_cross_node_tp: bool = False
@@ -96,9 +98,15 @@ class Pins:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise UserError(f"a pinned {name} must be a positive integer, got {value}")
+        stages = layout_stages(self.layout) if self.layout else None
+        if stages is not None and self.pp is not None and self.v is not None and self.pp * self.v != stages:
+            raise UserError(f"the pipeline layout states {stages} virtual stages; --pp {self.pp} x --vp {self.v} is "
+                            f"{self.pp * self.v}")
+        if stages is not None and self.pp is not None and stages % self.pp:
+            raise UserError(f"the pipeline layout states {stages} virtual stages, not a multiple of --pp {self.pp}")
 
     def pinned(self) -> list[str]:
-        return [k for k in ("tp", "pp", "dp", "cp", "ep", "b", "v", "recompute", "schedule", "sp")
+        return [k for k in ("tp", "pp", "dp", "cp", "ep", "b", "v", "recompute", "schedule", "sp", "layout")
                 if getattr(self, k) is not None]
 
 
@@ -231,6 +239,9 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                     continue
                 if p * v > n_units:
                     rejected["more stages than units"] += 1
+                    continue
+                if pins.layout and layout_stages(pins.layout) not in (None, p * v):
+                    rejected["not the stated layout's stage count"] += 1
                     continue
                 for rc in RECOMPUTE:
                     partial = RECOMPUTE[rc].partial  # priced where "none" does not fit (_fallbacks) unless pinned

@@ -16,6 +16,7 @@ _F, _B = Op.F, Op.B  # module constants: Enum attribute access is slow in hot lo
 __all__ = ["compute", "KIND"]
 
 
+@lru_cache(maxsize=4096)
 def group_size(p: int, m: int) -> int | None:
     """Microbatches a model chunk runs back to back (Megatron-Core's microbatch_group_size_per_vp_stage): p
     when p divides m, else the smallest g in [p, m] whose last group m % g is empty or at least p (a shorter
