@@ -87,3 +87,15 @@ def _plan_with(tmp_path):
                         model_args={"preset": "tiny", "layers": 2}, plan_path=str(tmp_path / "plan.json"),
                         pins=Pins(tp=1, pp=2, dp=1, b=1, schedule="1f1b", recompute="none"))
     return plan
+
+
+@settings(max_examples=100, deadline=None)
+@given(configs(), st.sampled_from([{"recompute": "block"}, {"zero": 2}, {"zero": 3}]))
+def test_a_fallback_is_the_configuration_replace_would_make(c: ParallelConfig, change: dict) -> None:
+    """ParallelConfig.fallback (the search's cheap copy, checking only the fields it changes) equals, and hashes as,
+    dataclasses.replace, which checks every rule again."""
+    extra = {"recompute_layers": 0} if "recompute" in change else {}
+    made, checked = c.fallback(**change), dataclasses.replace(c, **change, **extra)
+    assert made == checked and hash(made) == hash(checked) and str(made) == str(checked)
+    with pytest.raises(ConfigError, match="zero=5"):
+        c.fallback(zero=5)
