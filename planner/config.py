@@ -283,11 +283,12 @@ class ParallelConfig:
         t under sequence parallelism, else 1."""
         return self.tp if self.sp else 1
 
-    def unit_key(self) -> tuple:
+    def unit_key(self, recompute: str | None = None) -> tuple:
         """The fields a unit's own time and memory depend on (the evaluator caches by it; cached FP8 weights' casts,
         spread over the m microbatches, are added apart: UnitTime.weight_cast_s). A partial recomputation mode prices
-        each unit as "none" does (RecomputeMode.partial)."""
-        recompute = "none" if self.recompute_mode.partial else self.recompute  # sixth: memory_lower_bound sets it
+        each unit as "none" does (RecomputeMode.partial). `recompute`: the key of this configuration recomputing that
+        instead."""
+        recompute = recompute or ("none" if self.recompute_mode.partial else self.recompute)
         return (self.b, self.tp, self.cp, self.sp, self.tp_comm_overlap, recompute, self.precision, self.fp8,
                 self.ep, self.expert_load, self.moe_dispatcher, self.moe_a2a_overlap)
 

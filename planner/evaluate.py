@@ -162,8 +162,7 @@ class Evaluator:
         dense, experts, copies = self._totals(c)
         # partial recomputation keeps at least what recomputing every block keeps
         partial = c.recompute_mode.partial
-        key = c.unit_key()
-        key = ("acts", key[:5] + ("full",) + key[6:] if partial else key)
+        key = ("acts", c.unit_key("full" if partial else None))
         if key not in self._cache:  # activation bytes only (unit_costs' fourth column): most configurations this
             # bound rejects are never timed
             leanest = replace(c, recompute="full", recompute_layers=0) if partial else c

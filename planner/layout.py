@@ -53,10 +53,8 @@ def layout_bounds(layout: str, kinds: Sequence[str], stages: int) -> tuple[int, 
         if blocks % stages:
             raise UserError(f"Megatron's default layout splits the {blocks} layers evenly over the {stages} virtual "
                             "stages, which they do not divide: pin another --pp/--vp or state --pipeline-layout")
-        rows = ["E" * embed + "t" * (blocks // stages)] + ["t" * (blocks // stages)] * (stages - 2) + \
-            ["t" * (blocks // stages) + "L" * head] if stages > 1 else ["E" * embed + "t" * blocks + "L" * head]
-    else:
-        rows = _stages(layout)
+        return (0, *(embed + blocks // stages * j for j in range(1, stages)), len(kinds))
+    rows = _stages(layout)
     if len(rows) != stages:
         raise UserError(f"pipeline layout {layout!r} states {len(rows)} virtual stages; the configuration has {stages} "
                         "(pp x vp)")
