@@ -1,9 +1,10 @@
 """DeepSeek-V3 (671B, 37B active; multi-head latent attention) from its transformers config, on meta tensors (no download; needs `pip install -e ".[hf]"`).
 
     planner plan examples/hf_deepseek_v3.py --gpus 256 --engine megatron [--model-arg preset=deepseek-v3]
-        [--model-arg layers=4] [--model-arg seq=4096] [--model-arg config=path/to/config.json]
+        [--model-arg layers=4] [--model-arg seq=4096] [--model-arg config=path/to/config.json] [--model-arg mtp=1]
 
-Presets: deepseek-v3. Any other config field can be set too (`--model-arg hidden_size=1024`).
+Presets: deepseek-v3. Any other config field can be set too (`--model-arg hidden_size=1024`). `mtp=1` adds the
+multi-token-prediction layer DeepSeek-V3 trains with (transformers leaves it out; planner.hf.MultiTokenPrediction).
 Expert parallelism runs in Megatron-Core or torchtitan: plan with --engine megatron (or torchtitan).
 """
 from planner import hf

@@ -262,8 +262,11 @@ def _vocab(nodes: list[fx.Node], shapes: dict[fx.Node, tuple[int, int]], gm: fx.
     last = max(shapes, key=nodes.index, default=None)  # a vocabulary projection is the unit's last product
     free = [n for n in shapes if n is last and n.meta[TP] == "replicated" and shapes[n][1] >= VOCAB_MIN
             and shapes[n][1] > shapes[n][0]]
-    if free:
-        max(free, key=lambda n: shapes[n][1]).meta[TP] = "vocab-col"
+    if free:  # and every other use of it (the logits of each multi-token-prediction depth: planner.hf)
+        head = shapes[max(free, key=lambda n: shapes[n][1])]
+        for n in shapes:
+            if n.meta[TP] == "replicated" and shapes[n] == head:
+                n.meta[TP] = "vocab-col"
     for n in nodes:
         if node_kind(n, gm) != "embedding":
             continue

@@ -380,9 +380,10 @@ def lower_units(gm: fx.GraphModule, root: nn.Module, engine: str = "fxplanner") 
         sh, rep = _part(sharded, selective), _part(replicated, selective)
         sh, rep = replace(sh, params=sh.params - row_bias, **split), replace(rep, params=rep.params + row_bias, **whole)
         logits = [n for n in sharded if n.meta[TP] == "vocab-col"]
-        if engine in ENGINE_KERNELS and index == len(groups) - 1 and logits:  # the engine's own loss on the logits
-            ce = megatron_cross_entropy(logits[-1].meta[TENSOR])
-            sh = replace(sh, kernels=sh.kernels + ce.pop("kernels"), **{k: getattr(sh, k) + v for k, v in ce.items()})
+        if engine in ENGINE_KERNELS and index == len(groups) - 1:  # the engine's own loss on each logits
+            for lg in logits:
+                ce = megatron_cross_entropy(lg.meta[TENSOR])
+                sh = replace(sh, kernels=sh.kernels + ce.pop("kernels"), **{k: getattr(sh, k) + v for k, v in ce.items()})
         units.append(Unit(index=index, name=name, kind=kind, module_type=mod_type,
                           nodes=tuple(n.name for n in nodes),
                           sharded=sh, replicated=rep, param_bytes_per_param=elem,

@@ -137,6 +137,9 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
     they leave out, the schedule CSV by its path)."""
     c, src = plan.config, plan.source
     unexpressed = _common_unexpressed(plan, "torchtitan")
+    if n := src.model_shape.get("mtp_layers"):
+        unexpressed.append(f"the {n} multi-token-prediction layer(s) the plan prices: torchtitan's models have none "
+                           "(its job trains the model without them)")
     files: dict[str, str] = {}
     if module is None or config is None:
         known = titan_config(plan)
@@ -265,10 +268,11 @@ def _toml_value(v: object) -> str:
 
 # -- Megatron-LM ----------------------------------------------------------------------------------
 
-def _megatron_layout(rows: list[list[tuple[str, int]]]) -> str:
+def _megatron_layout(rows: list[list[tuple[str, int]]], mtp: int = 0) -> str:
     """Megatron-Core's --pipeline-model-parallel-layout: stages in virtual order split by '|', E the
-    embedding, t a transformer layer, L the loss (final norm and output layer)."""
-    letters = {"embedding": "E", "block": "t", "head": "L"}
+    embedding, t a transformer layer, L the loss (final norm and output layer), after the `mtp` multi-token-prediction
+    layers (m) the head unit holds (planner.hf.MultiTokenPrediction)."""
+    letters = {"embedding": "E", "block": "t", "head": "m" * mtp + "L"}
     return "|".join("".join(letters[k] for k, _ in row) for row in rows)
 
 
@@ -300,7 +304,7 @@ def to_megatron(plan: Plan) -> Export:
                            "with virtual stage k on rank k % p (its delay_wgrad_compute splits backwards only inside "
                            f"MoE expert-parallel overlap); exported as {'interleaved 1F1B' if c.vp > 1 else '1F1B'}")
     if rows is not None and not _even_split(rows, c.pp):
-        argv += ["--pipeline-model-parallel-layout", _megatron_layout(rows)]
+        argv += ["--pipeline-model-parallel-layout", _megatron_layout(rows, shape.get("mtp_layers") or 0)]
     elif c.vp > 1:
         argv += ["--num-layers-per-virtual-pipeline-stage", str(shape.get("layers", 0) // (c.pp * c.vp))]
     if c.vp > 1 and c.microbatches % c.pp:  # Megatron-Core's default group is p
@@ -364,6 +368,8 @@ def to_megatron(plan: Plan) -> Export:
                 argv += ["--moe-layer-freq", str(shape["moe_layer_freq"])]
             if shape.get("shared_expert_ffn"):
                 argv += ["--moe-shared-expert-intermediate-size", str(shape["shared_expert_ffn"])]
+        if shape.get("mtp_layers"):  # with the loss, on the last stage (Megatron-Core's default placement)
+            argv += ["--mtp-num-layers", str(shape["mtp_layers"])]
         argv, missing = _megatron_model_details(shape, argv)
         unexpressed += missing
     else:
@@ -596,7 +602,8 @@ def check_megatron(ex: Export) -> dict[str, object]:
             overlap_moe_expert_parallel_comm=bool(a.get("overlap_moe_expert_parallel_comm")),
             delay_wgrad_compute=bool(a.get("delay_wgrad_compute")),
             moe_layer_freq=parse_layer_freq(a["moe_layer_freq"]) if "moe_layer_freq" in a else 1,
-            moe_shared_expert_intermediate_size=num("moe_shared_expert_intermediate_size"))
+            moe_shared_expert_intermediate_size=num("moe_shared_expert_intermediate_size"),
+            mtp_num_layers=num("mtp_num_layers"))
         ddp = DistributedDataParallelConfig(use_distributed_optimizer=bool(a.get("use_distributed_optimizer")),
                                             use_megatron_fsdp=bool(a.get("use_megatron_fsdp")),
                                             data_parallel_sharding_strategy=a.get("data_parallel_sharding_strategy",
@@ -622,6 +629,7 @@ def check_megatron(ex: Export) -> dict[str, object]:
                 "layout": stages, "rotary_base": num("rotary_base", 10000),
                 "dropout": (cfg.attention_dropout, cfg.hidden_dropout), "norm_eps": cfg.layernorm_epsilon,
                 "fp8": (cfg.fp8, cfg.fp8_recipe) if cfg.fp8 else None,
+                "mtp": cfg.mtp_num_layers or 0,
                 "moe": (cfg.num_moe_experts, cfg.moe_router_topk, cfg.expert_model_parallel_size,
                         cfg.moe_token_dispatcher_type, cfg.overlap_moe_expert_parallel_comm)
                 if cfg.num_moe_experts else None}

@@ -14,7 +14,7 @@ import torch
 
 from passes.errors import ModelFileError
 
-__all__ = ["FAMILIES", "PRESETS", "build", "example_inputs", "sample_batch", "loss_fn", "model_file"]
+__all__ = ["FAMILIES", "PRESETS", "MultiTokenPrediction", "build", "example_inputs", "sample_batch", "loss_fn", "model_file"]
 
 # family -> (config class, model class, layers field, default sequence length)
 FAMILIES: dict[str, tuple[str, str, str, int]] = {
@@ -67,8 +67,8 @@ PRESETS: dict[str, tuple[str, dict[str, Any]]] = {
                                                        moe_intermediate_size=1536, num_hidden_layers=94,
                                                        num_attention_heads=64)),
     # DeepSeek-V3 (671B, 37B active): multi-head latent attention, 3 dense layers then 58 MoE layers of 256 routed
-    # experts (top-8, grouped routing) and one shared expert; pre-trained at 4096 tokens (its 128K YaRN extension
-    # and multi-token-prediction module are not part of this config)
+    # experts (top-8, grouped routing) and one shared expert; pre-trained at 4096 tokens (its 128K YaRN extension is
+    # not part of this config; its multi-token-prediction layer is built with `mtp=1`, MultiTokenPrediction)
     "deepseek-v3": ("deepseek_v3", dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432,
                                         moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
                                         num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256,
@@ -123,10 +123,75 @@ def _config(family: str, preset: str | None, config: str | None, layers: int | N
 
 
 def build(family: str, preset: str | None = None, config: str | None = None, layers: int | None = None,
-          seq: int | None = None, **overrides: Any) -> torch.nn.Module:
-    """The model of `family` from a preset or a config.json, with `layers` blocks."""
+          seq: int | None = None, mtp: int = 0, **overrides: Any) -> torch.nn.Module:
+    """The model of `family` from a preset or a config.json, with `layers` blocks (and `mtp` multi-token-prediction
+    layers, MultiTokenPrediction)."""
     cfg = _config(family, preset, config, layers, **overrides)
-    return getattr(_transformers(), FAMILIES[family][1])(cfg)
+    model = getattr(_transformers(), FAMILIES[family][1])(cfg)
+    if int(mtp) < 0:
+        raise ModelFileError(f"mtp={mtp}: the number of multi-token-prediction layers is 0 or more")
+    return MultiTokenPrediction(model, int(mtp)) if int(mtp) else model
+
+
+class MultiTokenPrediction(torch.nn.Module):
+    """A causal LM trained with multi-token prediction as DeepSeek-V3 trains (its technical report, section 2.2) and
+    Megatron-Core builds it (`--mtp-num-layers`, megatron/core/transformer/multi_token_prediction.py): after the
+    model, layer k takes the previous depth's hidden states and the embedding of the tokens k ahead, normalizes each
+    (enorm, hnorm), projects their concatenation from 2h to h (eh_proj), runs one transformer layer of the model's own
+    kind (its last layer's: DeepSeek-V3's a mixture-of-experts layer) and a final norm, and the shared output layer
+    makes its logits. Transformers' models leave it out (inference does not use it); DeepSeek-V3's config.json has
+    one (num_nextn_predict_layers: 1), and Megatron-Bridge's DeepSeek-V3 recipes train with mtp_num_layers = 1.
+
+    It runs where the loss runs (Megatron-Core's default), so the planner prices it in the head unit beside the
+    output layer; the embedding it reads is a copy of the first stage's, as Megatron keeps one on the last stage.
+    The forward returns the logits of every depth, the model's first (`loss_fn` weighs the others by
+    MTP_LOSS_SCALE)."""
+
+    def __init__(self, model: torch.nn.Module, depth: int) -> None:
+        super().__init__()
+        base = getattr(model, "model", None)
+        parts = ("embed_tokens", "layers", "norm", "rotary_emb")
+        if base is None or not hasattr(model, "lm_head") or not all(hasattr(base, n) for n in parts):
+            raise ModelFileError(f"multi-token prediction (mtp={depth}) needs a causal LM built as Llama's is (model."
+                                 f"embed_tokens, .layers, .norm, .rotary_emb and lm_head); {type(model).__name__} is not")
+        self.lm, self.config = model, model.config
+        cfg = self.config
+        layer_cls, norm_cls, h = type(base.layers[-1]), type(base.norm), cfg.hidden_size
+        eps = getattr(cfg, "rms_norm_eps", 1e-6)
+        # a dict, not a list: its layers are not a second stack of blocks (passes.units.block_containers)
+        self.mtp = torch.nn.ModuleDict({str(k): _MtpLayer(layer_cls(cfg, cfg.num_hidden_layers - 1), norm_cls, h, eps)
+                                        for k in range(depth)})
+
+    @property
+    def mtp_layers(self) -> int:
+        return len(self.mtp)
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        base = self.lm.model
+        hidden = base(input_ids=input_ids).last_hidden_state
+        logits = [self.lm.lm_head(hidden)]
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        rope = base.rotary_emb(hidden, positions)
+        ids = input_ids
+        for layer in self.mtp.values():
+            ids = torch.roll(ids, -1, dims=1)  # the tokens one further ahead (Megatron rolls them so too)
+            hidden = layer(hidden, base.embed_tokens(ids), rope, positions)
+            logits.append(self.lm.lm_head(hidden))
+        return tuple(logits)
+
+
+class _MtpLayer(torch.nn.Module):
+    def __init__(self, layer: torch.nn.Module, norm_cls: type, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.enorm, self.hnorm = norm_cls(hidden, eps=eps), norm_cls(hidden, eps=eps)
+        self.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
+        self.layer = layer
+        self.final_layernorm = norm_cls(hidden, eps=eps)
+
+    def forward(self, hidden: torch.Tensor, embedded: torch.Tensor, rope: Any, positions: torch.Tensor) -> torch.Tensor:
+        x = self.eh_proj(torch.cat((self.enorm(embedded), self.hnorm(hidden)), dim=-1))
+        x = self.layer(x, position_embeddings=rope, attention_mask=None, position_ids=positions)
+        return self.final_layernorm(x[0] if isinstance(x, tuple) else x)
 
 
 def seq_len(family: str, seq: int | None) -> int:
@@ -147,24 +212,36 @@ def sample_batch(family: str, batch_size: int, step: int, preset: str | None = N
     return (ids[:, :-1],), ids[:, 1:]
 
 
+MTP_LOSS_SCALE = 0.1
+"""Weight of the multi-token-prediction losses (their mean over the depths): DeepSeek-V3's lambda for its first 10T
+tokens (technical report 4.2), Megatron-Bridge's mtp_loss_scaling_factor."""
+
+
 def loss_fn(output: Any, targets: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the logits (a transformers ModelOutput or a tensor) against the targets."""
-    logits = getattr(output, "logits", output)
-    return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+    """Cross-entropy of the logits (a transformers ModelOutput or a tensor) against the targets; with multi-token
+    prediction (a tuple of logits), plus MTP_LOSS_SCALE x the mean of each depth's against the targets k ahead."""
+    def ce(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(logits.flatten(0, -2).float(), target.flatten())
+
+    if isinstance(output, tuple):
+        main, *ahead = output
+        extra = [ce(lg, torch.roll(targets, -k, dims=1)) for k, lg in enumerate(ahead, 1)]
+        return ce(main, targets) + (MTP_LOSS_SCALE * sum(extra) / len(extra) if extra else 0.0)
+    return ce(getattr(output, "logits", output), targets)
 
 
 def model_file(family: str, default_preset: str) -> tuple[Callable[..., Any], ...]:
     """build_model, example_inputs, sample_batch and loss_fn of a model file for `family`."""
 
     def build_model(preset: str = default_preset, config: str | None = None, layers: int | None = None,
-                    seq: int | None = None, **overrides: Any) -> torch.nn.Module:
-        return build(family, preset, config, layers, seq, **overrides)
+                    seq: int | None = None, mtp: int = 0, **overrides: Any) -> torch.nn.Module:
+        return build(family, preset, config, layers, seq, mtp, **overrides)
 
     def example_inputs_(batch_size: int, seq: int | None = None, **_: Any) -> tuple[torch.Tensor]:
         return example_inputs(family, batch_size, seq)
 
     def sample_batch_(batch_size: int, step: int, preset: str = default_preset, config: str | None = None,
-                      layers: int | None = None, seq: int | None = None, **overrides: Any):
+                      layers: int | None = None, seq: int | None = None, mtp: int = 0, **overrides: Any):
         return sample_batch(family, batch_size, step, preset, config, seq, **overrides)
 
     return build_model, example_inputs_, sample_batch_, loss_fn

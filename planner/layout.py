@@ -6,8 +6,9 @@ E the embedding, t a transformer layer, m a multi-token-prediction layer, L the 
 PipelineParallelLayerLayout.parse_str_to_list). "even" is what Megatron runs without one: the layers split evenly
 over the p*v virtual stages, the embedding with the first and the loss with the last (it refuses layers that do not
 divide). A planned model's units map on it as the export writes them (planner.export.layout): an embedding unit, the
-repeated blocks in order, a head unit. The planner's Hugging Face models have no multi-token-prediction layer: an m
-stands for nothing.
+repeated blocks in order, a head unit. A model's multi-token-prediction layers (planner.hf.MultiTokenPrediction) are
+priced in its head unit, with the loss, where Megatron-Core runs them by default: an m belongs in the loss's stage
+(of a model without them it stands for nothing).
 """
 from __future__ import annotations
 
@@ -62,6 +63,9 @@ def layout_bounds(layout: str, kinds: Sequence[str], stages: int) -> tuple[int, 
     if counts["t"] != blocks or counts["E"] != embed or counts["L"] != head:
         raise UserError(f"pipeline layout {layout!r} places {counts['E']} embedding, {counts['t']} layers and "
                         f"{counts['L']} loss; the model has {embed}, {blocks} and {head}")
+    if any("m" in r and "L" not in r for r in rows):
+        raise UserError(f"pipeline layout {layout!r} puts multi-token prediction (m) in a stage without the loss (L); "
+                        "the planner prices those layers with the loss, in its stage (e.g. ...|tt|mL)")
     order = "".join(rows).replace("m", "")
     if order != "E" * embed + "t" * blocks + "L" * head:
         raise UserError(f"pipeline layout {layout!r} does not keep the embedding first and the loss last")
@@ -69,8 +73,7 @@ def layout_bounds(layout: str, kinds: Sequence[str], stages: int) -> tuple[int, 
     for row in rows:
         n = sum(1 for ch in row if ch != "m")
         if not n:
-            raise UserError(f"pipeline layout {layout!r} leaves a virtual stage with no layer of this model (an "
-                            "empty stage, or only multi-token prediction, which the model has not got)")
+            raise UserError(f"pipeline layout {layout!r} leaves a virtual stage with no layer of this model")
         at += n
         bounds.append(at)
     return tuple(bounds)

@@ -202,3 +202,19 @@ def test_megatron_runs_the_plans_fp8_recipe(plans, recipe):
     ex = to_megatron(torchao)
     assert "--fp8-recipe" not in ex.argv and any("torchao's" in u for u in ex.unexpressed)
     assert any("Float8LinearConverter" in u for u in to_torchtitan(torchao).unexpressed)
+
+
+@needs_megatron
+def test_megatron_builds_multi_token_prediction_with_the_loss():
+    """A model planned with a multi-token-prediction layer (planner.hf, mtp=1): Megatron-Core takes --mtp-num-layers
+    and the layout's last stage holding it beside the loss ('mL'), as Megatron-Bridge's DeepSeek-V3 layouts do."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    plan, _ = make_plan(str(EXAMPLES / "hf_llama.py"), gpus=16, global_batch=64, target="h100-sxm",
+                        model_args={"layers": 8, "mtp": 1}, pins=Pins(pp=2, tp=1, layout="Ettttt|tttmL"))
+    ex = to_megatron(plan)
+    assert "--mtp-num-layers 1" in " ".join(ex.argv)
+    seen = check_megatron(ex)
+    assert seen["mtp"] == 1 and str(seen["layout"]).split("|") == ["Ettttt", "tttmL"]
+    titan = next(u for u in to_torchtitan(plan, module="llama3", config="llama3_debugmodel").unexpressed
+                 if "multi-token" in u)
+    assert "1 multi-token-prediction layer" in titan

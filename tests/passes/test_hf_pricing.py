@@ -234,3 +234,41 @@ def test_multi_head_latent_attention_splits_as_megatron_core_splits_it():
     qwen, _ = analyze(EXAMPLES / "hf_qwen3_moe.py", {"preset": "qwen3-30b-a3b", "layers": 2, "seq": 512})
     block = next(u for u in qwen.units if u.kind == "block")
     assert (block.heads, block.kv_heads) == (32, 4) and block.sharded.fused_attention
+
+
+def test_multi_token_prediction_is_priced_with_the_loss():
+    """DeepSeek-V3's multi-token prediction (mtp=1, planner.hf.MultiTokenPrediction) lives in the head unit, with the
+    loss, as Megatron-Core runs it: one more layer of the model's last kind (a mixture-of-experts layer, routed as
+    the others), the 2h -> h projection of its two normalized inputs, its own copy of the embedding, and a second
+    vocabulary-parallel pass of the shared output layer with its cross-entropy. The export writes --mtp-num-layers
+    and an 'mL' last stage."""
+    from planner.export import _megatron_layout
+
+    args = {"layers": 2, "first_k_dense_replace": 1, "seq": SEQ}
+    plain, _ = analyze(EXAMPLES / "hf_deepseek_v3.py", args, engine="megatron")
+    prof, ctx = analyze(EXAMPLES / "hf_deepseek_v3.py", {**args, "mtp": 1}, engine="megatron")
+    c = PRESETS["deepseek-v3"][1]
+    h, V = c["hidden_size"], c["vocab_size"]
+    moe = prof.units[2]
+    head, old = prof.units[-1], plain.units[-1]
+    assert [u.kind for u in prof.units] == ["embedding", "block", "block", "head"]
+    assert head.params == old.params + V * h + moe.params + 2 * h * h + 3 * h  # + embedding copy, layer, eh_proj, norms
+    assert prof.total_params == plain.total_params + moe.params + 2 * h * h + 3 * h  # the copy is the same tensor
+    mm = lambda u: u.model_flops(1) / 3  # noqa: E731  (forward matrix products)
+    assert mm(head) == pytest.approx(2 * mm(old) + mm(moe) + 2 * SEQ * 2 * h * h, rel=1e-6)
+    assert (head.experts, head.top_k) == (c["n_routed_experts"], c["num_experts_per_tok"])
+    logits = [n for n in ctx.gm.graph.nodes if n.meta.get(UNIT) == len(prof.units) - 1 and n.meta.get(TP) == "vocab-col"]
+    assert len(logits) == 2  # both passes of the output layer split over the vocabulary
+    assert head.sharded.kernels - old.sharded.kernels >= 7  # Megatron's cross-entropy once more (7 kernels)
+    assert prof.model_shape["mtp_layers"] == 1 and "mtp_layers" not in plain.model_shape
+    assert _megatron_layout([[("embedding", -1), ("block", 0)], [("block", 1), ("head", -1)]], 1) == "Et|tmL"
+
+
+def test_multi_token_prediction_of_a_dense_llama_adds_one_block_and_its_projection():
+    c = PRESETS["llama3-8b"][1]
+    h, ffn, _, kv, _ = _dense_llama(c)
+    prof, _ = analyze(EXAMPLES / "hf_llama.py", {"layers": 2, "seq": SEQ, "mtp": 1})
+    block = 2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h
+    assert prof.total_params == llama_params(c) + block + 2 * h * h + 3 * h
+    with pytest.raises(Exception, match="multi-token-prediction layers is 0 or more"):
+        analyze(EXAMPLES / "hf_llama.py", {"layers": 2, "seq": SEQ, "mtp": -1})

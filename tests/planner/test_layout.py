@@ -16,10 +16,13 @@ KINDS = ["embedding"] + ["block"] * 61 + ["head"]  # DeepSeek-V3's units
 
 def test_megatrons_own_example_and_the_deepseek_layout_read_as_megatron_reads_them():
     """pipeline_parallel_layer_layout.py's docstring example "Ettt|(tt|)*29,m|L": 32 stages, the embedding and 3
-    layers, 29 of 2, an MTP stage (no unit here: the stage is empty, refused) and the loss."""
+    layers, 29 of 2, an MTP stage and the loss; the planner prices multi-token prediction with the loss, so a stage
+    of it alone is refused in one sentence."""
     assert layout_stages("Ettt|(tt|)*29,m|L") == 32
-    with pytest.raises(UserError, match="no layer of this model"):
+    with pytest.raises(UserError, match=r"multi-token prediction \(m\) in a stage without the loss"):
         layout_bounds("Ettt|(tt|)*29,m|L", ["embedding"] + ["block"] * 61 + ["head"], 32)
+    with pytest.raises(UserError, match="no layer of this model"):
+        layout_bounds("Ettt|(tt|)*29,|L", ["embedding"] + ["block"] * 61 + ["head"], 32)
     bounds = layout_bounds("Et|(tt|)*30mL", KINDS, 32)  # Megatron-Bridge's DeepSeek-V3 on H100, p8 v4
     assert [b - a for a, b in zip(bounds, bounds[1:])] == [2] + [2] * 30 + [1]
 
