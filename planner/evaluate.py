@@ -7,6 +7,8 @@ timelines and bubbles.
 """
 from __future__ import annotations
 
+from collections import Counter
+
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -107,22 +109,37 @@ class Evaluator:
         return self.hw.capacity
 
     @cached_property
+    def twin_counts(self) -> dict[int, int]:
+        """{the first unit of each kind: how many units are of its kind} (Evaluator._twins)."""
+        return dict(Counter(self._twins))
+
+    @cached_property
     def _twins(self) -> tuple[int, ...]:
         """For each unit, the first unit with the same costs (repeated blocks are priced once)."""
         first: dict[Unit, int] = {}
         return tuple(first.setdefault(replace(u, index=0, name="", nodes=(), tp_layout=()), i) for i, u in enumerate(self.units))
 
-    def unit_costs(self, c: ParallelConfig) -> tuple[tuple[float, ...], ...]:
-        """(fwd_s, bwd_s, tp_comm_s, activation bytes, weight-gradient s, bytes held from I to W) per unit,
-        cached by what they depend on."""
-        key = c.unit_key()
-        if key not in self._cache:  # the forward without its share of the weights' FP8 casts, and those casts
+    def distinct_costs(self, c: ParallelConfig) -> dict[int, tuple[float, ...]]:
+        """{unit: (fwd_s less its share of the weights' FP8 casts, bwd_s, tp_comm_s, activation bytes, weight-gradient
+        s, bytes held from I to W, the casts' s)} for the first unit of each kind (Evaluator._twins), cached by what
+        they depend on."""
+        key = ("distinct", c.unit_key())
+        if key not in self._cache:
             rows = {}
-            for i in set(self._twins):
+            for i in sorted(set(self._twins)):
                 u = self.units[i]
                 ut = unit_time(u, self.hw, c)
                 rows[i] = (ut.fwd_s - ut.weight_cast_s / c.m, ut.bwd_s, ut.tp_comm_s, activation_bytes(u, c),
                            ut.bwd_weight_s, held_bytes(u, c), ut.weight_cast_s)
+            self._cache[key] = rows
+        return self._cache[key]
+
+    def unit_costs(self, c: ParallelConfig) -> tuple[tuple[float, ...], ...]:
+        """(fwd_s, bwd_s, tp_comm_s, activation bytes, weight-gradient s, bytes held from I to W) per unit,
+        cached by what they depend on."""
+        key = c.unit_key()
+        if key not in self._cache:
+            rows = self.distinct_costs(c)
             self._cache[key] = tuple(zip(*(rows[i] for i in self._twins)))
         *costs, casts = self._cache[key]
         if not any(casts):
