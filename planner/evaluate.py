@@ -423,8 +423,17 @@ class Evaluator:
                 done.append((sum(over), max(times), part))
                 if not done[-1][0] and (len(done) == 1 or done[-1][1] <= 1.001 * self._balanced_s(fwd, bwd, c.pp)):
                     break  # the fastest chunks with memory aside fit their ranks: nothing does better
-            if done:
-                return rebalance(inp, min(done, key=lambda x: x[:2])[2], ranks, peaks, room)
+            if done:  # the least over, repaired; and the fastest (the whole room's, memory aside), repaired: the
+                # tie it broke among equally fast chunks may have loaded one rank over, which moving a unit mends
+                # (Llama 3.1 405B at p8 v8: Megatron's Et|(tt|)*62tL, not a 3-unit first chunk)
+                picks = {id(x[2]): x[2] for x in (min(done, key=lambda x: x[:2]), done[0])}.values()
+                repaired = [rebalance(inp, part, ranks, peaks, room) for part in picks]
+
+                def rank_key(part):  # bytes over, then the schedule's time: m x the slowest rank's work, and a
+                    # fill and drain of p - 1 of the slowest chunks (the analytic one's slowest / v, where they differ)
+                    times, over = zip(*(load(part.bounds, r) for r in range(c.pp)))
+                    return sum(over), c.m * max(times) + (c.pp - 1) * max(part.stage_time_s)
+                return min(repaired, key=rank_key)
         need = self.memory_lower_bound(c)
         raise Rejected("memory", "no partition fits", max(need, self.capacity * 1.0001))
 
