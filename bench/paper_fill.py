@@ -210,22 +210,32 @@ PIPESWITCH_BERT_V100_S = 10.27e-3
 V100, PCIe 3.0 x16), batch 8 (l.306), model in host memory: pipelined transmission by its optimal grouping."""
 
 
+PIPESWITCH_RESNET152_V100_S = 32e-3
+"""PipeSwitch Table 1 (002 l.102-108, the measurement study of 4.1, l.124): ResNet152's inference time on p3.2xlarge
+(one V100), PyTorch from PyPI (l.304); batch 8 assumed (the paper's inference default, l.306), fp32 (PyTorch's)."""
+
+
 def pipeswitch() -> dict:
     """The overhead fxplanner charges a BERT-base inference fill job that is not resident: the transmission its
     grouping (planner/fill/assign.py load_grouping, PipeSwitch's Algorithm 1 over our units) cannot hide behind the
     forward. Assumed: fp32 (PipeSwitch's PyTorch default), sequence 128 (not stated). Our units are 14 (embedding,
-    12 blocks, head) where PipeSwitch groups 139 layers; coarser units hide less."""
+    12 blocks, head) where PipeSwitch groups 139 layers; coarser units hide less. And a fill job's own speed at an
+    inference batch, against a measured one: ResNet152's forward at batch 8 (Table 1)."""
     job = FillJobSpec(name="bert-base", model=str(ROOT / "examples" / "bert.py"),
                       model_args={"preset": "base", "seq": 128}, kind="infer", batch_sizes=[8], work=Work(samples=8))
     hw = Hardware(target=get_target("v100-16gb"))
     prof = _profile(job, "v100-16gb", "fp32", 8)
+    resnet = _profile(FillJobSpec(name="resnet152", model=str(EXAMPLES / "vision.py"), model_args={"arch": "resnet152"},
+                                  kind="infer", batch_sizes=[8], work=Work(samples=8)), "v100-16gb", "fp32", 8)
     g = load_grouping(prof, hw)
     forward = sum(layer.exec_time_s for layer in prof.layers)
     overhead = max(g.latency_s - forward, 0.0)
     return {"setup": f"BERT-base inference, batch 8, fp32, on one v100-16gb; {len(prof.layers)} units in "
                      f"{len(g.groups)} transfer groups, {sum(layer.param_bytes for layer in prof.layers) / 1e6:.0f} MB",
             "rows": [_row("switching overhead ms (pipelined transmission)", overhead * 1e3,
-                          PIPESWITCH_BERT_V100_S * 1e3)]}
+                          PIPESWITCH_BERT_V100_S * 1e3),
+                     _row("ResNet152 inference ms, batch 8, fp32 (Table 1)", resnet.iteration_s * 1e3,
+                          PIPESWITCH_RESNET152_V100_S * 1e3)]}
 
 
 # --- Waterwave -----------------------------------------------------------------------------------------------------

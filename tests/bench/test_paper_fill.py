@@ -114,9 +114,10 @@ def test_vision_models_have_torchvision_shapes(arch, params, gmacs):
 
 def test_pipeswitch_row_prices_the_transmission_its_grouping_cannot_hide():
     out = bench.pipeswitch()
-    (row,) = out["rows"]
+    row, resnet = out["rows"]
     assert row["paper"] == pytest.approx(10.27) and 0 < row["predicted"]
     assert row["ratio"] == pytest.approx(row["predicted"] / row["paper"])
+    assert resnet["paper"] == pytest.approx(32.0) and 0 < resnet["predicted"]
 
 
 def test_largest_finds_the_last_batch_size_that_fits():
