@@ -7,9 +7,8 @@ timelines and bubbles.
 """
 from __future__ import annotations
 
-from collections import Counter
-
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cached_property
