@@ -53,7 +53,8 @@ def plan(
     schedule: Optional[str] = typer.Option(None, "--schedule", help=f"pin: {_choices(SCHEDULES)}"),
     pipeline_layout: Optional[str] = typer.Option(
         None, "--pipeline-layout", help="pin the partition: Megatron-Core's --pipeline-model-parallel-layout "
-        "(E embedding, t layer, L loss, '|' between virtual stages, '(..)*n' repeats; e.g. 'Et|(tt|)*30L'), or "
+        "(E embedding, t layer, m multi-token prediction, L loss, '|' between virtual stages, '(..)*n' repeats; e.g. "
+        "'Et|(tt|)*30mL'), or "
         "'even' (Megatron's default split)"),
     allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let t span nodes"),
     zero: Optional[int] = typer.Option(

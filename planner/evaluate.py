@@ -181,7 +181,7 @@ class Evaluator:
         key = ("acts", c.unit_key("full" if partial else None))
         if key not in self._cache:  # activation bytes only (unit_costs' fourth column): most configurations this
             # bound rejects are never timed
-            leanest = replace(c, recompute="full", recompute_layers=0) if partial else c
+            leanest = c.fallback(recompute="full") if partial else c
             acts = {i: activation_bytes(self.units[i], leanest) for i in set(self._twins)}
             self._cache[key] = sum(acts[i] for i in self._twins)
         num, params = c.numerics, dense + experts
@@ -196,7 +196,7 @@ class Evaluator:
             return self._evaluate(c)
         # partial recomputation with no count pinned: the least number of blocks per chunk that fits (memory falls
         # and time grows with it); none at all is mode "none", priced apart
-        none = replace(c, recompute="none", recompute_layers=0)
+        none = c.fallback(recompute="none")
         try:
             self._evaluate(none)
             raise Rejected("partial recomputation where nothing needs recomputing")
@@ -274,8 +274,8 @@ class Evaluator:
         over what one block frees at the busiest microbatch count (each frees its plain less its full bytes)."""
         if bounds:
             return self.least_recompute_on(c, bounds)
-        kept = self.unit_costs(replace(c, recompute="none", recompute_layers=0))[3]
-        least = self.unit_costs(replace(c, recompute="full", recompute_layers=0))[3]
+        kept = self.unit_costs(c.fallback(recompute="none"))[3]
+        least = self.unit_costs(c.fallback(recompute="full"))[3]
         frees = max((kept[i] - least[i] for i in self._blocks), default=0.0) * c.inflight(0)
         return min(max(1, math.ceil(short / frees)) if frees else 1, self._most_recomputed(c))
 
@@ -306,8 +306,8 @@ class Evaluator:
         adds to it, and it keeps what "full" keeps, not all of `act`."""
         if not c.recompute_mode.partial:
             return {}
-        _, bwd, _, _, _, _ = self.unit_costs(replace(c, recompute="none", recompute_layers=0))
-        _, redo, _, kept, _, _ = self.unit_costs(replace(c, recompute="full", recompute_layers=0))
+        _, bwd, _, _, _, _ = self.unit_costs(c.fallback(recompute="none"))
+        _, redo, _, kept, _, _ = self.unit_costs(c.fallback(recompute="full"))
         return {"recompute_first": c.recompute_layers, "recomputable": self._blocks,
                 "recompute_time_s": tuple(r - b for r, b in zip(redo, bwd)),
                 "recompute_saves": tuple(a - k for a, k in zip(act, kept))}

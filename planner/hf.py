@@ -126,11 +126,11 @@ def build(family: str, preset: str | None = None, config: str | None = None, lay
           seq: int | None = None, mtp: int = 0, **overrides: Any) -> torch.nn.Module:
     """The model of `family` from a preset or a config.json, with `layers` blocks (and `mtp` multi-token-prediction
     layers, MultiTokenPrediction)."""
-    cfg = _config(family, preset, config, layers, **overrides)
-    model = getattr(_transformers(), FAMILIES[family][1])(cfg)
-    if int(mtp) < 0:
+    depth = int(mtp)
+    if depth < 0:
         raise ModelFileError(f"mtp={mtp}: the number of multi-token-prediction layers is 0 or more")
-    return MultiTokenPrediction(model, int(mtp)) if int(mtp) else model
+    model = getattr(_transformers(), FAMILIES[family][1])(_config(family, preset, config, layers, **overrides))
+    return MultiTokenPrediction(model, depth) if depth else model
 
 
 class MultiTokenPrediction(torch.nn.Module):
@@ -154,8 +154,8 @@ class MultiTokenPrediction(torch.nn.Module):
         if base is None or not hasattr(model, "lm_head") or not all(hasattr(base, n) for n in parts):
             raise ModelFileError(f"multi-token prediction (mtp={depth}) needs a causal LM built as Llama's is (model."
                                  f"embed_tokens, .layers, .norm, .rotary_emb and lm_head); {type(model).__name__} is not")
-        self.lm, self.config = model, model.config
-        cfg = self.config
+        self.lm = model
+        self.config = cfg = model.config
         layer_cls, norm_cls, h = type(base.layers[-1]), type(base.norm), cfg.hidden_size
         eps = getattr(cfg, "rms_norm_eps", 1e-6)
         # a dict, not a list: its layers are not a second stack of blocks (passes.units.block_containers)

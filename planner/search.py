@@ -278,7 +278,7 @@ def _optimistic_iteration(ev: Evaluator, c: ParallelConfig) -> float:
         work = {i: fwd[i] + r[1] for i, r in rows.items()}
         stage = max(sum(count[i] * x for i, x in work.items()) / k, max(work.values(), default=0.0))
         if c.recompute_mode.partial:  # every stage redoes at least one block (or recompute_layers of them)
-            redo = ev.distinct_costs(replace(c, recompute="full", recompute_layers=0))
+            redo = ev.distinct_costs(c.fallback(recompute="full"))
             stage += max(1, c.recompute_layers) * min(
                 (redo[i][1] - r[1] for i, r in rows.items() if ev.units[i].kind == "block"), default=0.0)
         # a split backward's bubble shrinks as W grows and F shrinks: the extreme shares of any unit bound it below
