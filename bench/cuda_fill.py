@@ -3,8 +3,9 @@
     python bench/cuda_fill.py [--json out.json]
 
 - Main-job optimizer offload (planner/runtime/optim.py GradSync.offload / restore, PipeFill 4.2): Adam state of a
-  ~1 GB model to pinned host memory on a side stream and back; GB/s each way, and how much of the copy a
-  concurrent matmul loop on the default stream hid.
+  ~1 GB model to pinned host memory on a side stream and back; GB/s each way on the first call (which pins the
+  host buffers), on a later one, and on one beside a matmul loop on the default stream; and the machine's own
+  copy rates for the same bytes (one tensor, pinned and pageable) to read them against.
 - PipeSwitch streaming (planner/runtime/fill_task.py Streamer): a fill job's weights loaded in two groups, the
   second's transfer overlapping the first group's compute; per-load seconds and overlap.
 """
@@ -36,14 +37,20 @@ def offload() -> dict:
     sync.step()  # Adam's state exists
     torch.cuda.synchronize()
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    a @ a  # cuBLAS's handle and workspace before any timing (a cold first product took ~75 ms here)
     out = {}
-    for busy in (False, True):
+    for name, busy in (("first", False), ("alone", False), ("with_matmuls", True)):  # the first call pins
         torch.cuda.synchronize()
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        ev[0].record()
         t0 = time.perf_counter()
         moved = sync.offload(1 << 40)
+        ev[1].record(sync._stream)  # the copies' end, on their side stream
+        t_issued = time.perf_counter()
         if busy:  # the main job's forward passes on the default stream meanwhile
             for _ in range(20):
                 a @ a
+        ev[2].record()
         sync._stream.synchronize()
         torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -51,15 +58,51 @@ def offload() -> dict:
         sync._stream.synchronize()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-        out["with_matmuls" if busy else "alone"] = {"bytes": moved, "d2h_s": t1 - t0, "h2d_s": t2 - t1,
-                                                    "d2h_GBps": moved / (t1 - t0) / 1e9,
-                                                    "h2d_GBps": moved / (t2 - t1) / 1e9}
+        out[name] = {"bytes": moved, "d2h_s": t1 - t0, "h2d_s": t2 - t1, "d2h_GBps": moved / (t1 - t0) / 1e9,
+                     "h2d_GBps": moved / (t2 - t1) / 1e9, "d2h_issue_s": t_issued - t0,
+                     "d2h_copies_done_gpu_s": ev[0].elapsed_time(ev[1]) / 1e3,
+                     "default_stream_done_gpu_s": ev[0].elapsed_time(ev[2]) / 1e3}
+    out["raw_copies"] = raw_copies(537_001_984)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(20):
         a @ a
     torch.cuda.synchronize()
     out["matmuls_alone_s"] = time.perf_counter() - t0
+    return out
+
+
+def raw_copies(nbytes: int) -> dict:
+    """This machine's own copy rates for the same bytes, one tensor, timed by events: the reference for the
+    offload's (pinned and pageable host memory, each direction)."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    out = {}
+    for pinned in (True, False):
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+        for name, dst, src in (("d2h", host, dev), ("h2d", dev, host)):
+            dst.copy_(src, non_blocking=pinned)
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+            ev[0].record()
+            dst.copy_(src, non_blocking=pinned)
+            ev[1].record()
+            torch.cuda.synchronize()
+            out[f"{name}_{'pinned' if pinned else 'pageable'}_GBps"] = nbytes / ev[0].elapsed_time(ev[1]) / 1e6
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+    torch.cuda.synchronize()
+    ev[0].record()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        host.copy_(dev, non_blocking=True)
+    ev[1].record(side)
+    for _ in range(20):
+        a @ a
+    ev[2].record()
+    torch.cuda.synchronize()
+    out["d2h_pinned_beside_matmuls_GBps"] = nbytes / ev[0].elapsed_time(ev[1]) / 1e6
+    out["matmuls_beside_d2h_s"] = ev[0].elapsed_time(ev[2]) / 1e3
     return out
 
 
@@ -87,8 +130,9 @@ def main() -> None:
         raise SystemExit("bench/cuda_fill.py needs a CUDA GPU")
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "offload": offload(),
            "streaming": streaming()}
+    print("raw copies:", ", ".join(f"{k} {v:.1f}" for k, v in out["offload"]["raw_copies"].items()))
     for name, r in out["offload"].items():
-        if isinstance(r, dict):
+        if isinstance(r, dict) and "bytes" in r:
             print(f"offload ({name}): {r['bytes'] / 1e6:.0f} MB, D2H {r['d2h_GBps']:.1f} GB/s, H2D {r['h2d_GBps']:.1f} GB/s")
     print(f"20 bf16 8192^3 matmuls alone: {out['offload']['matmuls_alone_s'] * 1e3:.1f} ms")
     for ld in out["streaming"]["loads"]:

@@ -36,7 +36,10 @@ recovered FLOP/s (l.221, 223), P from its 2600 GPUs saved at 8K GPUs (l.253), an
 inference ran at alone on their V100s, recovered / (B x P): where the prediction parts from the paper.
 
 What we assume because PipeFill does not say it: the 5B model's shape (GPT, 24 layers, hidden 4096, 32 heads,
-vocabulary 50257: 4.8B in the blocks + 0.2B embedding) and fp16 mixed precision.
+vocabulary 50257: 4.8B in the blocks + 0.2B embedding) and fp16 mixed precision. Its Executor is a process of its
+own on each device (l.107) and MPS is not named, so the fill is time-sliced with the main job's waiting receive
+(planner/fill/physics.py: TIMESLICE_S, measured on an H100 by bench/cuda_colocate.py; the V100's slice is assumed
+the same). FreeRide's side tasks run under MPS (000 l.187).
 
 FreeRide section 4 (../shared/seeds/000_…): a 3.6B LLM adapted from GPT2-XL trained by DeepSpeed 0.12.2 in a
 4-stage pipeline, one stage per GPU of one server (l.96-97, 277) of four RTX 6000 Ada 48 GB (Server-I, l.269), 4
@@ -156,7 +159,8 @@ def pipefill() -> dict:
     pins = Pins(tp=1, pp=16, dp=1, b=2, schedule="gpipe", precision="fp16")
     kw = dict(gpus=16, global_batch=16, target="v100-16gb", gpus_per_node=1, pins=pins,
               model_args={"layers": 24, "hidden": 4096, "heads": 32, "seq": 2048})
-    plan, _ = make_plan(str(EXAMPLES / "gpt.py"), fill=FillSpec(jobs=[job]), **kw)
+    # its Executor is a process of its own on each device (l.107), MPS is not named: time-sliced
+    plan, _ = make_plan(str(EXAMPLES / "gpt.py"), fill=FillSpec(jobs=[job], gpu_sharing="timeslice"), **kw)
     alone, _ = make_plan(str(EXAMPLES / "gpt.py"), **kw)
     overhead = time_increase(plan.predictions.iteration_s, alone.predictions.iteration_s)
     pr, fp = plan.predictions, plan.fill.predictions
@@ -365,7 +369,8 @@ def freeride_plan(fill: FillSpec | None = None) -> Plan:
 
 def freeride_task(arch: str, main: Plan, price_ratio: float) -> dict[str, Any]:
     """I and S of one side task run in every worker: from the plan with the side tasks, and with FreeRide's steps."""
-    plan = freeride_plan(FillSpec(jobs=[side_task(arch, w) for w in range(FR_WORKERS)], safety_margin=0.0))
+    plan = freeride_plan(FillSpec(jobs=[side_task(arch, w) for w in range(FR_WORKERS)], safety_margin=0.0,
+                                  gpu_sharing="mps"))  # its side tasks run under MPS (l.187)
     t_no = main.predictions.iteration_s
     increase = time_increase(plan.predictions.iteration_s, t_no)
     ada = _profile(side_task(arch), "rtx6000-ada", FR_PINS.precision, FR_BATCH)

@@ -22,7 +22,7 @@ from targets.registry import get_target
 from . import __version__
 from .config import ParallelConfig
 from .evaluate import Evaluation, Evaluator
-from .launch import launch_script, torchrun_commands
+from .launch import launch_script, torchrun_commands, with_mps
 from .layout import layout_bounds, layout_stages
 from .plan import (Alternative, ConfigModel, Launch, Plan, Predictions, RankMemory, SearchInfo, Source,
                    Stage)
@@ -169,7 +169,7 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     if fill is not None:
         if progress:
             progress("fill")
-        jobs = {j.name: profile_job(j, hw, pins.precision) for j in fill.jobs}
+        jobs = {j.name: profile_job(j, hw, pins.precision, fill.gpu_sharing) for j in fill.jobs}
         if fill_time_limit_s <= 0:
             raise UserError(f"--fill-time-limit must be positive, got {fill_time_limit_s}")
         with cpsat_budget(fill_time_limit_s, progress=(lambda n, s: progress(f"fill: CP-SAT solve {n} ({s:.1f} s of "
@@ -192,6 +192,9 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
                                           else greedy_proven_optimal(fill_solver))
         section.predictions.choice = joint.choice
         plan = plan.model_copy(update={"fill": section})
+        if fill.gpu_sharing == "mps":
+            cmds, script = with_mps(plan.launch.commands, plan.launch.script)
+            plan = plan.model_copy(update={"launch": plan.launch.model_copy(update={"commands": cmds, "script": script})})
     if pins.engine != "fxplanner":
         return plan.model_copy(update={"launch": engine_launch(plan, plan_path)}), result
     if any(u.experts for u in profile.units):

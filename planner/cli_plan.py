@@ -196,12 +196,21 @@ def _span(seconds: float) -> str:
     return f"{seconds:.1f} s"
 
 
+_SHARING = {
+    "timeslice": "time slices beside the main job's waiting receive (each fill unit gives it one, ~2.2 ms: "
+                 "planner/fill/physics.py); `gpu_sharing: mps` in the fill file runs the units at their own speed",
+    "mps": "MPS (the launch commands start nvidia-cuda-mps-control on each node)",
+    "none": "nothing: the main job waits on the host",
+}
+
+
 def _print_fill(p: Plan) -> None:
     f = p.fill
     fp = f.predictions
     out.print(f"fill: {fp.fill_tflops_per_gpu:.2f} TFLOP/s/GPU recovered, {fp.bubble_time_used:.0%} of bubble time "
               f"used, total useful {fp.total_useful_tflops_per_gpu:.1f} TFLOP/s/GPU; main optimizer offload: "
               f"{'yes' if fp.offload_optimizer else 'no'}; packing: {fp.solver}", highlight=False)
+    out.print(f"fill shares the GPU by {_SHARING[f.gpu_sharing]}", highlight=False)
     if fp.choice:
         out.print(f"shrink or fill: {fp.choice}", highlight=False)
     gpus = p.config.dp * p.config.cp * p.config.tp

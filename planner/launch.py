@@ -4,9 +4,12 @@ They call torchrun through `python -m planner.runtime.torchrun` (the same argume
 rank with one line instead of torchrun's own traceback."""
 from __future__ import annotations
 
-__all__ = ["TORCHRUN", "torchrun_commands", "launch_script"]
+__all__ = ["TORCHRUN", "MPS_START", "torchrun_commands", "launch_script", "with_mps"]
 
 TORCHRUN = "python -m planner.runtime.torchrun"  # torchrun's arguments, a failure in one line
+MPS_START = "nvidia-cuda-mps-control -d"
+"""Starts MPS's control daemon on a node (a no-op error if it runs already): a plan whose fill jobs share the GPUs
+by MPS (planner/fill/physics.py) runs it on every node before torchrun."""
 
 
 def torchrun_commands(plan_path: str, n_gpus: int, gpus_per_node: int,
@@ -31,3 +34,11 @@ def launch_script(plan_path: str, n_gpus: int, gpus_per_node: int) -> str:
         f"-m planner.runtime {plan_path}",
         "",
     ])
+
+
+def with_mps(commands: list[str], script: str) -> tuple[list[str], str]:
+    """The launch commands and script of a plan whose fill jobs share the GPUs by MPS: the daemon started first."""
+    start = f"{MPS_START} || true  # the fill jobs share the GPUs by MPS (fill gpu_sharing: mps)"
+    return ([f"{MPS_START}; {c}" for c in commands],
+            script.replace('NODE_RANK="${1:?usage: launch.sh NODE_RANK}"',
+                           'NODE_RANK="${1:?usage: launch.sh NODE_RANK}"\n' + start))

@@ -282,6 +282,10 @@ class Fill(_Model):
     safety_margin: float
     policy: Literal["fifo", "sjf", "makespan", "edf"] = Field("sjf", description="which of a rank's fill jobs runs next when one ends (planner/fill/"
                         "scheduler.py POLICIES: fifo, sjf, makespan, edf)")
+    gpu_sharing: Literal["timeslice", "mps", "none"] = Field(
+        "timeslice", description="how the fill processes share a GPU with the main job: time slices, MPS (start "
+                                 "nvidia-cuda-mps-control -d on every node before torchrun), or none (the main job "
+                                 "waits on the host: the CPU runtime); planner/fill/physics.py")
     jobs: list[FillJob]
     chunks: list[FillChunk]
     pairs: list[FillPair] = Field(default_factory=list, description="training jobs paired on a rank (Waterwave)")

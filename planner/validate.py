@@ -207,7 +207,8 @@ def fill_spec_of(plan: Plan):
                                           batch_sizes=[j.batch_size], leaves=list(j.leaves),
                                           work=Work(iterations=j.iterations or 1), arrival_s=j.arrival_s,
                                           deadline_s=j.deadline_s, priority=j.priority, pair_with=paired.get(name)))
-    return FillSpec(jobs=list(jobs.values()), safety_margin=plan.fill.safety_margin, policy=plan.fill.policy)
+    return FillSpec(jobs=list(jobs.values()), safety_margin=plan.fill.safety_margin, policy=plan.fill.policy,
+                    gpu_sharing=plan.fill.gpu_sharing)
 
 
 def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy") -> Plan:
@@ -222,7 +223,7 @@ def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy") -> Plan:
         return plan
     spec = spec or fill_spec_of(plan)
     hw = plan_hardware(plan)
-    jobs = {j.name: profile_job(j, hw, plan.config.precision) for j in spec.jobs}
+    jobs = {j.name: profile_job(j, hw, plan.config.precision, spec.gpu_sharing) for j in spec.jobs}
     fa = assign_fill(plan_cycles(plan), plan.predictions.iteration_s, jobs, hw, safety_margin=spec.safety_margin, solver=solver,
                      hold_free=plan_hold_free(plan), replicas=plan.config.dp * plan.config.cp * plan.config.tp,
                      policy=spec.policy)

@@ -99,9 +99,9 @@ def recovered_gpu_s_per_s(fa: FillAssignment, iteration_s: float) -> float:
 
     def dedicated_s(rf) -> float:
         prof = rf.profile
-        if prof.iteration_s <= 0 or prof.flops_per_iteration <= 0:
+        if prof.dedicated_s <= 0 or prof.flops_per_iteration <= 0:
             return 0.0
-        return rf.packing.flops_per_cycle / (prof.flops_per_iteration / prof.iteration_s)
+        return rf.packing.flops_per_cycle / (prof.flops_per_iteration / prof.dedicated_s)
 
     return fa.per_cycle(dedicated_s) / iteration_s
 

@@ -21,6 +21,14 @@ iterative interface) runs it:
 - **Interruption.** No step is cut by the bubble's end (admission above), so the interruption PipeFill names
   (001 l.245) is the tail of the bubble the next unit does not fit into: the packing's granularity, priced by
   the packer, not a constant.
+- **Sharing the GPU with the waiting main job.** In a bubble the main job waits in a receive, and NCCL's receive
+  is a kernel spinning on the GPU until the data arrives. Without MPS the GPU time-slices between the two
+  processes' contexts: each time the fill job synchronizes (every unit ends with one) the spinning receive takes
+  a slice, and while both have work they alternate (`TIMESLICE_S`, measured; `shared_unit_s`). PipeFill's
+  Executor is such a process (001 l.107); FreeRide runs its side tasks under MPS (000 l.187), where the fill job's
+  kernels share the SMs with the receive's and it runs at its own speed (measured: 0.92-1.03 of alone). A fill
+  spec says which (`gpu_sharing`: timeslice, the default, mps, or none where the main job waits on the host, as
+  the CPU runtime's gloo receive does).
 - **Process switch.** The fill job runs in its own process, created and initialized before the first bubble
   and kept (FreeRide's PAUSED state holds its GPU context, 000 l.205): the seconds of process launch and CUDA
   context creation PipeSwitch measured for stop-and-start (Table 1: 7.3 s on a V100, 002 l.102-110) are paid
@@ -36,10 +44,16 @@ iterative interface) runs it:
 """
 from __future__ import annotations
 
-from typing import Sequence
+import math
+from typing import Literal, Sequence
 
 __all__ = ["SAFE_FILL_FRACTION", "DEFAULT_SAFETY_MARGIN", "STEP_SAFETY", "STEP_ALLOWANCE_S", "STEP_IPC_S",
-           "FILL_CONTEXT_BYTES", "chunk_overhead_s", "unit_overhead_s", "shortest_bubble_s"]
+           "FILL_CONTEXT_BYTES", "TIMESLICE_S", "GpuSharing", "chunk_overhead_s", "unit_overhead_s",
+           "shortest_bubble_s", "shared_unit_s"]
+
+GpuSharing = Literal["timeslice", "mps", "none"]
+"""timeslice: the fill's process beside the main job's, whose receive spins on the GPU (NCCL); mps: the same under
+MPS; none: the main job waits on the host (the CPU runtime's gloo receive), the fill has the device to itself."""
 
 SAFE_FILL_FRACTION = 0.68
 """PipeFill 6.1 (001 l.231): the main job's overhead stays under 2% up to 68% of each bubble filled."""
@@ -53,6 +67,27 @@ STEP_IPC_S = 40e-6
 measured on the 2-core CI machine (`python bench/paper_fill.py --ipc` measures it where you run it)."""
 FILL_CONTEXT_BYTES = 300 << 20
 """A fill task process's CUDA context on the device: "a few hundred MB" (PipeSwitch, 002 l.282)."""
+
+
+TIMESLICE_S = 2.2e-3
+"""The GPU time a spinning context takes from a time-sliced fill process each time the fill synchronizes, and
+the slice the two alternate by while both have work. Measured on an H100 (driver 580.159.04, torch 2.11; `python
+bench/cuda_colocate.py`, bench/results/cuda_colocate_h100_2026-11-26.json): a GEMM loop synchronizing every k
+products beside a process spinning one kernel (`torch.cuda._sleep`, as NCCL's receive spins) gives it 2.36, 2.34,
+2.23 ms per synchronize (k = 1, 10, 100 products of 8x128 tokens, 768 -> 3072) and 2.13 ms (k = 1, 8192^3); with
+16 ms of work between synchronizes the fill gets 0.52 of the GPU. Beside a process that launches nothing it runs
+at its own speed (0.97-1.04), and so it does under MPS beside the spinning kernel (0.92-1.03). The slice is the
+driver's scheduling policy (`nvidia-smi compute-policy`), taken here for every GPU: not measured on others."""
+
+
+def shared_unit_s(compute_s: float, sharing: GpuSharing) -> float:
+    """A fill unit's seconds inside a bubble beside the main job's waiting receive. Time-sliced, the receive gets
+    one slice for each slice the unit uses, and at least one, at the synchronize that ends it: the unit's compute
+    plus TIMESLICE_S x ceil(compute / TIMESLICE_S). Under MPS, or beside a main job waiting on the host, its
+    compute."""
+    if sharing != "timeslice" or compute_s <= 0:
+        return compute_s
+    return compute_s + TIMESLICE_S * math.ceil(compute_s / TIMESLICE_S)
 
 
 def unit_overhead_s(launch_s: float) -> float:

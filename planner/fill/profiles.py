@@ -5,7 +5,7 @@ into chunks, plus the memory the job keeps on the device between bubbles.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from costmodels.compute import unit_time
 from costmodels.hardware import Hardware
@@ -15,6 +15,7 @@ from passes.pipeline import ModelProfile, analyze
 from planner.config import ParallelConfig
 
 from .packing import FillUnit
+from .physics import GpuSharing, shared_unit_s
 from .pipeswitch import Layer
 from .spec import FillJobSpec
 
@@ -43,10 +44,18 @@ class FillProfile:
     priority: int = 0
     pair_with: str | None = None
     """Another training job to run beside, paired (FillJobSpec.pair_with)."""
+    alone_s: float | None = None
+    """One iteration's seconds on a GPU of its own, where the units' times are inside bubbles beside the main job
+    (planner/fill/physics.py: shared_unit_s); None where they are the same."""
 
     @property
     def iteration_s(self) -> float:
         return sum(u.time_s for u in self.units)
+
+    @property
+    def dedicated_s(self) -> float:
+        """One iteration's seconds on a GPU of its own."""
+        return self.iteration_s if self.alone_s is None else self.alone_s
 
     @property
     def flops_per_iteration(self) -> float:
@@ -98,9 +107,11 @@ def _optimizer_unit(params: int, config: str, hw: Hardware, cfg: ParallelConfig)
     return FillUnit(name="OPT", time_s=t, flops=0.0, mem_bytes=0)
 
 
-def profile_job(job: FillJobSpec, hw: Hardware, precision: str) -> list[FillProfile]:
+def profile_job(job: FillJobSpec, hw: Hardware, precision: str,
+                sharing: GpuSharing | None = None) -> list[FillProfile]:
     """The job traced in the main job's precision and priced on the main job's hardware (its calibration
-    included), under every batch size x configuration."""
+    included), under every batch size x configuration; with `sharing`, each unit's time is the time it takes
+    inside a bubble beside the main job (planner/fill/physics.py: shared_unit_s)."""
     prof, _ = analyze(job.model, job.model_args, leaves=tuple(job.leaves), dtype=precision)
     configs = tuple(CONFIGS) if job.kind == "train" else ("plain",)
     out = []
@@ -108,11 +119,15 @@ def profile_job(job: FillJobSpec, hw: Hardware, precision: str) -> list[FillProf
         fwd = [unit_time(u, hw, job_config(b, "plain", precision)).fwd_s for u in prof.units]
         for config in configs:
             units, resident = linearize(prof, job.kind, config, b, hw, precision)
+            alone = sum(u.time_s for u in units)
+            if sharing is not None:
+                units = [replace(u, time_s=shared_unit_s(u.time_s, sharing)) for u in units]
             layers = tuple(Layer(name=u.name, param_bytes=int(u.params * PRECISIONS[precision].weight_bytes),
                                  exec_time_s=f) for u, f in zip(prof.units, fwd))
             out.append(FillProfile(job=job.name, kind=job.kind, batch_size=b, config=config, units=tuple(units),
                                    resident_bytes=resident, layers=layers, params=prof.total_params,
                                    sha256=prof.sha256, batches=job.iterations(b), arrival_s=job.arrival_s,
                                    deadline_s=job.deadline_s, priority=job.priority,
-                                   pair_with=job.pair_with))
+                                   pair_with=job.pair_with,
+                                   alone_s=alone if sharing is not None else None))
     return out

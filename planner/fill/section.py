@@ -47,8 +47,8 @@ def fill_section(fa: FillAssignment, spec: FillSpec, *, offload: bool, main_usef
                 stops=[list(x) for x in led.stops], mem_bytes=[list(x) for x in led.mem],
                 state_bytes=[list(x) for x in led.state], iterations=s.iterations, peak_bytes=s.peak_bytes,
                 held_bytes=s.held_bytes, side_by_side_bytes=s.side_by_side_bytes)
-    return Fill(safety_margin=spec.safety_margin, policy=spec.policy, jobs=list(jobs.values()), chunks=chunks,
-                pairs=list(pairs.values()),
+    return Fill(safety_margin=spec.safety_margin, policy=spec.policy, gpu_sharing=spec.gpu_sharing,
+                jobs=list(jobs.values()), chunks=chunks, pairs=list(pairs.values()),
                 predictions=FillPredictions(fill_tflops_per_gpu=fa.fill_flops_per_gpu_s / 1e12,
                                             bubble_time_used=fa.bubble_time_used,
                                             total_useful_tflops_per_gpu=(main_useful_per_gpu +

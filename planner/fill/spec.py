@@ -15,6 +15,9 @@
     safety_margin: 0.32                 # optional: share of every bubble left unused (default: PipeFill's
                                         # 68% filled, where it measured < 2% main-job overhead)
     policy: sjf                         # optional: which of a rank's jobs runs next (fifo | sjf | makespan | edf)
+    gpu_sharing: timeslice              # optional: timeslice (the fill's own process beside the main job's,
+                                        # the default), mps (nvidia-cuda-mps-control -d on every node first: the
+                                        # launch commands do it), or none (the main job waits on the host: CPU runs)
 
 A job's work is done once: an inference job's batches are divided among every GPU that runs it, a training
 job runs data parallel over the GPUs of one pipeline stage (planner/fill/assign.py).
@@ -29,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from passes.errors import UserError, invalid_file
 
-from .physics import DEFAULT_SAFETY_MARGIN
+from .physics import DEFAULT_SAFETY_MARGIN, GpuSharing
 
 __all__ = ["FillJobSpec", "FillSpec", "load_fill_spec"]
 
@@ -82,6 +85,10 @@ class FillSpec(_Strict):
                                  description="share of every bubble left unused (planner/fill/physics.py)")
     policy: Literal["fifo", "sjf", "makespan", "edf"] = Field(
         "sjf", description="which of a rank's jobs runs next when one ends (planner/fill/scheduler.py)")
+    gpu_sharing: GpuSharing = Field(
+        "timeslice", description="how a fill process shares its GPU with the main job waiting in a bubble: time "
+                                 "slices (separate processes, the default), MPS, or none (the main job waits on "
+                                 "the host, as on CPU); planner/fill/physics.py")
 
     @model_validator(mode="after")
     def _unique(self) -> "FillSpec":

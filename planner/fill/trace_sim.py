@@ -27,7 +27,7 @@ def simulate_trace(plan: Plan, spec: FillSpec, *, policy: str = "fifo", horizon_
     hold = plan_hold_free(plan)
     jobs = []
     for js in spec.jobs:
-        profiles = profile_job(js, hw, plan.config.precision)
+        profiles = profile_job(js, hw, plan.config.precision, spec.gpu_sharing)
         plans, best_any = [], None
         for rank in ranks:
             rf = best_fill(rank.id, list(rank.slots), profiles, hw, safety_margin=spec.safety_margin,
@@ -38,6 +38,6 @@ def simulate_trace(plan: Plan, spec: FillSpec, *, policy: str = "fifo", horizon_
         per_iter = len(prof.units)
         jobs.append(TraceJob(name=js.name, work=float(js.iterations(prof.batch_size) * per_iter), plans=tuple(plans),
                             mem_bytes=prof.resident_bytes, arrival_s=js.arrival_s, deadline_s=js.deadline_s,
-                            priority=js.priority, kind=js.kind, dedicated_s_per_work=prof.iteration_s / per_iter))
+                            priority=js.priority, kind=js.kind, dedicated_s_per_work=prof.dedicated_s / per_iter))
     gpus_per_rank = plan.config.tp * plan.config.cp * plan.config.dp
     return simulate(jobs, ranks, policy, horizon_s=horizon_s, gpus_per_rank=gpus_per_rank, prices=prices)

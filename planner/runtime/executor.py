@@ -391,7 +391,10 @@ class Executor:
                 x = x.reshape(-1).chunk(t)[r]
             st.pending.append(dist.isend(x, dst=peer, tag=tag + j))
 
-    def _recv(self, specs: list[TensorSpec], from_stage: int, tag: int) -> list[torch.Tensor]:
+    def _recv(self, st: _Step, specs: list[TensorSpec], from_stage: int, tag: int) -> list[torch.Tensor]:
+        """The boundary tensors from a stage on another rank. Inside a bubble on CUDA the host waits for them: NCCL's
+        wait only orders the compute stream after the receive, and the bubble (the fill job's time) lasts until the
+        data has arrived, not until the receive was queued."""
         peer = self._peer(from_stage)
         t = self.c.tp_size
         bufs = []
@@ -408,17 +411,19 @@ class Executor:
                 dist.all_gather(parts, buf, group=self.groups.tp_group)
                 buf = torch.cat(parts).view(spec.shape)
             bufs.append(buf)
+        if self.cuda and st.bubble is not None:
+            torch.cuda.current_stream().synchronize()
         return bufs
 
     def _recv_forward(self, st: _Step, k: int, mb: int) -> None:
         names = [n for n in self.stages[k].program.recv if isinstance(self.specs.get(n), TensorSpec)]
-        bufs = self._recv([self.specs[n] for n in names], k - 1, self._tag(0, k - 1, mb))
+        bufs = self._recv(st, [self.specs[n] for n in names], k - 1, self._tag(0, k - 1, mb))
         st.received[(k, mb)] = {n: (b.requires_grad_() if self.specs[n].grad else b) for n, b in zip(names, bufs)}
 
     def _recv_backward(self, st: _Step, k: int, mb: int) -> None:
         names = [n for n in self.stages[k].program.send
                  if isinstance(self.specs.get(n), TensorSpec) and self.specs[n].grad]
-        st.out_grads[(k, mb)] = self._recv([self.specs[n] for n in names], k + 1, self._tag(1, k, mb))
+        st.out_grads[(k, mb)] = self._recv(st, [self.specs[n] for n in names], k + 1, self._tag(1, k, mb))
 
     # -- gradients, loss -----------------------------------------------------------------------
 

@@ -115,11 +115,31 @@ def test_fp16_main_job_on_a_v100_plans_with_a_fill_job():
     assert plan.fill.chunks and not plan.fill.predictions.unplaceable
 
 
+def test_fill_shared_by_mps_starts_the_daemon_before_torchrun_and_is_kept_by_a_repack():
+    """A plan whose fill jobs share the GPUs by MPS launches the MPS control daemon on each node first, and packs
+    the units at their own speed; re-packing it (validate --refit) keeps the sharing it was planned with."""
+    from planner.launch import MPS_START
+    from planner.validate import fill_spec_of
+
+    spec = load_fill_spec(EXAMPLES / "fill" / "tiny-mlp.yaml")
+    kw = dict(gpus=8, global_batch=32, target="a100-80gb", model_args={"preset": "1.7b"},
+              pins=Pins(tp=1, pp=4, dp=2, b=1, schedule="1f1b", recompute="none"))
+    sliced, mps = (make_plan(str(EXAMPLES / "gpt.py"), fill=spec.model_copy(update={"gpu_sharing": g}), **kw)[0]
+                   for g in ("timeslice", "mps"))
+    assert (sliced.fill.gpu_sharing, mps.fill.gpu_sharing) == ("timeslice", "mps")
+    assert all(c.startswith(MPS_START + "; ") for c in mps.launch.commands)
+    assert MPS_START in mps.launch.script and MPS_START not in sliced.launch.script
+    assert not any(MPS_START in c for c in sliced.launch.commands)
+    a, b = sliced.fill.jobs[0], mps.fill.jobs[0]  # tiny-mlp has one batch size: the same units, slower time-sliced
+    assert a.units == b.units and all(x > y for x, y in zip(a.unit_time_s, b.unit_time_s))
+    assert fill_spec_of(mps).gpu_sharing == "mps"
+
+
 def test_fill_jobs_are_priced_with_the_calibration():
     """A calibration scales the fill jobs' unit times as it scales the main model's."""
     from costmodels.calibration import Calibration, UnitFactor
 
-    spec = load_fill_spec(EXAMPLES / "fill" / "tiny-mlp.yaml")
+    spec = load_fill_spec(EXAMPLES / "fill" / "tiny-mlp.yaml").model_copy(update={"gpu_sharing": "mps"})  # compute alone
     cal = Calibration(target="a100-80gb", device="cpu", dtype="bf16", model_file="mlp.py", batch=8,
                       unit_factors={"block": UnitFactor(fwd=3.0, bwd=3.0, units=2)})
     plans = [make_plan(str(EXAMPLES / "gpt.py"), gpus=8, global_batch=32, target="a100-80gb",

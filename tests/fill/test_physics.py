@@ -2,6 +2,9 @@
 shortest bubble worth filling, and memory from the main job's ledger."""
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,7 +17,9 @@ from planner.fill.physics import (
     FILL_CONTEXT_BYTES,
     STEP_ALLOWANCE_S,
     STEP_SAFETY,
+    TIMESLICE_S,
     chunk_overhead_s,
+    shared_unit_s,
     shortest_bubble_s,
     unit_overhead_s,
 )
@@ -123,3 +128,45 @@ def test_data_parallel_training_pays_its_gradient_copies_in_the_optimizer_unit()
     assert extra[:-1] == [0.0] * (len(extra) - 1)
     assert extra[-1] == pytest.approx(2 * plain.params * 4 / hw.gpu.pcie_bw)
     assert data_parallel(replace(plain, config="offload"), hw).units == plain.units
+
+
+COLOCATE = Path(__file__).resolve().parents[2] / "bench" / "results" / "cuda_colocate_h100_2026-11-26.json"
+SIZES = {"bert_b8": (8 * 128, 768, 3072), "large": (8192, 8192, 8192)}  # bench/cuda_colocate.py's products
+
+
+def test_time_slicing_reproduces_the_measured_shares_of_a_fill_process_beside_a_waiting_receive():
+    """The constant against its source (bench/cuda_colocate.py on an H100): each row's share of the GPU a fill
+    process got beside a spinning kernel, from its work between synchronizes alone; under MPS, its own speed."""
+    measured = json.loads(COLOCATE.read_text())
+    rows = {k: v for k, v in measured["time_sliced"].items() if "_k" in k}  # "<size>_k<products per synchronize>"
+    assert len(rows) == 5
+    for key, row in rows.items():
+        size, k = key.rsplit("_k", 1)
+        m, kk, n = SIZES[size]
+        work = int(k) * 2.0 * m * kk * n / (row["alone_tflops"] * 1e12)
+        assert work / shared_unit_s(work, "timeslice") == pytest.approx(row["share_beside_recv"], rel=0.1), key
+        assert row["share_beside_idle"] == pytest.approx(1.0, abs=0.05), key  # a context with nothing to run
+    for key, row in measured["mps"].items():
+        if "_k" in key:
+            assert shared_unit_s(1e-3, "mps") == 1e-3 and row["share_beside_recv"] == pytest.approx(1.0, abs=0.1)
+
+
+@given(st.floats(1e-6, 0.5))
+def test_a_time_sliced_unit_gives_the_receive_at_least_one_slice_and_at_most_half_the_gpu(compute):
+    shared = shared_unit_s(compute, "timeslice")
+    assert shared >= compute + TIMESLICE_S
+    assert shared <= 2 * compute + TIMESLICE_S + 1e-12
+    assert shared_unit_s(compute, "mps") == compute
+
+
+def test_time_sliced_fill_is_packed_at_its_shared_speed_and_saves_its_dedicated_time():
+    """The units a plan packs and hands the runtime are the shared times; the GPU time a job saves is its own."""
+    from planner.fill.profiles import profile_job
+    from planner.fill.spec import FillJobSpec, Work
+    job = FillJobSpec(name="mlp", model=str(Path(__file__).resolve().parents[2] / "examples" / "mlp.py"),
+                      kind="infer", batch_sizes=[64], work=Work(samples=6400))
+    (alone,), (sliced,), (mps,) = (profile_job(job, HW, "bf16", s) for s in (None, "timeslice", "mps"))
+    assert [u.time_s for u in sliced.units] == [shared_unit_s(u.time_s, "timeslice") for u in alone.units]
+    assert [u.time_s for u in mps.units] == [u.time_s for u in alone.units]
+    assert sliced.dedicated_s == pytest.approx(alone.iteration_s) and alone.dedicated_s == alone.iteration_s
+    assert sliced.flops_per_iteration == alone.flops_per_iteration

@@ -52,7 +52,7 @@ def _job(name: str, kind: str, batches: int) -> FillJobSpec:
 
 def _plan(*jobs: FillJobSpec) -> Plan:
     plan, _ = make_plan(str(GPT), gpus=4, global_batch=16, target=str(CPU_TARGET), gpus_per_node=4,
-                        model_args=MAIN_ARGS, fill=FillSpec(jobs=list(jobs), policy="sjf"),
+                        model_args=MAIN_ARGS, fill=FillSpec(jobs=list(jobs), policy="sjf", gpu_sharing="none"),
                         pins=Pins(tp=1, pp=2, dp=2, b=2, v=1, schedule="gpipe", recompute="none", precision="fp32"))
     return plan
 

@@ -50,7 +50,7 @@ def _planned(tmp: Path) -> Plan:
     job = FillJobSpec(name="mlp", model=str(MLP), model_args={"features": 32, "width": 64, "depth": 2},
                       kind="train", batch_sizes=[8], work=Work(iterations=100_000))
     plan, _ = make_plan(str(GPT), gpus=2, global_batch=16, target=str(CPU_TARGET), gpus_per_node=2,
-                        model_args=gpt_args(), fill=FillSpec(jobs=[job]),
+                        model_args=gpt_args(), fill=FillSpec(jobs=[job], gpu_sharing="none"),
                         pins=Pins(tp=1, pp=2, dp=1, b=2, v=1, schedule="gpipe", recompute="none", precision="fp32"))
     return plan
 
@@ -64,7 +64,7 @@ def _everything() -> Plan:
             FillJobSpec(name="mlp-infer", model=str(MLP), model_args=args, kind="infer", batch_sizes=[8],
                         work=Work(iterations=6))]
     plan, _ = make_plan(str(GPT), gpus=2, global_batch=16, target=str(CPU_TARGET), gpus_per_node=2,
-                        model_args=gpt_args(), fill=FillSpec(jobs=jobs),
+                        model_args=gpt_args(), fill=FillSpec(jobs=jobs, gpu_sharing="none"),
                         pins=Pins(tp=1, pp=2, dp=1, b=2, v=1, schedule="gpipe", recompute="none", precision="fp32"))
     fill = [j.model_copy(update={"config": "checkpoint"} if j.kind == "train" else
                          {"resident": False, "load_groups": [[0, 2], [2, len(j.units)]]}) for j in plan.fill.jobs]
@@ -84,9 +84,9 @@ def _paired(planned: Plan) -> Plan:
                           work=Work(iterations=100_000)) for n in ("mlp-a", "mlp-b")),
             FillJobSpec(name="mlp-infer", model=str(MLP), model_args=args, kind="infer", batch_sizes=[8],
                         work=Work(iterations=6))]
-    spec = FillSpec(jobs=jobs)
+    spec = FillSpec(jobs=jobs, gpu_sharing="none")
     hw = plan_hardware(planned)
-    profiles = {j.name: [p for p in profile_job(j, hw, "fp32") if p.config == "plain"] for j in jobs}
+    profiles = {j.name: [p for p in profile_job(j, hw, "fp32", spec.gpu_sharing) if p.config == "plain"] for j in jobs}
     a, infer = profiles["mlp-a"][0], profiles["mlp-infer"][0]
     beside = held_bytes(infer) + max(u.mem_bytes for u in infer.units)  # the inference job, running
     hold = [2 * (FILL_CONTEXT_BYTES + a.resident_bytes) + max(u.mem_bytes for u in a.units) + beside,

@@ -1,0 +1,161 @@
+"""Two processes on one GPU, as a fill job shares a pipeline stage's GPU: what the fill job gets while the main
+job waits in a bubble, and what the main job waits when its bubble ends with the fill job on the GPU.
+
+    python bench/cuda_colocate.py [--json out.json] [--seconds 1.5] [--mps]
+
+In a bubble the main job's process waits in a receive: NCCL's receive kernel spins on the GPU until the previous
+stage's activations arrive. Here that is `torch.cuda._sleep`, one block spinning for the whole measurement
+("recv"); "idle" is a main process that holds its CUDA context and launches nothing (a receive that waits on the
+host). Without MPS two processes' contexts time-slice the GPU; `--mps` starts MPS's control daemon (as FreeRide
+runs its side tasks) and measures again, the kernels of both then sharing the SMs.
+
+Measured, each for `--seconds`, with the fill job a GEMM loop that synchronizes every k products (a fill unit
+ends with a synchronize in planner/runtime/fill_task.py), at a BERT-base-inference size (batch 8 x 128 tokens,
+768 -> 3072: ~22 us a product on an H100) and a large one (8192^3, ~1.6 ms):
+- fill: its TFLOP/s alone, beside "recv" and beside "idle", and the share (beside / alone);
+- slice_ms: the GPU time each synchronize of the fill hands the waiting receive, if the share is
+  w / (w + slice) for w the fill's work between synchronizes (k products' time alone);
+- main_end: the main job's bubble end: it spins 5 ms (its receive) then runs a 2048^3 product and synchronizes;
+  the extra time of that cycle beside the fill loop over alone (how long the main job waits for the fill).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import statistics
+import subprocess
+import time
+
+import torch
+
+SIZES = {"bert_b8": (8 * 128, 768, 3072), "large": (8192, 8192, 8192)}  # (m, k, n) of one product
+
+
+def _cycles_per_ms() -> float:
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+    torch.cuda._sleep(1_000_000)
+    ev[0].record()
+    torch.cuda._sleep(20_000_000)
+    ev[1].record()
+    torch.cuda.synchronize()
+    return 20_000_000 / ev[0].elapsed_time(ev[1])
+
+
+def fill(size: str, k: int, seconds: float, start, out) -> None:
+    m, kk, n = SIZES[size]
+    a = torch.randn(m, kk, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(kk, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    start.wait()
+    t0 = time.perf_counter()
+    done = 0
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(k):
+            a @ b
+        torch.cuda.synchronize()
+        done += k
+    out.put(("fill", 2.0 * m * kk * n * done / (time.perf_counter() - t0) / 1e12))
+
+
+def recv(seconds: float, start, out) -> None:
+    """A receive waiting the whole time: one spinning kernel."""
+    cycles = int(_cycles_per_ms() * (seconds + 1.0) * 1e3)
+    start.wait()
+    torch.cuda._sleep(cycles)
+    torch.cuda.synchronize()
+    out.put(("recv", None))
+
+
+def idle(seconds: float, start, out) -> None:
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    start.wait()
+    time.sleep(seconds)
+    out.put(("idle", None))
+
+
+def main_end(seconds: float, start, out) -> None:
+    """Bubble ends: a 5 ms receive, then the main job's next product, synchronized; seconds per cycle."""
+    cycles = int(_cycles_per_ms() * 5)
+    a = torch.randn(2048, 2048, device="cuda", dtype=torch.bfloat16)
+    for _ in range(20):
+        a @ a
+    torch.cuda.synchronize()
+    start.wait()
+    per = []
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        t = time.perf_counter()
+        torch.cuda._sleep(cycles)
+        a @ a
+        torch.cuda.synchronize()
+        per.append(time.perf_counter() - t)
+    out.put(("main_end", statistics.median(per)))
+
+
+def _run(targets: list, seconds: float) -> dict:
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Barrier(len(targets)), ctx.Queue()
+    procs = [ctx.Process(target=f, args=(*args, seconds, start, out)) for f, args in targets]
+    for p in procs:
+        p.start()
+    got = dict(out.get(timeout=seconds + 120) for _ in procs)
+    for p in procs:
+        p.join()
+    return got
+
+
+def measure(seconds: float, cases: list[tuple[str, int]], beside: tuple[str, ...]) -> dict:
+    res = {}
+    for size, k in cases:
+        m, kk, n = SIZES[size]
+        row = {"alone_tflops": _run([(fill, (size, k))], seconds)["fill"]}
+        work_ms = k * 2.0 * m * kk * n / (row["alone_tflops"] * 1e12) * 1e3
+        for other in beside:
+            got = _run([(fill, (size, k)), (globals()[other], ())], seconds)["fill"]
+            share = got / row["alone_tflops"]
+            row[f"beside_{other}_tflops"], row[f"share_beside_{other}"] = got, share
+            row[f"slice_ms_beside_{other}"] = work_ms * (1 / share - 1)
+        res[f"{size}_k{k}"] = row
+        print(size, k, {key: round(v, 3) for key, v in row.items()}, flush=True)
+    alone = _run([(main_end, ())], seconds)["main_end"]
+    res["main_end_alone_ms"] = alone * 1e3
+    for size in SIZES:
+        res[f"main_end_extra_ms_beside_{size}"] = (_run([(main_end, ()), (fill, (size, 10))], seconds)["main_end"]
+                                                   - alone) * 1e3
+    print({key: round(v, 3) for key, v in res.items() if key.startswith("main_end")}, flush=True)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--json")
+    ap.add_argument("--seconds", type=float, default=1.5)
+    ap.add_argument("--mps", action="store_true", help="also measure under MPS (starts nvidia-cuda-mps-control)")
+    args = ap.parse_args()
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "seconds": args.seconds}
+    cases = [("bert_b8", 1), ("bert_b8", 10), ("bert_b8", 100), ("large", 1), ("large", 10)]
+    result["time_sliced"] = measure(args.seconds, cases, ("recv", "idle"))
+    if args.mps:
+        started = subprocess.run(["nvidia-cuda-mps-control", "-d"], capture_output=True, text=True)
+        if started.returncode:
+            result["mps"] = f"nvidia-cuda-mps-control -d failed: {started.stderr.strip() or started.stdout.strip()}"
+        else:
+            try:
+                print("under MPS", flush=True)
+                result["mps"] = measure(args.seconds, cases[:2] + cases[3:4], ("recv",))
+            except Exception as exc:  # noqa: BLE001 - record what MPS did here
+                result["mps"] = f"failed under MPS: {exc!r}"
+            finally:
+                subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True)
+    print(json.dumps(result, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
