@@ -1,7 +1,7 @@
 """Two processes on one GPU, as a fill job shares a pipeline stage's GPU: what the fill job gets while the main
 job waits in a bubble, and what the main job waits when its bubble ends with the fill job on the GPU.
 
-    python bench/cuda_colocate.py [--json out.json] [--seconds 1.5] [--mps]
+    python bench/cuda_colocate.py [--json out.json] [--seconds 1.5] [--mps] [--runner-only]
 
 In a bubble the main job's process waits in a receive: NCCL's receive kernel spins on the GPU until the previous
 stage's activations arrive. Here that is `torch.cuda._sleep`, one block spinning for the whole measurement
@@ -15,6 +15,9 @@ ends with a synchronize in planner/runtime/fill_task.py), at a BERT-base-inferen
 - fill: its TFLOP/s alone, beside "recv" and beside "idle", and the share (beside / alone);
 - slice_ms: the GPU time each synchronize of the fill hands the waiting receive, if the share is
   w / (w + slice) for w the fill's work between synchronizes (k products' time alone);
+- runner: the fill runtime's own task (planner/runtime/fill_task.py UnitRunner: BERT-base inference, batch 8,
+  sequence 128, PipeFill's fill job) stepping its units, each ending with its synchronize: the median seconds of
+  each unit alone and beside "recv", against planner/fill/physics.py's shared_unit_s of the alone times;
 - main_end: the main job's bubble end: it spins 5 ms (its receive) then runs a 2048^3 product and synchronizes;
   the extra time of that cycle beside the fill loop over alone (how long the main job waits for the fill).
 """
@@ -25,9 +28,14 @@ import json
 import multiprocessing as mp
 import statistics
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 SIZES = {"bert_b8": (8 * 128, 768, 3072), "large": (8192, 8192, 8192)}  # (m, k, n) of one product
 
@@ -96,6 +104,42 @@ def main_end(seconds: float, start, out) -> None:
     out.put(("main_end", statistics.median(per)))
 
 
+def runner(seconds: float, start, out) -> None:
+    from planner.runtime.fill_executor import TaskSpec
+    from planner.runtime.fill_task import UnitRunner
+
+    r = UnitRunner(TaskSpec(job="bert", model_file=str(ROOT / "examples" / "bert.py"), model_sha256="",
+                            model_args={"preset": "base", "seq": 128}, kind="infer", batch_size=8, units=(),
+                            device="cuda:0", interface="iterative", iterations=None))
+    r.to_device()
+    n = len(r.linearized)
+    for _ in range(3 * n):
+        r.step()
+    start.wait()
+    times: dict[int, list[float]] = {}
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        k, t = r.pos % n, time.perf_counter()
+        r.step()
+        times.setdefault(k, []).append(time.perf_counter() - t)
+    out.put(("unit_s", [statistics.median(times.get(k, [float("nan")])) for k in range(n)]))
+
+
+def runner_rows(seconds: float, sharing: str) -> dict:
+    from planner.fill.physics import shared_unit_s
+
+    alone = _run([(runner, ())], seconds)["unit_s"]
+    beside = _run([(runner, ()), (recv, ())], seconds)["unit_s"]
+    predicted = [shared_unit_s(a, sharing) for a in alone]
+    res = {"units": len(alone), "alone_ms": [a * 1e3 for a in alone], "beside_recv_ms": [b * 1e3 for b in beside],
+           "iteration_alone_ms": sum(alone) * 1e3, "iteration_beside_recv_ms": sum(beside) * 1e3,
+           "iteration_predicted_ms": sum(predicted) * 1e3, "sharing": sharing,
+           "measured_over_predicted": sum(beside) / sum(predicted)}
+    print("runner", {k: v if isinstance(v, str) else round(v, 3) for k, v in res.items() if not isinstance(v, list)},
+          flush=True)
+    return res
+
+
 def _run(targets: list, seconds: float) -> dict:
     ctx = mp.get_context("spawn")
     start, out = ctx.Barrier(len(targets)), ctx.Queue()
@@ -135,10 +179,13 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--seconds", type=float, default=1.5)
     ap.add_argument("--mps", action="store_true", help="also measure under MPS (starts nvidia-cuda-mps-control)")
+    ap.add_argument("--runner-only", action="store_true", help="only the fill task's own units (no GEMM loops)")
     args = ap.parse_args()
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "seconds": args.seconds}
     cases = [("bert_b8", 1), ("bert_b8", 10), ("bert_b8", 100), ("large", 1), ("large", 10)]
-    result["time_sliced"] = measure(args.seconds, cases, ("recv", "idle"))
+    result["runner_time_sliced"] = runner_rows(args.seconds, "timeslice")
+    if not args.runner_only:
+        result["time_sliced"] = measure(args.seconds, cases, ("recv", "idle"))
     if args.mps:
         started = subprocess.run(["nvidia-cuda-mps-control", "-d"], capture_output=True, text=True)
         if started.returncode:
@@ -146,7 +193,9 @@ def main() -> None:
         else:
             try:
                 print("under MPS", flush=True)
-                result["mps"] = measure(args.seconds, cases[:2] + cases[3:4], ("recv",))
+                result["runner_mps"] = runner_rows(args.seconds, "mps")
+                if not args.runner_only:
+                    result["mps"] = measure(args.seconds, cases[:2] + cases[3:4], ("recv",))
             except Exception as exc:  # noqa: BLE001 - record what MPS did here
                 result["mps"] = f"failed under MPS: {exc!r}"
             finally:
