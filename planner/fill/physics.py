@@ -26,7 +26,9 @@ iterative interface) runs it:
   processes' contexts: each time the fill job synchronizes (every unit ends with one) the spinning receive takes
   a slice, and while both have work they alternate (`TIMESLICE_S`, measured; `shared_unit_s`). PipeFill's
   Executor is such a process (001 l.107); FreeRide runs its side tasks under MPS (000 l.187), where the fill job's
-  kernels share the SMs with the receive's and it runs at its own speed (measured: 0.92-1.03 of alone). A fill
+  kernels share the SMs with the receive's and it is priced at its own speed (measured: GEMM loops at 0.92-1.03
+  of alone; the runtime's own BERT-base units at 1.38x their MPS-alone time, about their time alone without
+  MPS: optimistic by up to that for units of many small kernels). A fill
   spec says which (`gpu_sharing`: timeslice, the default, mps, or none where the main job waits on the host, as
   the CPU runtime's gloo receive does).
 - **Process switch.** The fill job runs in its own process, created and initialized before the first bubble
@@ -76,8 +78,11 @@ bench/cuda_colocate.py`, bench/results/cuda_colocate_h100_2026-11-26.json): a GE
 products beside a process spinning one kernel (`torch.cuda._sleep`, as NCCL's receive spins) gives it 2.36, 2.34,
 2.23 ms per synchronize (k = 1, 10, 100 products of 8x128 tokens, 768 -> 3072) and 2.13 ms (k = 1, 8192^3); with
 16 ms of work between synchronizes the fill gets 0.52 of the GPU. Beside a process that launches nothing it runs
-at its own speed (0.97-1.04), and so it does under MPS beside the spinning kernel (0.92-1.03). The slice is the
-driver's scheduling policy (`nvidia-smi compute-policy`), taken here for every GPU: not measured on others."""
+at its own speed (0.97-1.04), and nearly so under MPS beside the spinning kernel (0.92-1.03). The runtime's own
+task (planner/runtime/fill_task.py, BERT-base inference at batch 8, 14 units an iteration) took 44.7 ms an
+iteration beside the receive against 41.2 ms from `shared_unit_s` of its 10.4 ms alone (`--runner-only`,
+bench/results/cuda_colocate_runner_h100_2026-11-26.json). The slice is the driver's scheduling policy
+(`nvidia-smi compute-policy`), taken here for every GPU: not measured on others."""
 
 
 def shared_unit_s(compute_s: float, sharing: GpuSharing) -> float:

@@ -151,6 +151,17 @@ def test_time_slicing_reproduces_the_measured_shares_of_a_fill_process_beside_a_
             assert shared_unit_s(1e-3, "mps") == 1e-3 and row["share_beside_recv"] == pytest.approx(1.0, abs=0.1)
 
 
+def test_the_fill_runtimes_own_task_beside_a_waiting_receive_takes_the_time_slicing_predicts():
+    """The runtime's task (UnitRunner, BERT-base inference, one synchronize a unit) on an H100: each unit's time
+    beside the spinning receive against shared_unit_s of its time alone (bench/cuda_colocate.py --runner-only)."""
+    runner = json.loads(COLOCATE.with_name("cuda_colocate_runner_h100_2026-11-26.json").read_text())
+    row = runner["runner_time_sliced"]
+    predicted = sum(shared_unit_s(a * MS, "timeslice") for a in row["alone_ms"]) / MS
+    assert row["iteration_beside_recv_ms"] == pytest.approx(predicted, rel=0.15)
+    blocks = [(a, b) for a, b in zip(row["alone_ms"], row["beside_recv_ms"]) if 0.5 < a < TIMESLICE_S / MS]
+    assert len(blocks) >= 10 and all(b == pytest.approx(a + TIMESLICE_S / MS, rel=0.1) for a, b in blocks)
+
+
 @given(st.floats(1e-6, 0.5))
 def test_a_time_sliced_unit_gives_the_receive_at_least_one_slice_and_at_most_half_the_gpu(compute):
     shared = shared_unit_s(compute, "timeslice")
