@@ -192,7 +192,8 @@ def pipefill() -> dict:
     ]
     where = "resident" if chosen.resident else "loaded per bubble"
     return {"setup": f"{plan.config.to_config()} on 16 x v100-16gb; fill {chosen.name} ({where}), "
-                     f"margin {plan.fill.safety_margin:.2f}",
+                     f"margin {plan.fill.safety_margin:.2f}, time-sliced (under MPS it would recover "
+                     f"{fp.under_mps_tflops_per_gpu:.1f} TFLOP/s/GPU)",
             "rows": rows,
             "main_overhead": overhead,
             "main_overhead_text": f"predicted {overhead:.4f} (the plan's iteration with the fill against without: no "

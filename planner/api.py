@@ -28,7 +28,7 @@ from .plan import (Alternative, ConfigModel, Launch, Plan, Predictions, RankMemo
                    Stage)
 from .fill.joint import JointChoice, choose_joint, choose_shrink_or_fill, greedy_proven_optimal
 from .fill.packing import cpsat_budget
-from .fill.profiles import profile_job
+from .fill.profiles import profile_job, shared_profile
 from .fill.section import fill_section
 from .fill.spec import FillSpec
 from .schedules import SCHEDULES
@@ -169,7 +169,8 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     if fill is not None:
         if progress:
             progress("fill")
-        jobs = {j.name: profile_job(j, hw, pins.precision, fill.gpu_sharing) for j in fill.jobs}
+        alone = {j.name: profile_job(j, hw, pins.precision) for j in fill.jobs}
+        jobs = {name: [shared_profile(p, fill.gpu_sharing) for p in profs] for name, profs in alone.items()}
         if fill_time_limit_s <= 0:
             raise UserError(f"--fill-time-limit must be positive, got {fill_time_limit_s}")
         with cpsat_budget(fill_time_limit_s, progress=(lambda n, s: progress(f"fill: CP-SAT solve {n} ({s:.1f} s of "
@@ -192,6 +193,10 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
                                           else greedy_proven_optimal(fill_solver))
         section.predictions.choice = joint.choice
         plan = plan.model_copy(update={"fill": section})
+        if fill.gpu_sharing == "timeslice":  # what MPS would buy on this plan: its units at their own speed
+            from .validate import repack_fill
+            mps = repack_fill(plan, fill.model_copy(update={"gpu_sharing": "mps"}), alone=alone)
+            plan.fill.predictions.under_mps_tflops_per_gpu = mps.fill.predictions.fill_tflops_per_gpu
         if fill.gpu_sharing == "mps":
             cmds, script = with_mps(plan.launch.commands, plan.launch.script)
             plan = plan.model_copy(update={"launch": plan.launch.model_copy(update={"commands": cmds, "script": script})})

@@ -210,7 +210,9 @@ def _print_fill(p: Plan) -> None:
     out.print(f"fill: {fp.fill_tflops_per_gpu:.2f} TFLOP/s/GPU recovered, {fp.bubble_time_used:.0%} of bubble time "
               f"used, total useful {fp.total_useful_tflops_per_gpu:.1f} TFLOP/s/GPU; main optimizer offload: "
               f"{'yes' if fp.offload_optimizer else 'no'}; packing: {fp.solver}", highlight=False)
-    out.print(f"fill shares the GPU by {_SHARING[f.gpu_sharing]}", highlight=False)
+    mps = (f"; under MPS it would recover {fp.under_mps_tflops_per_gpu:.2f} TFLOP/s/GPU"
+           if fp.under_mps_tflops_per_gpu is not None else "")
+    out.print(f"fill shares the GPU by {_SHARING[f.gpu_sharing]}{mps}", highlight=False)
     if fp.choice:
         out.print(f"shrink or fill: {fp.choice}", highlight=False)
     gpus = p.config.dp * p.config.cp * p.config.tp

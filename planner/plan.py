@@ -256,6 +256,8 @@ class FillPredictions(_Model):
     solver: str = Field("greedy", description="how the packing was solved: greedy (and, when CP-SAT was asked for, "
                         "that greedy is proven optimal where chunk boundaries cost nothing), or CP-SAT's solves, time "
                         "and gap to its proven bound")
+    under_mps_tflops_per_gpu: float | None = Field(None, description="a time-sliced plan's fill re-packed with its "
+                                                   "units at their own speed: what running it under MPS would recover")
     choice: str = Field("", description="which won, shrinking the bubbles (a zero-bubble schedule) or keeping and "
                         "filling them, and why, with both configurations' figures; or why they were not compared (a pinned schedule)")
 

@@ -211,11 +211,12 @@ def fill_spec_of(plan: Plan):
                     gpu_sharing=plan.fill.gpu_sharing)
 
 
-def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy") -> Plan:
+def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy", alone=None) -> Plan:
     """Pack the fill jobs again into the plan's bubbles (measured ones after `refit`), and update the fill
-    predictions. `spec` is the fill YAML's spec, or None for the plan's own jobs (`fill_spec_of`)."""
+    predictions. `spec` is the fill YAML's spec, or None for the plan's own jobs (`fill_spec_of`); `alone`, the
+    jobs' profiles priced alone if at hand (profile_job without sharing), saves tracing them again."""
     from .fill.assign import assign_fill, plan_cycles, plan_hold_free
-    from .fill.profiles import profile_job
+    from .fill.profiles import profile_job, shared_profile
     from .fill.section import fill_section
     from .plan import plan_hardware
 
@@ -223,7 +224,8 @@ def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy") -> Plan:
         return plan
     spec = spec or fill_spec_of(plan)
     hw = plan_hardware(plan)
-    jobs = {j.name: profile_job(j, hw, plan.config.precision, spec.gpu_sharing) for j in spec.jobs}
+    alone = alone or {j.name: profile_job(j, hw, plan.config.precision) for j in spec.jobs}
+    jobs = {name: [shared_profile(p, spec.gpu_sharing) for p in profs] for name, profs in alone.items()}
     fa = assign_fill(plan_cycles(plan), plan.predictions.iteration_s, jobs, hw, safety_margin=spec.safety_margin, solver=solver,
                      hold_free=plan_hold_free(plan), replicas=plan.config.dp * plan.config.cp * plan.config.tp,
                      policy=spec.policy)

@@ -19,7 +19,7 @@ from .physics import GpuSharing, shared_unit_s
 from .pipeswitch import Layer
 from .spec import FillJobSpec
 
-__all__ = ["FillProfile", "profile_job", "linearize"]
+__all__ = ["FillProfile", "profile_job", "shared_profile", "linearize"]
 
 CONFIGS = {"plain": "none", "checkpoint": "full", "offload": "none"}
 """Fill-job configuration -> the recomputation mode it trains with."""
@@ -119,15 +119,17 @@ def profile_job(job: FillJobSpec, hw: Hardware, precision: str,
         fwd = [unit_time(u, hw, job_config(b, "plain", precision)).fwd_s for u in prof.units]
         for config in configs:
             units, resident = linearize(prof, job.kind, config, b, hw, precision)
-            alone = sum(u.time_s for u in units)
-            if sharing is not None:
-                units = [replace(u, time_s=shared_unit_s(u.time_s, sharing)) for u in units]
             layers = tuple(Layer(name=u.name, param_bytes=int(u.params * PRECISIONS[precision].weight_bytes),
                                  exec_time_s=f) for u, f in zip(prof.units, fwd))
             out.append(FillProfile(job=job.name, kind=job.kind, batch_size=b, config=config, units=tuple(units),
                                    resident_bytes=resident, layers=layers, params=prof.total_params,
                                    sha256=prof.sha256, batches=job.iterations(b), arrival_s=job.arrival_s,
                                    deadline_s=job.deadline_s, priority=job.priority,
-                                   pair_with=job.pair_with,
-                                   alone_s=alone if sharing is not None else None))
-    return out
+                                   pair_with=job.pair_with))
+    return out if sharing is None else [shared_profile(p, sharing) for p in out]
+
+
+def shared_profile(prof: FillProfile, sharing: GpuSharing) -> FillProfile:
+    """A profile priced alone, its units' times as they run inside bubbles beside the main job (physics)."""
+    return replace(prof, units=tuple(replace(u, time_s=shared_unit_s(u.time_s, sharing)) for u in prof.units),
+                   alone_s=prof.dedicated_s)

@@ -133,6 +133,10 @@ def test_fill_shared_by_mps_starts_the_daemon_before_torchrun_and_is_kept_by_a_r
     a, b = sliced.fill.jobs[0], mps.fill.jobs[0]  # tiny-mlp has one batch size: the same units, slower time-sliced
     assert a.units == b.units and all(x > y for x, y in zip(a.unit_time_s, b.unit_time_s))
     assert fill_spec_of(mps).gpu_sharing == "mps"
+    fp = sliced.fill.predictions  # what MPS would buy on the time-sliced plan, reported beside it
+    assert fp.under_mps_tflops_per_gpu > fp.fill_tflops_per_gpu and mps.fill.predictions.under_mps_tflops_per_gpu is None
+    assert mps.config == sliced.config and mps.fill.predictions.offload_optimizer == fp.offload_optimizer  # pinned
+    assert fp.under_mps_tflops_per_gpu == pytest.approx(mps.fill.predictions.fill_tflops_per_gpu, rel=1e-6)
 
 
 def test_fill_jobs_are_priced_with_the_calibration():
