@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import os
+import socket
 import statistics
 import sys
 import time
@@ -157,6 +159,31 @@ class _Step:
     bubble: tuple[int, float] | None = None
     bubbles: list[dict[str, Any]] = field(default_factory=list)
     times: dict[int, list[float]] = field(default_factory=dict)
+
+
+def mps_running() -> bool:
+    """Whether an MPS control daemon serves this node: it listens on the socket `control` in
+    CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps), which its `quit` leaves behind (seen on an H200: the file
+    stays, so only a connection tells)."""
+    path = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")) / "control"
+    with socket.socket(socket.AF_UNIX) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+    return True
+
+
+def sharing_mismatch(planned: str, mps: bool) -> str | None:
+    """One sentence where the node does not share its GPUs the way the plan priced its fill, else None."""
+    if planned == "mps" and not mps:
+        return ("the plan priced its fill under MPS and no MPS control daemon serves this node: the fill runs "
+                "time-sliced beside the main job, slower than planned (start `nvidia-cuda-mps-control -d` first, "
+                "as the plan's launch commands do)")
+    if planned == "timeslice" and mps:
+        return ("an MPS control daemon serves this node and the plan priced its fill time-sliced: the fill may run "
+                "faster than planned (plan it with `gpu_sharing: mps`)")
+    return None
 
 
 class Executor:
@@ -558,6 +585,8 @@ class Executor:
             return NullFill()
         if started is None:
             return NullFill()
+        if self.cuda and (why := sharing_mismatch(self.plan.fill.gpu_sharing, mps_running())):
+            print(f"warning: rank {self.c.rank}: {why}", file=sys.stderr, flush=True)
         if hasattr(started, "wait_ready"):  # fill models load once, outside the timed steps
             started.wait_ready()
         return started

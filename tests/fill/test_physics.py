@@ -181,3 +181,26 @@ def test_time_sliced_fill_is_packed_at_its_shared_speed_and_saves_its_dedicated_
     assert [u.time_s for u in mps.units] == [u.time_s for u in alone.units]
     assert sliced.dedicated_s == pytest.approx(alone.iteration_s) and alone.dedicated_s == alone.iteration_s
     assert sliced.flops_per_iteration == alone.flops_per_iteration
+
+
+def test_a_node_that_shares_its_gpus_otherwise_than_planned_is_told(monkeypatch):
+    """The runtime asks MPS's control socket (where nvidia-cuda-mps-control listens) whether the daemon serves the
+    node, and says in one sentence when the node does not share the GPU the way the fill was priced."""
+    import socket
+    import tempfile
+
+    from planner.runtime.executor import mps_running, sharing_mismatch
+
+    with tempfile.TemporaryDirectory(prefix="mps", dir="/tmp") as tmp:  # short: unix socket paths take ~100 chars
+        pipes = Path(tmp)
+        monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", tmp)
+        assert not mps_running()
+        with socket.socket(socket.AF_UNIX) as daemon:
+            daemon.bind(str(pipes / "control"))
+            daemon.listen()
+            assert mps_running()
+        assert (pipes / "control").exists() and not mps_running()  # what a quit daemon leaves
+    assert "nvidia-cuda-mps-control -d" in sharing_mismatch("mps", False)
+    assert "gpu_sharing: mps" in sharing_mismatch("timeslice", True)
+    assert all(sharing_mismatch(p, m) is None for p, m in (("mps", True), ("timeslice", False), ("none", True),
+                                                           ("none", False)))
