@@ -152,17 +152,17 @@ def _run(targets: list, seconds: float) -> dict:
     return got
 
 
-def measure(seconds: float, cases: list[tuple[str, int]], beside: tuple[str, ...]) -> dict:
+def measure(seconds: float, cases: list[tuple[str, int]], beside: tuple) -> dict:
     res = {}
     for size, k in cases:
         m, kk, n = SIZES[size]
         row = {"alone_tflops": _run([(fill, (size, k))], seconds)["fill"]}
         work_ms = k * 2.0 * m * kk * n / (row["alone_tflops"] * 1e12) * 1e3
         for other in beside:
-            got = _run([(fill, (size, k)), (globals()[other], ())], seconds)["fill"]
-            share = got / row["alone_tflops"]
-            row[f"beside_{other}_tflops"], row[f"share_beside_{other}"] = got, share
-            row[f"slice_ms_beside_{other}"] = work_ms * (1 / share - 1)
+            got = _run([(fill, (size, k)), (other, ())], seconds)["fill"]
+            share, name = got / row["alone_tflops"], other.__name__
+            row[f"beside_{name}_tflops"], row[f"share_beside_{name}"] = got, share
+            row[f"slice_ms_beside_{name}"] = work_ms * (1 / share - 1)
         res[f"{size}_k{k}"] = row
         print(size, k, {key: round(v, 3) for key, v in row.items()}, flush=True)
     alone = _run([(main_end, ())], seconds)["main_end"]
@@ -185,7 +185,7 @@ def main() -> None:
     cases = [("bert_b8", 1), ("bert_b8", 10), ("bert_b8", 100), ("large", 1), ("large", 10)]
     result["runner_time_sliced"] = runner_rows(args.seconds, "timeslice")
     if not args.runner_only:
-        result["time_sliced"] = measure(args.seconds, cases, ("recv", "idle"))
+        result["time_sliced"] = measure(args.seconds, cases, (recv, idle))
     if args.mps:
         started = subprocess.run(["nvidia-cuda-mps-control", "-d"], capture_output=True, text=True)
         if started.returncode:
@@ -195,7 +195,7 @@ def main() -> None:
                 print("under MPS", flush=True)
                 result["runner_mps"] = runner_rows(args.seconds, "mps")
                 if not args.runner_only:
-                    result["mps"] = measure(args.seconds, cases[:2] + cases[3:4], ("recv",))
+                    result["mps"] = measure(args.seconds, cases[:2] + cases[3:4], (recv,))
             except Exception as exc:  # noqa: BLE001 - record what MPS did here
                 result["mps"] = f"failed under MPS: {exc!r}"
             finally:

@@ -22,7 +22,7 @@ from targets.registry import get_target
 from . import __version__
 from .config import ParallelConfig
 from .evaluate import Evaluation, Evaluator
-from .launch import launch_script, torchrun_commands, with_mps
+from .launch import launch_script, torchrun_commands
 from .layout import layout_bounds, layout_stages
 from .plan import (Alternative, ConfigModel, Launch, Plan, Predictions, RankMemory, SearchInfo, Source,
                    Stage)
@@ -184,7 +184,8 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     seconds = time.perf_counter() - start
     _check_physics(ev, best)
     runners = [e for e in (result.best, *result.runners_up) if e.config != best.config]
-    plan = _to_plan(profile, ev, best, sim, runners, result, seconds, pins, plan_path, leaves)
+    plan = _to_plan(profile, ev, best, sim, runners, result, seconds, pins, plan_path, leaves,
+                    mps=fill is not None and fill.gpu_sharing == "mps")
     if joint is not None:
         section = fill_section(joint.fill, fill, offload=joint.offload, main_useful_per_gpu=joint.main_useful_per_gpu,
                                offload_bytes=joint.offloaded)
@@ -197,9 +198,6 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
             from .validate import repack_fill
             mps = repack_fill(plan, fill.model_copy(update={"gpu_sharing": "mps"}), alone=alone)
             plan.fill.predictions.under_mps_tflops_per_gpu = mps.fill.predictions.fill_tflops_per_gpu
-        if fill.gpu_sharing == "mps":
-            cmds, script = with_mps(plan.launch.commands, plan.launch.script)
-            plan = plan.model_copy(update={"launch": plan.launch.model_copy(update={"commands": cmds, "script": script})})
     if pins.engine != "fxplanner":
         return plan.model_copy(update={"launch": engine_launch(plan, plan_path)}), result
     if any(u.experts for u in profile.units):
@@ -290,7 +288,7 @@ def _check_physics(ev: Evaluator, best: Evaluation) -> None:
 
 def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimResult,
              runners: list[Evaluation], r: SearchResult, seconds: float, pins: Pins, plan_path: str,
-             leaves: tuple[str, ...]) -> Plan:
+             leaves: tuple[str, ...], mps: bool = False) -> Plan:
     c = best.config
     stages = []
     rank_of = c.placement.rank_of
@@ -307,7 +305,7 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
                       reserve=m.reserve, total=m.total, capacity=ev.capacity) for i, m in enumerate(best.rank_memory)]
     tokens = profile.tokens_per_sample
     hw = ev.hw
-    nnodes, nproc, cmds = torchrun_commands(plan_path, ev.n_gpus, hw.cluster.host_gpus)
+    nnodes, nproc, cmds = torchrun_commands(plan_path, ev.n_gpus, hw.cluster.host_gpus, mps=mps)
     gpu = asdict(hw.gpu) | {"peak_flops": dict(hw.gpu.peak_flops)}
     return Plan(
         source=Source(model_file=profile.path, model_sha256=profile.sha256, model_args=profile.kwargs,
@@ -335,6 +333,6 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
                                 optimizer_s=list(best.optimizer_s), memory=mem,
                                 action_overhead_s=hw.eff.action_overhead_s),
         launch=Launch(nnodes=nnodes, nproc_per_node=nproc, commands=cmds,
-                      script=launch_script(plan_path, ev.n_gpus, hw.cluster.host_gpus)),
+                      script=launch_script(plan_path, ev.n_gpus, hw.cluster.host_gpus, mps=mps)),
         search=SearchInfo(evaluated=r.evaluated, rejected=r.rejected, seconds=seconds, pinned=pins.pinned()),
     )

@@ -16,6 +16,7 @@ from targets.builtin import DEFAULT_TARGET
 
 from .cli import GiB, TARGET_HELP, _ms, _si, app, err, out, print_json, user_errors
 from .fill.assign import PACKERS
+from .fill.physics import TIMESLICE_S
 from .plan import Plan, load_plan, save_plan
 from .schedules import SCHEDULES
 
@@ -197,8 +198,9 @@ def _span(seconds: float) -> str:
 
 
 _SHARING = {
-    "timeslice": "time slices beside the main job's waiting receive (each fill unit gives it one, ~2.2 ms: "
-                 "planner/fill/physics.py); `gpu_sharing: mps` in the fill file runs the units at their own speed",
+    "timeslice": "time slices beside the main job's waiting receive (each fill unit gives it one, "
+                 f"~{TIMESLICE_S * 1e3:.1f} ms: planner/fill/physics.py); `gpu_sharing: mps` in the fill file runs "
+                 "the units at their own speed",
     "mps": "MPS (the launch commands start nvidia-cuda-mps-control on each node)",
     "none": "nothing: the main job waits on the host",
 }
