@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from planner.fill.assign import plan_hold_free
-from planner.fill.packing import BubbleSlot, FillUnit
-from planner.fill.physics import FILL_CONTEXT_BYTES, STEP_ALLOWANCE_S
+from planner.fill.packing import FillUnit
+from planner.fill.physics import FILL_CONTEXT_BYTES
 from planner.fill.profiles import FillProfile
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,17 +54,34 @@ def _profile(step_s: float, act_bytes: int, resident_bytes: int) -> FillProfile:
                        resident_bytes=resident_bytes, layers=(), params=1, sha256="")
 
 
-def test_step_packing_runs_whole_steps_that_fit_time_and_memory():
+def test_freeride_steps_follow_its_artifacts_loop():
+    """A 24 ms step is checked as 36 ms (rounded up to 30 ms, x1.2) and takes 29 ms with the loop's sleep; the task
+    starts 7.5 ms into the bubble."""
+    assert bench.freeride_steps_in(0.0434, 0.024) == 0  # under 36 ms left after the start
+    assert bench.freeride_steps_in(0.0436, 0.024) == 1
+    assert bench.freeride_steps_in(0.0436 + 0.029, 0.024) == 2
+    assert bench.freeride_steps_in(0.0434 + 0.029, 0.024) == 1
+    assert bench.freeride_steps_in(0.0075 + 0.0359, 0.030) == 0  # a step of exactly 30 ms is checked as 36 ms
+    assert bench.freeride_steps_in(0.0075 + 0.0361, 0.030) == 1
+    assert bench.freeride_steps_in(1.0, 0.030) == int((1.0 - 0.0075 - 0.036) // 0.035) + 1
+
+
+def test_step_packing_runs_whole_steps_where_the_task_fits():
     prof = _profile(0.2, 1 * GiB, 1 * GiB)
     need = prof.resident_bytes + FILL_CONTEXT_BYTES + 1 * GiB
-    cycles = [[BubbleSlot(id=0, duration_s=1.0, free_bytes=0), BubbleSlot(id=1, duration_s=0.19, free_bytes=0)],
-              [BubbleSlot(id=0, duration_s=1.0, free_bytes=0)],
-              [BubbleSlot(id=0, duration_s=0.2 + STEP_ALLOWANCE_S + 1e-3, free_bytes=0)],
-              []]
-    steps = bench.step_packing(prof, cycles, [need, need - 1, need, need], launch_s=4e-6)
-    # 1 s holds four 0.2 s steps (five would need the allowance too), 0.19 s none; rank 1 lacks one byte of memory;
-    # rank 2's bubble holds exactly one step; rank 3 has no bubble
+    steps = bench.step_packing(prof, [[1.0, 0.19], [1.0], [0.2 + 0.0075 + 0.24 + 1e-3], []],
+                               [need, need - 1, need, need])
+    # 1 s: the start at 7.5 ms, checks of 240 ms, steps of 205 ms -> 4; 0.19 s none; rank 1 lacks one byte;
+    # rank 2's bubble holds one step and the check of a second; rank 3 has no bubble
     assert steps == [4.0, 0.0, 1.0, 0.0]
+
+
+def test_freeride_reports_every_bubble_but_the_last_stages_drain(freeride_resnet18):
+    main, _, _ = freeride_resnet18
+    reported = bench.freeride_reported(main)
+    for r in range(main.config.pp):
+        mine = [b.duration_s for b in sorted((b for b in main.bubbles if b.rank == r), key=lambda b: b.start_s)]
+        assert reported[r] == (mine[:-1] if r == main.config.pp - 1 else mine)
 
 
 @pytest.fixture(scope="module")
