@@ -343,6 +343,9 @@ def cost_savings(samples_per_iteration: float, iteration_s: float, dedicated_sam
     return price_ratio * samples_per_iteration / (dedicated_samples_per_s * iteration_s) - increase
 
 
+FR_STATED_OOM_STAGES = {"vgg19": (0, 1)}
+"""Stages whose bubbles FreeRide says a side task did not fit into (l.314: VGG19's memory exceeds the bubbles of
+stages 0 and 1), set beside our own memory model's placement."""
 FR_DURATION_ROUND_S = 0.01
 FR_DURATION_FACTOR = 1.2
 """A side task's step duration as FreeRide's runtime checks it: its profiled median step time rounded up to 10 ms,
@@ -419,11 +422,13 @@ def freeride_task(arch: str, main: Plan, price_ratio: float) -> dict[str, Any]:
                     / ada.flops_per_iteration * FR_BATCH)
     steps = step_packing(ada, freeride_reported(main), plan_hold_free(main))
     step_samples = sum(steps) * FR_BATCH
+    stated = sum(s for r, s in enumerate(steps) if r not in FR_STATED_OOM_STAGES.get(arch, ())) * FR_BATCH
     dedicated_mem = ded.resident_bytes + FILL_CONTEXT_BYTES + max(u.mem_bytes for u in ded.units)
     return {
         "side_task": arch, "time_increase": increase,
         "cost_savings_plan": cost_savings(plan_samples, t_no, th_ii, increase, price_ratio),
         "cost_savings_steps": cost_savings(step_samples, t_no, th_ii, increase, price_ratio),
+        "cost_savings_steps_stated": cost_savings(stated, t_no, th_ii, increase, price_ratio),
         "samples_per_s_plan": plan_samples / t_no, "samples_per_s_steps": step_samples / t_no,
         "workers_plan": sorted({c.rank for c in plan.fill.chunks}),
         "workers_steps": [r for r, s in enumerate(steps) if s > 0],
@@ -449,6 +454,8 @@ def freeride() -> dict:
         i_paper, s_paper = per_task[t["side_task"]]
         rows += [_row(f"I {t['side_task']}", t["time_increase"], i_paper),
                  _row(f"S {t['side_task']} (FreeRide's steps)", t["cost_savings_steps"], s_paper),
+                 *([_row(f"S {t['side_task']} (its steps where l.314 says it fit)", t["cost_savings_steps_stated"],
+                         s_paper)] if t["side_task"] in FR_STATED_OOM_STAGES else []),
                  _row(f"S {t['side_task']} (fxplanner's packing)", t["cost_savings_plan"], s_paper)]
     avg = lambda key: sum(t[key] for t in tasks) / len(tasks)  # noqa: E731
     paper_avg = lambda k: sum(per_task[t][k] for t in FR_TASKS) / len(FR_TASKS)  # noqa: E731
