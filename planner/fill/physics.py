@@ -24,7 +24,10 @@ iterative interface) runs it:
 - **Sharing the GPU with the waiting main job.** In a bubble the main job waits in a receive, and NCCL's receive
   is a kernel spinning on the GPU until the data arrives. Without MPS the GPU time-slices between the two
   processes' contexts: each time the fill job synchronizes (every unit ends with one) the spinning receive takes
-  a slice, and while both have work they alternate (`TIMESLICE_S`, measured; `shared_unit_s`). PipeFill's
+  a slice, and while both have work they alternate (`TIMESLICE_S`, measured; `shared_unit_s`). So the runtime
+  runs units shorter than half a slice back to back in batches of up to `BATCH_WORK_S` of their own work, ending
+  each batch with one synchronize, as PipeFill's Executor synchronizes per graph partition (001 l.107), not per
+  layer: such a unit takes twice its compute and its share of the batch's slice (`runtime_unit_s`). PipeFill's
   Executor is such a process (001 l.107); FreeRide runs its side tasks under MPS (000 l.187), where the fill job's
   kernels share the SMs with the receive's and it is priced at its own speed (measured: GEMM loops at 0.92-1.03
   of alone; the runtime's own BERT-base units at 1.38x their MPS-alone time, about their time alone without
@@ -51,7 +54,7 @@ from typing import Literal, Sequence
 
 __all__ = ["SAFE_FILL_FRACTION", "DEFAULT_SAFETY_MARGIN", "STEP_SAFETY", "STEP_ALLOWANCE_S", "STEP_IPC_S",
            "FILL_CONTEXT_BYTES", "TIMESLICE_S", "GpuSharing", "chunk_overhead_s", "unit_overhead_s",
-           "shortest_bubble_s", "shared_unit_s"]
+           "shortest_bubble_s", "shared_unit_s", "BATCH_WORK_S", "batched", "runtime_unit_s"]
 
 GpuSharing = Literal["timeslice", "mps", "none"]
 """timeslice: the fill's process beside the main job's, whose receive spins on the GPU (NCCL); mps: the same under
@@ -93,6 +96,28 @@ def shared_unit_s(compute_s: float, sharing: GpuSharing) -> float:
     if sharing != "timeslice" or compute_s <= 0:
         return compute_s
     return compute_s + TIMESLICE_S * math.ceil(compute_s / TIMESLICE_S)
+
+
+BATCH_WORK_S = 4 * TIMESLICE_S
+"""The most of a job's own GPU work a batch of short units holds before its synchronize. Longer batches hand the
+receive fewer slices (one per batch: TIMESLICE_S / BATCH_WORK_S, a quarter of the work here); shorter ones bound
+what a bubble that ends earlier than measured leaves running beside the main job's next kernels (about twice this,
+time-sliced)."""
+
+
+def batched(compute_s: float, sharing: GpuSharing) -> bool:
+    """Whether the runtime runs a unit of this compute in batches: time-sliced and shorter than half a slice, where
+    a synchronize of its own would cost it a slice longer than twice its compute."""
+    return sharing == "timeslice" and 0 < compute_s <= TIMESLICE_S / 2
+
+
+def runtime_unit_s(compute_s: float, sharing: GpuSharing) -> float:
+    """A unit's seconds inside a bubble as the runtime runs it: batched (see `batched`), its compute twice over (the
+    GPU alternates between the batch and the spinning receive by slices) plus its share of the batch's synchronize
+    slice, the batch taken full; else as it runs alone between its own synchronizes (`shared_unit_s`)."""
+    if batched(compute_s, sharing):
+        return 2 * compute_s + TIMESLICE_S * compute_s / BATCH_WORK_S
+    return shared_unit_s(compute_s, sharing)
 
 
 def unit_overhead_s(launch_s: float) -> float:

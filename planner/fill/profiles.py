@@ -15,7 +15,7 @@ from passes.pipeline import ModelProfile, analyze
 from planner.config import ParallelConfig
 
 from .packing import FillUnit
-from .physics import GpuSharing, shared_unit_s
+from .physics import GpuSharing, runtime_unit_s
 from .pipeswitch import Layer
 from .spec import FillJobSpec
 
@@ -46,7 +46,7 @@ class FillProfile:
     """Another training job to run beside, paired (FillJobSpec.pair_with)."""
     alone_s: float | None = None
     """One iteration's seconds on a GPU of its own, where the units' times are inside bubbles beside the main job
-    (planner/fill/physics.py: shared_unit_s); None where they are the same."""
+    (planner/fill/physics.py: runtime_unit_s); None where they are the same."""
 
     @property
     def iteration_s(self) -> float:
@@ -111,7 +111,7 @@ def profile_job(job: FillJobSpec, hw: Hardware, precision: str,
                 sharing: GpuSharing | None = None) -> list[FillProfile]:
     """The job traced in the main job's precision and priced on the main job's hardware (its calibration
     included), under every batch size x configuration; with `sharing`, each unit's time is the time it takes
-    inside a bubble beside the main job (planner/fill/physics.py: shared_unit_s)."""
+    inside a bubble beside the main job (planner/fill/physics.py: runtime_unit_s)."""
     prof, _ = analyze(job.model, job.model_args, leaves=tuple(job.leaves), dtype=precision)
     configs = tuple(CONFIGS) if job.kind == "train" else ("plain",)
     out = []
@@ -131,5 +131,5 @@ def profile_job(job: FillJobSpec, hw: Hardware, precision: str,
 
 def shared_profile(prof: FillProfile, sharing: GpuSharing) -> FillProfile:
     """A profile priced alone, its units' times as they run inside bubbles beside the main job (physics)."""
-    return replace(prof, units=tuple(replace(u, time_s=shared_unit_s(u.time_s, sharing)) for u in prof.units),
+    return replace(prof, units=tuple(replace(u, time_s=runtime_unit_s(u.time_s, sharing)) for u in prof.units),
                    alone_s=prof.dedicated_s)

@@ -31,10 +31,12 @@ Protocols (all over one-way pipes; writes below PIPE_BUF are atomic, so a stoppe
 never leaves half a message):
   client -> executor: BubbleBegin, BubbleEnd, Request("report" | "close")
   executor -> client: ("ready", {job: state}), ("report", dict), ("closed", None), ("crashed", text)
-  executor -> task:   ("init", free_bytes), ("step", pos, release, free_bytes), ("run", free_bytes), ("stop",),
+  executor -> task:   ("init", free_bytes), ("step", pos, release, free_bytes), ("steps", pos, n, free_bytes): n
+                      units back to back, one synchronize, ("run", free_bytes), ("stop",),
                       ("unload",): a streamed job's weights leave the device (the bubble ended)
   task -> executor:   ("created", info), ("inited", [unit seconds] | None), ("failed", text),
-                      ("step" | "unit", pos, start, end, start_mono, end_mono, iteration_done, info), ("done",),
+                      ("step" | "unit", pos, start, end, start_mono, end_mono, iteration_done, info), ("steps",
+                      [such "step" tuples, one per unit run]), ("done",),
                       ("wait", pos): the unit (a data-parallel optimizer step) waits on the replicas' gradients
 
 Work and turns (planner/fill/assign.py). A rank's jobs run one at a time: the current one keeps the bubbles until
@@ -62,7 +64,7 @@ from dataclasses import dataclass, field
 from multiprocessing import connection
 from typing import Any, Literal
 
-from planner.fill.physics import STEP_ALLOWANCE_S, STEP_SAFETY
+from planner.fill.physics import BATCH_WORK_S, STEP_ALLOWANCE_S, STEP_SAFETY, TIMESLICE_S
 from planner.fill.scheduler import JobInfo, next_on_rank, resolve_policy
 from planner.fill.waterwave import PairLedger
 from planner.plan import FillJob, Plan
@@ -79,6 +81,8 @@ LOADS_KEPT = 200
 """Weight loads of a streamed job kept for the report (the count goes on)."""
 WAIT_POLL_S = 2e-3
 """How soon a task whose optimizer step waits on its data-parallel replicas' gradients is asked again."""
+MAX_BATCH_UNITS = 64
+"""The most units one batch request carries (its reply lists each)."""
 
 
 class State(str, enum.Enum):
@@ -155,11 +159,17 @@ class ExecutorOptions:
     cpu_threads: int = 1
     """torch threads of a task process on CPU, so fill work does not crowd the main job's cores."""
     seed: int = 0
+    batch_work_s: float | None = None
+    """Run a resident, unpaired iterative job's units shorter than half a time slice in batches of up to this much
+    of their profiled work, one synchronize per batch (planner/fill/physics.py: BATCH_WORK_S, runtime_unit_s); 0:
+    one unit per request. None: the plan decides (batches on CUDA where its fill is time-sliced)."""
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in self.interface.items() if v not in ("iterative", "imperative")}
         if bad or self.default_interface not in ("iterative", "imperative"):
             raise ValueError(f"interfaces must be 'iterative' or 'imperative', got {bad or self.default_interface}")
+        if self.batch_work_s is not None and self.batch_work_s < 0:
+            raise ValueError(f"batch_work_s={self.batch_work_s} must be >= 0")
         if self.profile_reps < 1 or self.step_safety < 1 or self.cpu_threads < 1:
             raise ValueError(f"profile_reps={self.profile_reps} and cpu_threads={self.cpu_threads} must be >= 1, "
                              f"step_safety={self.step_safety} must be >= 1")
@@ -428,6 +438,9 @@ class Executor:
         self.rank, self.global_rank, self.device = pipeline_rank, global_rank, device
         self.grace_s, self.options, self.cmd, self.out = grace_s, options, cmd, out
         self.margin = plan.fill.safety_margin
+        sliced = device.startswith("cuda") and plan.fill.gpu_sharing == "timeslice"
+        self.batch_work_s = options.batch_work_s if options.batch_work_s is not None else \
+            BATCH_WORK_S if sliced else 0.0
         self.pp = plan.config.pp
         self.replicas = plan.config.dp * plan.config.cp * plan.config.tp  # this stage's GPUs (pp is outermost)
         self.replica = global_rank % self.replicas
@@ -678,9 +691,32 @@ class Executor:
         if t.sm.state is State.RUNNING and t.iterative and now + t.estimate(t.pos, self.options) <= cur.usable_mono:
             pair = self.pairs.get(t.name)
             release = pair is not None and pair.ledger.frees(pair.jobs.index(t.name), t.pos % len(t.linearized))
-            if t.send(("step", t.pos, release, cur.free_bytes)):
-                t.busy = {"what": "step", "pos": t.pos, "sent": now, "occ": cur}
-                t.sm.apply(Transition.RUN_NEXT_STEP, reason=t.unit_name(t.pos))
+            n = 1 if pair is not None else self._batch(t, cur, now)
+            msg = ("steps", t.pos, n, cur.free_bytes) if n > 1 else ("step", t.pos, release, cur.free_bytes)
+            if t.send(msg):
+                t.busy = {"what": "step", "pos": t.pos, "n": n, "sent": now, "occ": cur}
+                last = f" .. {t.unit_name(t.pos + n - 1)} ({n} units, one synchronize)" if n > 1 else ""
+                t.sm.apply(Transition.RUN_NEXT_STEP, reason=t.unit_name(t.pos) + last)
+
+    def _batch(self, t: TaskHandle, cur: Occurrence, now: float) -> int:
+        """How many units from t.pos to send at once: the run of units each shorter than half a time slice (by the
+        task's profile), within the batch's work and the bubble's usable time (their estimates, charged the
+        allowance once), at most one iteration's and MAX_BATCH_UNITS; 1 where batches are off or the job streams
+        its weights (loaded per unit group)."""
+        if self.batch_work_s <= 0 or not t.profile or not t.spec.resident:
+            return 1
+        work = est = 0.0
+        n, units = 0, min(len(t.linearized), MAX_BATCH_UNITS)
+        while n < units:
+            k = (t.pos + n) % len(t.linearized)
+            alone = t.profile[k]
+            if alone > TIMESLICE_S / 2 or work + alone > self.batch_work_s:
+                break
+            base = max(alone, t.observed.get(k, 0.0))
+            if now + (est + base) * self.options.step_safety + self.options.step_overhead_s > cur.usable_mono:
+                break
+            work, est, n = work + alone, est + base, n + 1
+        return max(n, 1)
 
     def _partner(self, t: TaskHandle | None) -> TaskHandle | None:
         """The live partner of a paired job (once it has arrived), else None."""
@@ -785,6 +821,12 @@ class Executor:
             self._inited(t, msg[1])
         elif kind in ("step", "unit"):
             self._progress(t, *msg[1:])
+        elif kind == "steps":  # a batch: each unit observed at its own time, all in the bubble it was sent in
+            occ = t.busy["occ"] if t.busy else self.cur
+            for rec in msg[1]:
+                if not t.live:
+                    break
+                self._progress(t, *rec[1:], occ=occ, took_s=rec[5] - rec[4])
         elif kind == "wait":  # the optimizer step waits on the other replicas' gradients: nothing ran
             t.busy, t.retry_at = None, time.monotonic() + WAIT_POLL_S
             if t.kill_at is not None:
@@ -814,10 +856,14 @@ class Executor:
         self._maybe_ready()
 
     def _progress(self, t: TaskHandle, pos: int, start: float, end: float, start_mono: float, end_mono: float,
-                  iteration_done: bool, info: dict[str, Any] | None = None) -> None:
-        occ = t.busy["occ"] if t.busy else self.cur
-        if t.busy is not None:
-            k, dt = pos % len(t.linearized), time.monotonic() - t.busy["sent"]
+                  iteration_done: bool, info: dict[str, Any] | None = None, *, occ: Occurrence | None = None,
+                  took_s: float | None = None) -> None:
+        """A unit done. Its observed time is the request's round trip, or `took_s` (a batch's unit, timed in the
+        task) where given; `occ`: the bubble it ran in, where the request is no longer t.busy."""
+        occ = occ or (t.busy["occ"] if t.busy else self.cur)
+        if t.busy is not None or took_s is not None:
+            k = pos % len(t.linearized)
+            dt = took_s if took_s is not None else time.monotonic() - t.busy["sent"]
             t.observed[k] = dt if k not in t.observed else 0.7 * t.observed[k] + 0.3 * dt
         t.busy, t.retry_at = None, None
         rec = {"job": t.name, "unit": t.unit_name(pos), "pos": pos, "iteration": pos // len(t.linearized),

@@ -195,8 +195,9 @@ class UnitRunner:
         kept = min(k, n) if k <= n else max(0, 2 * n - k)
         return sum(self.saved_bytes.get(self.linearized[i], 0) for i in range(kept))
 
-    def step(self) -> bool:
-        """Run the next linearized unit; True when it completed an iteration."""
+    def step(self, sync: bool = True) -> bool:
+        """Run the next linearized unit; True when it completed an iteration. `sync` False (a batch's units on
+        CUDA): the unit is only queued on the device, the batch synchronizes once at its end."""
         n, k = len(self.calls), self.pos % len(self.linearized)
         if k < n:
             self._forward(k)
@@ -212,7 +213,7 @@ class UnitRunner:
             else:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
+        if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's time is its GPU time, and ends inside the bubble
         self.pos += 1
         done = self.pos % len(self.linearized) == 0
@@ -562,8 +563,46 @@ def _timed_step(runner: UnitRunner, kind: str, release: bool = False) -> tuple:
     return (kind, pos, start, end, start_mono, end_mono, done, {**info, **runner.progress()} if done else info or None)
 
 
+def _timed_steps(runner: UnitRunner, n: int) -> tuple:
+    """Run up to n units back to back and synchronize once, at the end: on a time-sliced GPU the batch keeps the
+    device busy, so the main job's spinning receive gets a slice per batch, not per unit. Each unit's time on CUDA
+    from events recorded between the units (the batch's GPU timeline); stops early at a unit that must wait (a
+    data-parallel optimizer step whose gradients have not arrived)."""
+    cuda = runner.device.type == "cuda"
+    wall0, mono0 = time.time(), time.monotonic()
+    first = None
+    if cuda:
+        first = torch.cuda.Event(enable_timing=True)
+        first.record()
+    done_at: list[Any] = []
+    units: list[tuple[int, bool, dict[str, Any] | None]] = []
+    while len(units) < n and runner.ready():
+        pos = runner.pos
+        done = runner.step(sync=not cuda)
+        if cuda:
+            done_at.append(torch.cuda.Event(enable_timing=True))
+            done_at[-1].record()
+        else:
+            done_at.append(time.monotonic())
+        info = {"live_bytes": runner.live_bytes()} if runner.train else {}
+        if runner.train and cuda:
+            info["allocated_bytes"] = torch.cuda.memory_allocated(runner.device)
+        units.append((pos, done, {**info, **runner.progress()} if done else info or None))
+    if not units:
+        return ("wait", runner.pos)
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+        ends = [first.elapsed_time(e) / 1e3 for e in done_at]
+    else:
+        ends = [m - mono0 for m in done_at]
+    starts = [0.0, *ends[:-1]]
+    return ("steps", [("step", pos, wall0 + a, wall0 + b, mono0 + a, mono0 + b, done, info)
+                      for (pos, done, info), a, b in zip(units, starts, ends)])
+
+
 def _iterative(runner: UnitRunner, rx: Any, tx: Any) -> None:
-    """Iterative interface: one RunNextStep per ("step", pos, release, free_bytes) request."""
+    """Iterative interface: one RunNextStep per ("step", pos, release, free_bytes) request, or a batch of n per
+    ("steps", pos, n, free_bytes)."""
     free = None
     while True:
         msg = rx.recv()
@@ -583,6 +622,10 @@ def _iterative(runner: UnitRunner, rx: Any, tx: Any) -> None:
             if msg[1] != runner.pos:
                 raise RuntimeError(f"asked for unit {msg[1]} of the stream, next is {runner.pos}")
             tx.send(_timed_step(runner, "step", msg[2]) if runner.ready() else ("wait", runner.pos))
+        elif msg[0] == "steps":
+            if msg[1] != runner.pos:
+                raise RuntimeError(f"asked for unit {msg[1]} of the stream, next is {runner.pos}")
+            tx.send(_timed_steps(runner, msg[2]))
 
 
 def _imperative(runner: UnitRunner, rx: Any, tx: Any) -> None:

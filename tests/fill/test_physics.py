@@ -13,12 +13,15 @@ from costmodels.hardware import Hardware
 from planner.fill.assign import best_fill, held_bytes
 from planner.fill.packing import BubbleSlot, FillUnit, greedy_pack, validate_packing
 from planner.fill.physics import (
+    BATCH_WORK_S,
     DEFAULT_SAFETY_MARGIN,
     FILL_CONTEXT_BYTES,
     STEP_ALLOWANCE_S,
     STEP_SAFETY,
     TIMESLICE_S,
+    batched,
     chunk_overhead_s,
+    runtime_unit_s,
     shared_unit_s,
     shortest_bubble_s,
     unit_overhead_s,
@@ -170,6 +173,21 @@ def test_a_time_sliced_unit_gives_the_receive_at_least_one_slice_and_at_most_hal
     assert shared_unit_s(compute, "mps") == compute
 
 
+@given(st.floats(1e-7, 0.5))
+def test_the_runtime_batches_a_unit_where_that_beats_its_own_synchronize(compute):
+    """Batched (shorter than half a slice): twice its compute plus its share of a full batch's slice, which is less
+    than the slice a synchronize of its own would give the receive; longer units keep their own synchronize."""
+    t = runtime_unit_s(compute, "timeslice")
+    if batched(compute, "timeslice"):
+        assert t == pytest.approx(2 * compute * (1 + TIMESLICE_S / (2 * BATCH_WORK_S)))
+        assert t < shared_unit_s(compute, "timeslice")
+    else:
+        assert compute > TIMESLICE_S / 2 and t == shared_unit_s(compute, "timeslice")
+    assert 2 * compute <= t <= 2 * compute + TIMESLICE_S + 1e-12
+    assert runtime_unit_s(compute, "mps") == runtime_unit_s(compute, "none") == compute
+    assert not batched(compute, "mps") and not batched(compute, "none")
+
+
 def test_time_sliced_fill_is_packed_at_its_shared_speed_and_saves_its_dedicated_time():
     """The units a plan packs and hands the runtime are the shared times; the GPU time a job saves is its own."""
     from planner.fill.profiles import profile_job
@@ -177,7 +195,7 @@ def test_time_sliced_fill_is_packed_at_its_shared_speed_and_saves_its_dedicated_
     job = FillJobSpec(name="mlp", model=str(Path(__file__).resolve().parents[2] / "examples" / "mlp.py"),
                       kind="infer", batch_sizes=[64], work=Work(samples=6400))
     (alone,), (sliced,), (mps,) = (profile_job(job, HW, "bf16", s) for s in (None, "timeslice", "mps"))
-    assert [u.time_s for u in sliced.units] == [shared_unit_s(u.time_s, "timeslice") for u in alone.units]
+    assert [u.time_s for u in sliced.units] == [runtime_unit_s(u.time_s, "timeslice") for u in alone.units]
     assert [u.time_s for u in mps.units] == [u.time_s for u in alone.units]
     assert sliced.dedicated_s == pytest.approx(alone.iteration_s) and alone.dedicated_s == alone.iteration_s
     assert sliced.flops_per_iteration == alone.flops_per_iteration

@@ -108,3 +108,20 @@ def test_a_paired_jobs_release_hands_its_freed_activations_back_to_the_device():
     info = msg[-1]
     assert info["live_bytes"] == 0 and info["allocated_bytes"] == torch.cuda.memory_allocated()
     assert kept >= peak * 0.5 and torch.cuda.memory_reserved() < kept
+
+
+def test_a_batch_of_units_synchronizes_once_and_times_each_unit_on_the_gpu():
+    """fill_task._timed_steps: a training job's whole iteration in one batch; the units' event times tile the
+    batch and the stream ends where single steps would have left it."""
+    from planner.runtime.fill_task import _timed_steps
+
+    torch.manual_seed(0)
+    runner = _runner(kind="train")
+    runner.to_device()
+    n = len(runner.linearized)
+    kind, records = _timed_steps(runner, n)
+    assert kind == "steps" and [r[1] for r in records] == list(range(n)) and runner.pos == n
+    assert records[-1][6] and runner.iterations == 1  # the last unit completed the iteration
+    for prev, rec in zip(records, records[1:]):
+        assert rec[2] == prev[3] and rec[4] == prev[5]  # each unit starts where the previous ended
+    assert all(r[3] >= r[2] for r in records) and records[-1][5] > records[0][4]

@@ -130,6 +130,27 @@ def test_linearized_units_give_the_whole_models_gradients(path: str, args: dict)
     assert runner.step() and runner.iterations == 1  # the optimizer step completes the iteration
 
 
+def test_a_batch_runs_the_same_stream_as_single_steps() -> None:
+    """fill_task._timed_steps: a batch across the iteration's end leaves the same weights as one step at a time,
+    and its units' times tile the batch."""
+    from planner.runtime.fill_task import _timed_steps
+
+    spec = TaskSpec(job="j", model_file=MLP, model_sha256=file_sha256(MLP), model_args=MLP_ARGS, kind="train",
+                    batch_size=3, units=(), device="cpu", interface="iterative", iterations=None)
+    torch.manual_seed(0)
+    single, batched = UnitRunner(spec), UnitRunner(spec)
+    batched.module.load_state_dict(single.module.state_dict())
+    n = len(single.linearized) + 3
+    for _ in range(n):
+        single.step()
+    kind, records = _timed_steps(batched, n)
+    assert kind == "steps" and [r[1] for r in records] == list(range(n)) and batched.pos == n
+    assert [r[6] for r in records].count(True) == 1 == batched.iterations
+    assert all(a[3] == b[2] and a[5] == b[4] and b[3] >= b[2] for a, b in zip(records, records[1:]))
+    for a, b in zip(single.module.parameters(), batched.module.parameters()):
+        assert torch.equal(a, b)
+
+
 def test_the_plans_linearization_must_match_the_model() -> None:
     spec = TaskSpec(job="bert", model_file=BERT, model_sha256=file_sha256(BERT), model_args={"preset": "tiny"},
                     kind="infer", batch_size=2, units=("a", "b"), device="cpu", interface="iterative",
@@ -198,6 +219,33 @@ def test_training_and_inference_fill_jobs_run_only_inside_bubbles() -> None:
     assert [(t["job"], t["to"]) for t in report["transitions"] if t["transition"] == "StopSideTask"] == \
         [("mlp", "STOPPED"), ("bert", "STOPPED")]
     assert all(j["stop_reason"] == "shutdown" for j in report["jobs"])
+
+
+@pytest.mark.flaky(reruns=2)  # wall-clock windows of real processes: a loaded 2-core machine delays them
+def test_short_units_run_in_batches_inside_the_bubbles() -> None:
+    """Batches (one request, one synchronize on CUDA, for a run of units each shorter than half a time slice) keep
+    every unit inside its bubble, the stream contiguous and each unit observed at its own time."""
+    durations = {0: 0.3}
+    client = _start(_plan([_job("mlp", MLP, MLP_ARGS, "train", 4)], {0: "mlp"}, durations, margin=0.25),
+                    batch_work_s=0.02)
+    try:
+        main = _fake_main(client, rounds=4, durations=durations)
+        report = client.report()
+    finally:
+        client.close()
+    _assert_main_job_on_time(main)
+    FillReport.model_validate(report)
+    assert report["kills"] == [] and report["errors"] == [], report["kills"] + report["errors"]
+    batches = [t["reason"] for t in report["transitions"] if t["transition"] == "RunNextStep"]
+    assert any("one synchronize" in r for r in batches), batches[:5]
+    steps = [s for b in report["bubbles"] for s in b["steps"]]
+    assert len(steps) > len(batches)  # fewer requests than units
+    for b in report["bubbles"]:
+        for step in b["steps"]:
+            assert b["gpu_idle"] <= step["start"] <= step["end"] <= b["main_end"], step
+    assert [s["pos"] for s in steps] == list(range(len(steps)))
+    (mlp,) = report["jobs"]
+    assert mlp["iterations_done"] >= 2 and mlp["samples_done"] == 4 * mlp["iterations_done"]
 
 
 def test_overrun_is_killed_after_grace_and_failures_are_recorded() -> None:
