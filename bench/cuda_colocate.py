@@ -17,7 +17,9 @@ ends with a synchronize in planner/runtime/fill_task.py), at a BERT-base-inferen
   w / (w + slice) for w the fill's work between synchronizes (k products' time alone);
 - runner: the fill runtime's own task (planner/runtime/fill_task.py UnitRunner: BERT-base inference, batch 8,
   sequence 128, PipeFill's fill job) stepping its units, each ending with its synchronize: the median seconds of
-  each unit alone and beside "recv", against planner/fill/physics.py's shared_unit_s of the alone times;
+  each unit alone and beside "recv", against planner/fill/physics.py's shared_unit_s of the alone times; and again
+  as the runtime runs them time-sliced, units shorter than half a slice in batches with one synchronize each
+  (`runner_time_sliced_batched`), against runtime_unit_s;
 - main_end: the main job's bubble end: it spins 5 ms (its receive) then runs a 2048^3 product and synchronizes;
   the extra time of that cycle beside the fill loop over alone (how long the main job waits for the fill).
 """
@@ -104,9 +106,13 @@ def main_end(seconds: float, start, out) -> None:
     out.put(("main_end", statistics.median(per)))
 
 
-def runner(seconds: float, start, out) -> None:
+def runner(batched: bool, seconds: float, start, out) -> None:
+    """`batched`: as the runtime runs units on a time-sliced GPU, runs of units shorter than half a slice (by their
+    times alone, taken before the start) back to back within BATCH_WORK_S, one synchronize a batch
+    (fill_task._timed_steps), each unit timed by CUDA events."""
+    from planner.fill.physics import BATCH_WORK_S, batched as is_batched
     from planner.runtime.fill_executor import TaskSpec
-    from planner.runtime.fill_task import UnitRunner
+    from planner.runtime.fill_task import UnitRunner, _timed_steps
 
     r = UnitRunner(TaskSpec(job="bert", model_file=str(ROOT / "examples" / "bert.py"), model_sha256="",
                             model_args={"preset": "base", "seq": 128}, kind="infer", batch_size=8, units=(),
@@ -115,23 +121,32 @@ def runner(seconds: float, start, out) -> None:
     n = len(r.linearized)
     for _ in range(3 * n):
         r.step()
+    alone = r.profile(3)
     start.wait()
     times: dict[int, list[float]] = {}
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         k, t = r.pos % n, time.perf_counter()
-        r.step()
-        times.setdefault(k, []).append(time.perf_counter() - t)
+        m = work = 0
+        while batched and m < n and is_batched(alone[(k + m) % n], "timeslice") and \
+                work + alone[(k + m) % n] <= BATCH_WORK_S:
+            work, m = work + alone[(k + m) % n], m + 1
+        if m > 1:
+            for rec in _timed_steps(r, m)[1]:
+                times.setdefault(rec[1] % n, []).append(rec[5] - rec[4])
+        else:
+            r.step()
+            times.setdefault(k, []).append(time.perf_counter() - t)
     out.put(("unit_s", [statistics.median(times.get(k, [float("nan")])) for k in range(n)]))
 
 
-def runner_rows(seconds: float, sharing: str) -> dict:
-    from planner.fill.physics import shared_unit_s
+def runner_rows(seconds: float, sharing: str, batched: bool = False) -> dict:
+    from planner.fill.physics import runtime_unit_s, shared_unit_s
 
-    alone = _run([(runner, ())], seconds)["unit_s"]
-    beside = _run([(runner, ()), (recv, ())], seconds)["unit_s"]
-    predicted = [shared_unit_s(a, sharing) for a in alone]
-    res = {"units": len(alone), "alone_ms": [a * 1e3 for a in alone], "beside_recv_ms": [b * 1e3 for b in beside],
+    alone = _run([(runner, (batched,))], seconds)["unit_s"]
+    beside = _run([(runner, (batched,)), (recv, ())], seconds)["unit_s"]
+    predicted = [(runtime_unit_s if batched else shared_unit_s)(a, sharing) for a in alone]
+    res = {"units": len(alone), "batched": batched, "alone_ms": [a * 1e3 for a in alone], "beside_recv_ms": [b * 1e3 for b in beside],
            "iteration_alone_ms": sum(alone) * 1e3, "iteration_beside_recv_ms": sum(beside) * 1e3,
            "iteration_predicted_ms": sum(predicted) * 1e3, "sharing": sharing,
            "measured_over_predicted": sum(beside) / sum(predicted)}
@@ -184,6 +199,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "seconds": args.seconds}
     cases = [("bert_b8", 1), ("bert_b8", 10), ("bert_b8", 100), ("large", 1), ("large", 10)]
     result["runner_time_sliced"] = runner_rows(args.seconds, "timeslice")
+    result["runner_time_sliced_batched"] = runner_rows(args.seconds, "timeslice", batched=True)
     if not args.runner_only:
         result["time_sliced"] = measure(args.seconds, cases, (recv, idle))
     if args.mps:

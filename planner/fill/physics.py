@@ -17,7 +17,8 @@ iterative interface) runs it:
   slower than profiled): the last unit of a chunk needs that slack, so a chunk is charged it once.
 - **Every unit a round trip.** Each unit is one request from the executor to the task process and one reply
   (a pipe each way), and on CUDA the task synchronizes at the unit's end, so the next unit's first kernel
-  launch is exposed: `STEP_IPC_S` + the target's kernel launch per unit.
+  launch is exposed: `STEP_IPC_S` + the target's kernel launch per unit (charged to a batched unit too, though
+  its batch makes one round trip).
 - **Interruption.** No step is cut by the bubble's end (admission above), so the interruption PipeFill names
   (001 l.245) is the tail of the bubble the next unit does not fit into: the packing's granularity, priced by
   the packer, not a constant.
