@@ -103,6 +103,16 @@ def _start(plan: Plan, grace_s: float = 0.1, **options) -> FillClient:
     return client
 
 
+def _scenario(plan: Plan, durations: dict[int, float], rounds: int, grace_s: float = 0.1, **options) -> tuple:
+    """(the fake main job's timings, the executor's report) of `rounds` of the plan's bubbles."""
+    client = _start(plan, grace_s=grace_s, **options)
+    try:
+        main = _fake_main(client, rounds=rounds, durations=durations)
+        return main, client.report()
+    finally:
+        client.close()
+
+
 # ---- the unit runner, in-process ------------------------------------------------------------------
 
 @pytest.mark.parametrize(("path", "args"), [(MLP, MLP_ARGS),
@@ -226,13 +236,8 @@ def test_short_units_run_in_batches_inside_the_bubbles() -> None:
     """Batches (one request, one synchronize on CUDA, for a run of units each shorter than half a time slice) keep
     every unit inside its bubble, the stream contiguous and each unit observed at its own time."""
     durations = {0: 0.3}
-    client = _start(_plan([_job("mlp", MLP, MLP_ARGS, "train", 4)], {0: "mlp"}, durations, margin=0.25),
-                    batch_work_s=0.02)
-    try:
-        main = _fake_main(client, rounds=4, durations=durations)
-        report = client.report()
-    finally:
-        client.close()
+    main, report = _scenario(_plan([_job("mlp", MLP, MLP_ARGS, "train", 4)], {0: "mlp"}, durations, margin=0.25),
+                             durations, rounds=4, batch_work_s=0.02)
     _assert_main_job_on_time(main)
     FillReport.model_validate(report)
     assert report["kills"] == [] and report["errors"] == [], report["kills"] + report["errors"]
@@ -255,13 +260,8 @@ def test_overrun_is_killed_after_grace_and_failures_are_recorded() -> None:
             _job("broken", FAULTY, {"mode": "build"}, "infer", 3),
             _job("crashing", FAULTY, {"mode": "crash", "after": 1}, "infer", 3)]
     grace = 0.05
-    client = _start(_plan(jobs, {0: "slow", 1: "raising", 2: "broken", 3: "crashing"}, durations, margin=0.1),
-                    grace_s=grace)
-    try:
-        main = _fake_main(client, rounds=3, durations=durations)
-        report = client.report()
-    finally:
-        client.close()
+    main, report = _scenario(_plan(jobs, {0: "slow", 1: "raising", 2: "broken", 3: "crashing"}, durations,
+                                   margin=0.1), durations, rounds=3, grace_s=grace)
     _assert_main_job_on_time(main)
     FillReport.model_validate(report)  # kills, overruns and errors as the metrics document's model expects
     state = {j["name"]: j for j in report["jobs"]}
