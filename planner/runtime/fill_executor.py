@@ -19,7 +19,9 @@ raised or its process died, it was killed, or at shutdown.
 Two interfaces (A.1). *iterative*: the manager sends one linearized unit at a time ("step") and
 starts it only if the bubble's usable time (duration x (1 - safety margin)) still covers the unit's
 profiled (or recently observed, if longer) duration: the program-directed limit of §3.2.3. An
-observation's excess over the profile halves with every bubble the unit is not started in.
+observation's excess over the profile halves with every bubble the unit is not started in. On a time-sliced GPU
+(CUDA, the plan's gpu_sharing timeslice) a run of units each shorter than half a slice goes as one request and ends
+in one synchronize, each unit still admitted by its estimate (planner/fill/physics.py: BATCH_WORK_S).
 *imperative*: the task loops over its units on its own; the manager resumes it with SIGCONT and
 stops it with SIGSTOP at the end of the usable time, and counts it paused once /proc shows it
 stopped. Framework-enforced limit: a task not paused by the pause point (bubble end or deadline,
