@@ -18,7 +18,7 @@ ends with a synchronize in planner/runtime/fill_task.py), at a BERT-base-inferen
 - runner: the fill runtime's own task (planner/runtime/fill_task.py UnitRunner: BERT-base inference, batch 8,
   sequence 128, PipeFill's fill job) stepping its units, each ending with its synchronize: the median seconds of
   each unit alone and beside "recv", against planner/fill/physics.py's shared_unit_s of the alone times; and again
-  as the runtime runs them time-sliced, units shorter than half a slice in batches with one synchronize each
+  as the runtime runs them time-sliced, short units (physics.batched) in batches with one synchronize each
   (`runner_time_sliced_batched`), against runtime_unit_s;
 - main_end: the main job's bubble end: it spins 5 ms (its receive) then runs a 2048^3 product and synchronizes;
   the extra time of that cycle beside the fill loop over alone (how long the main job waits for the fill).
@@ -107,7 +107,7 @@ def main_end(seconds: float, start, out) -> None:
 
 
 def runner(batched: bool, seconds: float, start, out) -> None:
-    """`batched`: as the runtime runs units on a time-sliced GPU, runs of units shorter than half a slice (by their
+    """`batched`: as the runtime runs units on a time-sliced GPU, runs of short units (physics.batched, by their
     times alone, taken before the start) back to back within BATCH_WORK_S, one synchronize a batch
     (fill_task._timed_steps), each unit timed by CUDA events."""
     from planner.fill.physics import BATCH_WORK_S, batched as is_batched

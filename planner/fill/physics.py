@@ -26,9 +26,10 @@ iterative interface) runs it:
   is a kernel spinning on the GPU until the data arrives. Without MPS the GPU time-slices between the two
   processes' contexts: each time the fill job synchronizes (every unit ends with one) the spinning receive takes
   a slice, and while both have work they alternate (`TIMESLICE_S`, measured; `shared_unit_s`). So the runtime
-  runs units shorter than half a slice back to back in batches of up to `BATCH_WORK_S` of their own work, ending
-  each batch with one synchronize, as PipeFill's Executor synchronizes per graph partition (001 l.107), not per
-  layer: such a unit takes twice its compute and its share of the batch's slice (`runtime_unit_s`). PipeFill's
+  runs units back to back in batches of up to `BATCH_WORK_S` of their own work, ending each batch with one
+  synchronize, where that is cheaper than a synchronize each (`batched`: every unit under 0.8 of a slice), as
+  PipeFill's Executor synchronizes per graph partition (001 l.107), not per layer: such a unit takes twice its
+  compute and its share of the batch's slice (`runtime_unit_s`). PipeFill's
   Executor is such a process (001 l.107); FreeRide runs its side tasks under MPS (000 l.187), where the fill job's
   kernels share the SMs with the receive's and it is priced at its own speed (measured: GEMM loops at 0.92-1.03
   of alone; the runtime's own BERT-base units at 1.38x their MPS-alone time, about their time alone without
@@ -106,19 +107,23 @@ what a bubble that ends earlier than measured leaves running beside the main job
 time-sliced)."""
 
 
+def _in_batch_s(compute_s: float) -> float:
+    """A time-sliced unit's seconds inside a full batch: its compute twice over (the GPU alternates between the batch
+    and the spinning receive by slices) plus its share of the slice the batch's synchronize hands the receive."""
+    return 2 * compute_s + TIMESLICE_S * compute_s / BATCH_WORK_S
+
+
 def batched(compute_s: float, sharing: GpuSharing) -> bool:
-    """Whether the runtime runs a unit of this compute in batches: time-sliced and shorter than half a slice, where
-    a synchronize of its own would cost it a slice longer than twice its compute."""
-    return sharing == "timeslice" and 0 < compute_s <= TIMESLICE_S / 2
+    """Whether the runtime runs a unit of this compute in batches: time-sliced, no longer than a batch holds, and
+    cheaper so than with a synchronize of its own (always below 0.8 of a slice; between multiples of a slice above)."""
+    return sharing == "timeslice" and 0 < compute_s <= BATCH_WORK_S and \
+        _in_batch_s(compute_s) < shared_unit_s(compute_s, sharing)
 
 
 def runtime_unit_s(compute_s: float, sharing: GpuSharing) -> float:
-    """A unit's seconds inside a bubble as the runtime runs it: batched (see `batched`), its compute twice over (the
-    GPU alternates between the batch and the spinning receive by slices) plus its share of the batch's synchronize
-    slice, the batch taken full; else as it runs alone between its own synchronizes (`shared_unit_s`)."""
-    if batched(compute_s, sharing):
-        return 2 * compute_s + TIMESLICE_S * compute_s / BATCH_WORK_S
-    return shared_unit_s(compute_s, sharing)
+    """A unit's seconds inside a bubble as the runtime runs it: in a batch where that is cheaper (`batched`), else
+    between its own synchronizes (`shared_unit_s`)."""
+    return _in_batch_s(compute_s) if batched(compute_s, sharing) else shared_unit_s(compute_s, sharing)
 
 
 def unit_overhead_s(launch_s: float) -> float:

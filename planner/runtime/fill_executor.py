@@ -20,7 +20,7 @@ Two interfaces (A.1). *iterative*: the manager sends one linearized unit at a ti
 starts it only if the bubble's usable time (duration x (1 - safety margin)) still covers the unit's
 profiled (or recently observed, if longer) duration: the program-directed limit of §3.2.3. An
 observation's excess over the profile halves with every bubble the unit is not started in. On a time-sliced GPU
-(CUDA, the plan's gpu_sharing timeslice) a run of units each shorter than half a slice goes as one request and ends
+(CUDA, the plan's gpu_sharing timeslice) a run of short units (physics.batched) goes as one request and ends
 in one synchronize, each unit still admitted by its estimate (planner/fill/physics.py: BATCH_WORK_S).
 *imperative*: the task loops over its units on its own; the manager resumes it with SIGCONT and
 stops it with SIGSTOP at the end of the usable time, and counts it paused once /proc shows it
@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from multiprocessing import connection
 from typing import Any, Literal
 
-from planner.fill.physics import BATCH_WORK_S, STEP_ALLOWANCE_S, STEP_SAFETY, TIMESLICE_S
+from planner.fill.physics import BATCH_WORK_S, STEP_ALLOWANCE_S, STEP_SAFETY, batched
 from planner.fill.scheduler import JobInfo, next_on_rank, resolve_policy
 from planner.fill.waterwave import PairLedger
 from planner.plan import FillJob, Plan
@@ -162,7 +162,7 @@ class ExecutorOptions:
     """torch threads of a task process on CPU, so fill work does not crowd the main job's cores."""
     seed: int = 0
     batch_work_s: float | None = None
-    """Run a resident, unpaired iterative job's units shorter than half a time slice in batches of up to this much
+    """Run a resident, unpaired iterative job's short units (physics.batched) in batches of up to this much
     of their profiled work, one synchronize per batch (planner/fill/physics.py: BATCH_WORK_S, runtime_unit_s); 0:
     one unit per request. None: the plan decides (batches on CUDA where its fill is time-sliced)."""
 
@@ -701,8 +701,8 @@ class Executor:
                 t.sm.apply(Transition.RUN_NEXT_STEP, reason=t.unit_name(t.pos) + last)
 
     def _batch(self, t: TaskHandle, cur: Occurrence, now: float) -> int:
-        """How many units from t.pos to send at once: the run of units each shorter than half a time slice (by the
-        task's profile), within the batch's work and the bubble's usable time (their estimates, charged the
+        """How many units from t.pos to send at once: the run of units a batch runs cheaper than their own
+        synchronizes would (physics.batched, by the task's profile), within the batch's work and the bubble's usable time (their estimates, charged the
         allowance once), at most one iteration's and MAX_BATCH_UNITS; 1 where batches are off or the job streams
         its weights (loaded per unit group)."""
         if self.batch_work_s <= 0 or not t.profile or not t.spec.resident:
@@ -712,7 +712,7 @@ class Executor:
         while n < units:
             k = (t.pos + n) % len(t.linearized)
             alone = t.profile[k]
-            if alone > TIMESLICE_S / 2 or work + alone > self.batch_work_s:
+            if not batched(alone, "timeslice") or work + alone > self.batch_work_s:
                 break
             base = max(alone, t.observed.get(k, 0.0))
             if now + (est + base) * self.options.step_safety + self.options.step_overhead_s > cur.usable_mono:

@@ -233,7 +233,7 @@ def test_training_and_inference_fill_jobs_run_only_inside_bubbles() -> None:
 
 @pytest.mark.flaky(reruns=2)  # wall-clock windows of real processes: a loaded 2-core machine delays them
 def test_short_units_run_in_batches_inside_the_bubbles() -> None:
-    """Batches (one request, one synchronize on CUDA, for a run of units each shorter than half a time slice) keep
+    """Batches (one request, one synchronize on CUDA, for a run of short units: physics.batched) keep
     every unit inside its bubble, the stream contiguous and each unit observed at its own time."""
     durations = {0: 0.3}
     main, report = _scenario(_plan([_job("mlp", MLP, MLP_ARGS, "train", 4)], {0: "mlp"}, durations, margin=0.25),
