@@ -146,7 +146,8 @@ def runner_rows(seconds: float, sharing: str, batched: bool = False) -> dict:
     alone = _run([(runner, (batched,))], seconds)["unit_s"]
     beside = _run([(runner, (batched,)), (recv, ())], seconds)["unit_s"]
     predicted = [(runtime_unit_s if batched else shared_unit_s)(a, sharing) for a in alone]
-    res = {"units": len(alone), "batched": batched, "alone_ms": [a * 1e3 for a in alone], "beside_recv_ms": [b * 1e3 for b in beside],
+    res = {"units": len(alone), "batched": batched, "alone_ms": [a * 1e3 for a in alone],
+           "beside_recv_ms": [b * 1e3 for b in beside],
            "iteration_alone_ms": sum(alone) * 1e3, "iteration_beside_recv_ms": sum(beside) * 1e3,
            "iteration_predicted_ms": sum(predicted) * 1e3, "sharing": sharing,
            "measured_over_predicted": sum(beside) / sum(predicted)}

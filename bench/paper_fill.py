@@ -88,8 +88,9 @@ synchronizes and RPCs, which we have no measurement of). FreeRide's I is 0.9% fo
 step (31-160 ms), which points at something the side tasks share rather than at their steps' overrun. One
 candidate, not priced here for want of a constant: heat. Its harness waits for the GPUs to cool to 50 C before each
 run with side tasks and to 33 C before each baseline run (ae/side_task_deepspeed/run_side_task.py,
-ae/vanilla_deepspeed_baseline/run.py), and a GPU kept busy through its bubbles runs hotter and boosts lower. `--ipc` measures the per-unit request/reply round trip of
-the fill executor's pipes on this machine (planner/fill/physics.py: STEP_IPC_S).
+ae/vanilla_deepspeed_baseline/run.py), and a GPU kept busy through its bubbles runs hotter and boosts lower.
+`--ipc` measures the per-unit request/reply round trip of the fill executor's pipes on this machine
+(planner/fill/physics.py: STEP_IPC_S).
 """
 from __future__ import annotations
 
@@ -131,8 +132,8 @@ scale whose bubble ratio the physical cluster's 65% stands for (l.229)."""
 FREERIDE = {"bubble_rate": (0.404, 0.424),
             "longest_bubble_s": 1.04, "price_server_i": 3.96, "price_server_ii": 0.18,
             "per_task": {"resnet18": (0.009, 0.064), "resnet50": (0.009, 0.053), "vgg19": (0.009, 0.039)}}
-"""FreeRide measured (Table 1, l.281-292: I and S per side task, iterative interface; l.147-151: bubble rate of the 6B and 1.2B models at 4 microbatches, the 3.6B's
-is between; l.128) and its prices (l.269, $ per hour)."""
+"""FreeRide measured (Table 1, l.281-292: I and S per side task, iterative interface; l.147-151: bubble rate of the 6B
+and 1.2B models at 4 microbatches, the 3.6B's is between; l.128) and its prices (l.269, $ per hour)."""
 FR_TASKS = ("resnet18", "resnet50", "vgg19")
 FR_BATCH = 64  # 000 l.306
 FR_WORKERS = 4  # one per GPU of Server-I, the same side task in each (l.306)

@@ -200,8 +200,9 @@ def _span(seconds: float) -> str:
 _SHARING = {
     "timeslice": "time slices beside the main job's waiting receive (it takes one of "
                  f"~{TIMESLICE_S * 1e3:.1f} ms at each synchronize of the fill, which the runtime does after every "
-                 "unit, or after a batch of units shorter than 0.8 of a slice, and half the GPU while both have work: "
-                 "planner/fill/physics.py); `gpu_sharing: mps` in the fill file runs the units at their own speed",
+                 "unit, or after a batch of short units where that is cheaper (every unit under 0.8 of a slice), "
+                 "and half the GPU while both have work: planner/fill/physics.py); `gpu_sharing: mps` in the fill "
+                 "file runs the units at their own speed",
     "mps": "MPS (the launch commands start nvidia-cuda-mps-control on each node)",
     "none": "nothing: the main job waits on the host",
 }

@@ -702,9 +702,9 @@ class Executor:
 
     def _batch(self, t: TaskHandle, cur: Occurrence, now: float) -> int:
         """How many units from t.pos to send at once: the run of units a batch runs cheaper than their own
-        synchronizes would (physics.batched, by the task's profile), within the batch's work and the bubble's usable time (their estimates, charged the
-        allowance once), at most one iteration's and MAX_BATCH_UNITS; 1 where batches are off or the job streams
-        its weights (loaded per unit group)."""
+        synchronizes would (physics.batched, by the task's profile), within the batch's work and the bubble's
+        usable time (their estimates, charged the allowance once), at most one iteration's and MAX_BATCH_UNITS;
+        1 where batches are off or the job streams its weights (loaded per unit group)."""
         if self.batch_work_s <= 0 or not t.profile or not t.spec.resident:
             return 1
         work = est = 0.0
