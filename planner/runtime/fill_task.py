@@ -557,10 +557,16 @@ def _timed_step(runner: UnitRunner, kind: str, release: bool = False) -> tuple:
     if release and runner.device.type == "cuda":
         torch.cuda.empty_cache()
     end, end_mono = time.time(), time.monotonic()
+    return (kind, pos, start, end, start_mono, end_mono, done, _unit_info(runner, done))
+
+
+def _unit_info(runner: UnitRunner, done: bool) -> dict[str, Any] | None:
+    """What the executor records with a unit: a training job's live bytes (and the allocator's, on CUDA), and the
+    job's progress where the unit completed an iteration."""
     info = {"live_bytes": runner.live_bytes()} if runner.train else {}
     if runner.train and runner.device.type == "cuda":
         info["allocated_bytes"] = torch.cuda.memory_allocated(runner.device)
-    return (kind, pos, start, end, start_mono, end_mono, done, {**info, **runner.progress()} if done else info or None)
+    return {**info, **runner.progress()} if done else info or None
 
 
 def _timed_steps(runner: UnitRunner, n: int) -> tuple:
@@ -584,10 +590,7 @@ def _timed_steps(runner: UnitRunner, n: int) -> tuple:
             done_at[-1].record()
         else:
             done_at.append(time.monotonic())
-        info = {"live_bytes": runner.live_bytes()} if runner.train else {}
-        if runner.train and cuda:
-            info["allocated_bytes"] = torch.cuda.memory_allocated(runner.device)
-        units.append((pos, done, {**info, **runner.progress()} if done else info or None))
+        units.append((pos, done, _unit_info(runner, done)))
     if not units:
         return ("wait", runner.pos)
     if cuda:
