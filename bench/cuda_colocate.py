@@ -16,7 +16,7 @@ ends with a synchronize in planner/runtime/fill_task.py), at a BERT-base-inferen
 - slice_ms: the GPU time each synchronize of the fill hands the waiting receive, if the share is
   w / (w + slice) for w the fill's work between synchronizes (k products' time alone);
 - runner: the fill runtime's own task (planner/runtime/fill_task.py UnitRunner: BERT-base inference, batch 8,
-  sequence 128, PipeFill's fill job) stepping its units, each ending with its synchronize: the median seconds of
+  sequence 128, PipeFill's fill job, in bf16 as a bf16 plan runs it; fp32 before 2026-11-27) stepping its units, each ending with its synchronize: the median seconds of
   each unit alone and beside "recv", against planner/fill/physics.py's shared_unit_s of the alone times; and again
   as the runtime runs them time-sliced, short units (physics.batched) in batches with one synchronize each
   (`runner_time_sliced_batched`), against runtime_unit_s;
@@ -116,7 +116,7 @@ def runner(batched: bool, seconds: float, start, out) -> None:
 
     r = UnitRunner(TaskSpec(job="bert", model_file=str(ROOT / "examples" / "bert.py"), model_sha256="",
                             model_args={"preset": "base", "seq": 128}, kind="infer", batch_size=8, units=(),
-                            device="cuda:0", interface="iterative", iterations=None))
+                            device="cuda:0", interface="iterative", iterations=None, precision="bf16"))
     r.to_device()
     n = len(r.linearized)
     for _ in range(3 * n):

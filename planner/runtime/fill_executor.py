@@ -212,6 +212,10 @@ class TaskSpec:
     config: str = "plain"
     """PipeFill 4.3's fill-job configuration: plain, checkpoint (block units recomputed) or offload (the
     optimizer's state and step on the host)."""
+    precision: str = "fp32"
+    """The plan's precision, the one its fill prices were made in (planner/fill/profiles.py traces the job in the
+    main job's): an inference job's weights and inputs take its dtype; a training job computes under autocast to
+    it over fp32 weights (fp16 with a dynamic loss scale)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -444,6 +448,7 @@ class Executor:
         self.batch_work_s = options.batch_work_s if options.batch_work_s is not None else \
             BATCH_WORK_S if sliced else 0.0
         self.pp = plan.config.pp
+        self.precision = plan.config.precision
         self.replicas = plan.config.dp * plan.config.cp * plan.config.tp  # this stage's GPUs (pp is outermost)
         self.replica = global_rank % self.replicas
         self.run_key = run_key
@@ -515,7 +520,8 @@ class Executor:
                         profile_reps=o.profile_reps, cpu_threads=o.cpu_threads, seed=o.seed, batch_first=first,
                         batch_stride=stride, dp_size=dp, dp_rank=self.replica if dp > 1 else 0,
                         dp_key=f"{self.run_key}/{job.name}/pp{self.rank}" if dp > 1 else "", config=job.config,
-                        resident=job.resident, load_groups=tuple(tuple(g) for g in job.load_groups))
+                        resident=job.resident, load_groups=tuple(tuple(g) for g in job.load_groups),
+                        precision=self.precision)
 
     def wall(self, mono: float) -> float:
         return mono + self.offset

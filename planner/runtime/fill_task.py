@@ -11,6 +11,12 @@ consumers' leaves (and on the loss for the last unit). Data come from the model 
 `sample_batch(batch_size, step, **model_args)`, the loss from its `loss_fn(output, targets)`; iteration i takes
 batch `batch_first + i * batch_stride` (this GPU's share of the job). A training job run data parallel over a stage's
 GPUs averages its gradients over gloo in host memory (UnitRunner._send_grads).
+
+The job runs in the plan's precision, the one its units were priced in: an inference job's weights and floating
+inputs take the dtype (2 bytes a weight, as priced and as streamed); a training job keeps fp32 weights and runs each
+unit under torch.autocast to the dtype (its GEMMs at the half-precision rate; fp32 weights, gradients and Adam's two
+moments are the 16 bytes a parameter the planner counts for mixed precision), fp16 with torch.amp's dynamic loss
+scale. The loss is taken in fp32.
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ from passes.units import group_nodes
 
 from .fill_executor import TaskSpec
 from .optim import SavedBytes
+from .stage import DTYPES
 
 __all__ = ["linearize", "UnitRunner", "cap_memory", "task_main"]
 
@@ -72,6 +79,10 @@ class UnitRunner:
         self.blocks = {name for name, kind, _ in groups if kind == "block"}
         self.module = split_by(gm, root, part.__getitem__)
         self.module.train(self.train)
+        self.dtype = DTYPES[spec.precision]
+        self.autocast = self.train and self.dtype != torch.float32
+        if not self.train:
+            self.module.to(self.dtype)
         self._index(names)
         self.linearized = linearize(self.unit_names, spec.kind)
         if spec.units and len(spec.units) != len(self.linearized):
@@ -84,6 +95,8 @@ class UnitRunner:
                              if self.train and spec.config == "checkpoint" and name in self.blocks}
         self.host: list[torch.Tensor] | None = None  # offload: fp32 host copies of the weights the optimizer steps
         self.optimizer = self._make_optimizer() if self.train else None
+        self.scaler = torch.amp.GradScaler("cuda" if spec.device.startswith("cuda") else "cpu") \
+            if self.train and self.dtype == torch.float16 else None
         self.saved_bytes: dict[str, int] = {}  # forward unit -> bytes it leaves for the backward (measured once)
         self.streamer: Streamer | None = None
         self.pos = 0
@@ -211,7 +224,7 @@ class UnitRunner:
             if self.host is not None:
                 self._host_step()
             else:
-                self.optimizer.step()
+                self._optimizer_step()
             self.optimizer.zero_grad(set_to_none=True)
         if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the step's time is its GPU time, and ends inside the bubble
@@ -254,11 +267,20 @@ class UnitRunner:
         for p, h in zip(self.module.parameters(), self.host):
             if p.grad is not None:  # else already on the host (data parallel: the averaged gradients)
                 h.grad = p.grad.detach().to("cpu", torch.float32)
-        self.optimizer.step()
+        self._optimizer_step()
         with torch.no_grad():
             for p, h in zip(self.module.parameters(), self.host):
                 p.copy_(h)
                 p.grad = None
+
+    def _optimizer_step(self) -> None:
+        """The optimizer's step; under fp16 the loss scale's: unscaled gradients, a step skipped on inf or nan, the
+        scale updated (torch.amp.GradScaler, as AMP and Megatron's dynamic loss scaler do)."""
+        if self.scaler is None:
+            self.optimizer.step()
+        else:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
 
     def _batch(self, iteration: int) -> None:
         index = self.spec.batch_first + self.spec.batch_stride * iteration  # this GPU's share of the job
@@ -268,7 +290,9 @@ class UnitRunner:
             inputs, self.targets = self.mf.inputs(self.spec.batch_size, "cpu"), None
         inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
         for node, value in zip(self.placeholders, inputs):
-            self.env[node.name] = value.to(self.device) if isinstance(value, torch.Tensor) else value
+            if isinstance(value, torch.Tensor):
+                value = value.to(self.device, self.dtype if value.is_floating_point() and not self.train else None)
+            self.env[node.name] = value
         if isinstance(self.targets, torch.Tensor):
             self.targets = self.targets.to(self.device)
 
@@ -315,16 +339,18 @@ class UnitRunner:
         """Unit k's forward; configuration "checkpoint" runs each block unit under torch.utils.checkpoint, which
         keeps only its inputs and recomputes the rest in the backward (full recomputation, as priced)."""
         fn = self.module.get_submodule(str(self.calls[k].target))
-        if k in self.checkpointed and torch.is_grad_enabled():
-            if probe is not None:
-                probe.keep(args)
-            return checkpoint(fn, *args, use_reentrant=False, **kwargs)
-        return fn(*args, **kwargs)
+        with torch.autocast(self.device.type, self.dtype) if self.autocast else contextlib.nullcontext():
+            if k in self.checkpointed and torch.is_grad_enabled():
+                if probe is not None:
+                    probe.keep(args)
+                return checkpoint(fn, *args, use_reentrant=False, **kwargs)
+            return fn(*args, **kwargs)
 
     def _loss(self, output: Any) -> torch.Tensor:
         fn = getattr(self.mf.module, "loss_fn", None)
         if callable(fn) and self.targets is not None:
-            return fn(output, self.targets)
+            return fn(fx.node.map_aggregate(output, lambda x: x.float() if isinstance(x, torch.Tensor)
+                                            and x.is_floating_point() else x), self.targets)
         first = output if isinstance(output, torch.Tensor) else next(x for x in output if isinstance(x, torch.Tensor))
         return first.float().pow(2).mean()  # no loss_fn / targets: a stand-in with the same backward work
 
@@ -332,7 +358,7 @@ class UnitRunner:
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if j == len(self.calls) - 1 and self.loss is not None:
-            tensors.append(self.loss)
+            tensors.append(self.loss if self.scaler is None else self.scaler.scale(self.loss))
             grads.append(None)
         for name in [n for n, unit in self.producer.items() if unit == j]:
             value = self.env.pop(name)
@@ -355,6 +381,7 @@ class UnitRunner:
         own trajectory is unchanged by profiling."""
         saved = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         optimizer, host, pos, iterations = self.optimizer, self.host, self.pos, self.iterations
+        scale = self.scaler.state_dict() if self.scaler is not None else None
         self.optimizer = self._make_optimizer() if self.train else None
         self.profiling = True  # the gradients' copy to the host is timed; the replicas do not meet
         times: list[list[float]] = [[] for _ in self.linearized]
@@ -373,6 +400,8 @@ class UnitRunner:
             for p in self.module.parameters():
                 p.grad = None
             self.optimizer, self.host, self.pos, self.iterations = optimizer, host, pos, iterations
+            if scale is not None:
+                self.scaler.load_state_dict(scale)
             self.profiling, self.reduced = False, None
             self._reset()
             if self.streamer is not None:
