@@ -20,6 +20,7 @@ scale. The loss is taken in fp32.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import functools
@@ -91,6 +92,7 @@ class UnitRunner:
                 f"into {len(self.unit_names)} units, i.e. {len(self.linearized)} for a {spec.kind} job "
                 f"({self.linearized[0]} ... {self.linearized[-1]}); re-plan with this model file")
         self.device = torch.device("cpu")
+        self.channels_last = False
         self.checkpointed = {k for k, name in enumerate(self.unit_names)
                              if self.train and spec.config == "checkpoint" and name in self.blocks}
         self.host: list[torch.Tensor] | None = None  # offload: fp32 host copies of the weights the optimizer steps
@@ -103,6 +105,8 @@ class UnitRunner:
         self.iterations = 0
         self.profiling = False
         self.dp = _join_replicas(spec) if self.train and spec.dp_size > 1 else None
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fill-batch")
+        self._prefetched: dict[int, Any] = {}
         self.reduced: tuple[Any, torch.Tensor] | None = None  # (gloo work, host buffer) of this iteration's grads
         self._reset()
 
@@ -171,6 +175,14 @@ class UnitRunner:
         self.device = torch.device(self.spec.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # a job's shapes repeat every iteration: cuDNN's autotuner picks its convolutions' kernels once, in the
+            # task's profiling passes before any bubble; and 2-d convolutions run channels-last, the layout cuDNN's
+            # tensor-core kernels take (NCHW under autocast ran no faster than fp32 on an H200: bench/results/
+            # README_cuda_2026-11-27.md), as torchvision's and NVIDIA's reference training scripts run them
+            torch.backends.cudnn.benchmark = True
+            self.channels_last = any(isinstance(m, torch.nn.Conv2d) for m in self.module.modules())
+            if self.channels_last:
+                self.module.to(memory_format=torch.channels_last)
         if self.spec.load_groups and not self.train and not self.spec.resident:
             for b in self.module.buffers():
                 b.data = b.data.to(self.device)
@@ -282,19 +294,39 @@ class UnitRunner:
             self.scaler.step(self.optimizer)
             self.scaler.update()
 
-    def _batch(self, iteration: int) -> None:
-        index = self.spec.batch_first + self.spec.batch_stride * iteration  # this GPU's share of the job
+    def _host_batch(self, index: int) -> tuple[Any, Any]:
+        """Batch `index` of the job on the host (pinned when the job runs on CUDA, so its copy is asynchronous)."""
         if self.mf.has("sample_batch"):
-            inputs, self.targets = self.mf.call("sample_batch", self.spec.batch_size, index)
+            inputs, targets = self.mf.call("sample_batch", self.spec.batch_size, index)
         else:
-            inputs, self.targets = self.mf.inputs(self.spec.batch_size, "cpu"), None
+            inputs, targets = self.mf.inputs(self.spec.batch_size, "cpu"), None
         inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
+        if self.spec.device.startswith("cuda"):
+            pin = lambda x: x.pin_memory() if isinstance(x, torch.Tensor) else x  # noqa: E731
+            inputs, targets = [pin(x) for x in inputs], pin(targets)
+        return inputs, targets
+
+    def _batch(self, iteration: int) -> None:
+        """Iteration's batch, made on the host while the previous iteration ran (a thread of this process, as a
+        DataLoader's worker would: an image batch is 50-75 ms of the host's work, bench/results/
+        README_cuda_2026-11-27.md, which the first unit would otherwise spend inside a bubble); then the next one is
+        started."""
+        index = self.spec.batch_first + self.spec.batch_stride * iteration  # this GPU's share of the job
+        got, following = self._prefetched.get(index), index + self.spec.batch_stride
+        inputs, self.targets = got.result() if got is not None else self._host_batch(index)
+        # kept: profiling passes take iteration 0's batch again
+        self._prefetched = {index: _Done((inputs, self.targets)),
+                            following: self._prefetched.get(following) or self._loader.submit(self._host_batch, following)}
+        nb = self.device.type == "cuda"
         for node, value in zip(self.placeholders, inputs):
             if isinstance(value, torch.Tensor):
-                value = value.to(self.device, self.dtype if value.is_floating_point() and not self.train else None)
+                value = value.to(self.device, self.dtype if value.is_floating_point() and not self.train else None,
+                                 non_blocking=nb)
+                if self.channels_last and value.dim() == 4:
+                    value = value.contiguous(memory_format=torch.channels_last)
             self.env[node.name] = value
         if isinstance(self.targets, torch.Tensor):
-            self.targets = self.targets.to(self.device)
+            self.targets = self.targets.to(self.device, non_blocking=nb)
 
     def _arg(self, node: fx.Node, unit: int) -> Any:
         value = self.env[node.name]
@@ -407,6 +439,16 @@ class UnitRunner:
             if self.streamer is not None:
                 self.streamer.reset()
         return [statistics.median_high(t) for t in times]
+
+
+class _Done:
+    """A batch already made, in the place of a future."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def result(self) -> Any:
+        return self.value
 
 
 def _join_replicas(spec: TaskSpec) -> Any:

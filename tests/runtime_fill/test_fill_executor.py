@@ -161,6 +161,29 @@ def test_a_batch_runs_the_same_stream_as_single_steps() -> None:
         assert torch.equal(a, b)
 
 
+def test_the_next_batch_is_made_on_a_thread_while_units_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """UnitRunner._batch: each of this GPU's batches (first 1, stride 2) is made once, all but the first on the
+    runner's loader thread, and profiling passes reuse iteration 0's."""
+    spec = TaskSpec(job="j", model_file=MLP, model_sha256=file_sha256(MLP), model_args=MLP_ARGS, kind="train",
+                    batch_size=3, units=(), device="cpu", interface="iterative", iterations=None, batch_first=1,
+                    batch_stride=2)
+    runner = UnitRunner(spec)
+    made: list[tuple[int, str]] = []
+    sample = runner.mf.module.sample_batch
+
+    def logged(batch_size: int, step: int, **kw: object) -> object:
+        made.append((step, threading.current_thread().name))
+        return sample(batch_size, step, **kw)
+
+    monkeypatch.setattr(runner.mf.module, "sample_batch", logged)
+    runner.profile(2)
+    while runner.iterations < 3:
+        runner.step()
+    runner._prefetched[7].result()
+    assert [i for i, _ in made] == [1, 3, 5, 7]
+    assert made[0][1] == threading.main_thread().name and all(t.startswith("fill-batch") for _, t in made[1:])
+
+
 def test_the_plans_linearization_must_match_the_model() -> None:
     spec = TaskSpec(job="bert", model_file=BERT, model_sha256=file_sha256(BERT), model_args={"preset": "tiny"},
                     kind="infer", batch_size=2, units=("a", "b"), device="cpu", interface="iterative",
