@@ -45,6 +45,9 @@ class NodeCost:
     param_names: tuple[str, ...] = ()
     saved: tuple[tuple[str, sympy.Expr], ...] = ()  # (tensor name, bytes) kept for backward
     full_mm_flops: sympy.Expr | None = None  # mm_flops with causal attention counted in full (None: the same)
+    copy_bytes: sympy.Expr = ZERO  # forward layout copies the node dispatched (passes.measure), each written once
+    # and read once by a copy kernel of its own: memory-bound work beside the node's own (its backward is not
+    # charged: the gradient of a copy is passed on as it is)
 
 
 # op name -> (forward FLOPs per output element, backward FLOPs per output element, saves)
@@ -231,8 +234,10 @@ def _with_measured(cost: NodeCost, m: Measured, kind: str, ins: list[tuple[fx.No
                    weights: int) -> NodeCost:
     """The table's cost with the measured FLOPs of matrix products / convolutions / attention and the
     measured tensors saved for backward (a Linear module's bias gradient kept from the table)."""
+    if kind in ("contiguous", "clone"):  # the copy itself, or nothing where the tensor was contiguous already
+        return replace(cost, fwd_bytes=ZERO, copy_bytes=m.copy_bytes, saved=m.saved)
     if m.flops == 0:
-        return replace(cost, saved=m.saved)
+        return replace(cost, saved=m.saved, copy_bytes=m.copy_bytes)
     grads = sum(1 for _, i in ins[:3 if kind == "attention" else 2] if i.requires_grad)
     # backward of a product: one product per operand that needs a gradient; flash attention's
     # backward is 5 products for the forward's 2 (torch.utils.flop_counter.sdpa_backward_flop_count)
@@ -243,7 +248,7 @@ def _with_measured(cost: NodeCost, m: Measured, kind: str, ins: list[tuple[fx.No
     return replace(cost, kind="attention" if kind == "attention" else cost.kind if cost.kind in ("linear", "conv")
                    else "matmul", fwd_flops=m.flops + other_fwd, mm_flops=m.flops, full_mm_flops=m.full_flops,
                    bwd_flops=bwd_mm + other_bwd, wgrad_flops=cost.wgrad_flops - cost.wgrad_mm_flops + wgrad_mm,
-                   wgrad_mm_flops=wgrad_mm, saved=m.saved)
+                   wgrad_mm_flops=wgrad_mm, saved=m.saved, copy_bytes=m.copy_bytes)
 
 
 def _module_cost(node: fx.Node, gm: fx.GraphModule, kind: str, out: TensorInfo, io: sympy.Expr,

@@ -6,6 +6,9 @@ every node records
 - the FLOPs it dispatches, counted with `torch.utils.flop_counter`'s formulas (matrix products,
   convolutions, attention kernels; composite ops such as linear, matmul and einsum are counted as
   the kernels they dispatch to);
+- the bytes its layout copies write (the aten.clone / aten.copy_ it dispatches: `.contiguous()` of a transposed
+  tensor, a reshape no view can express, a batched matmul of permuted heads, which at::matmul copies first; a
+  `.contiguous()` of a contiguous tensor dispatches nothing);
 - the tensors autograd saves for backward, seen by `torch.autograd.graph.saved_tensors_hooks`:
   each is named after the node that produced its storage (so a tensor saved by two ops, or saved
   through a view, counts once), parameters and buffers excluded, and sized by its storage.
@@ -48,6 +51,8 @@ class Measured:
     causal: bool  # an attention kernel with a causal mask
     saved: tuple[tuple[str, sympy.Expr], ...]  # (storage name, bytes) kept for backward
     weight_gather: bool = False  # experts' weights gathered per token: a grouped GEMM reads them in place
+    copy_bytes: sympy.Expr = sympy.Integer(0)  # bytes written by layout copies the node dispatched (aten.clone,
+    # aten.copy_): a reshape or matmul of a tensor no view can express (a permuted q, k or v) materializes it
 
 
 def is_attention(node: fx.Node) -> bool:
@@ -58,6 +63,7 @@ class _FlopCount(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.flops = 0
+        self.copied = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -65,7 +71,12 @@ class _FlopCount(TorchDispatchMode):
         formula = flop_registry.get(func._overloadpacket)
         if formula is not None:
             self.flops += int(formula(*args, **kwargs, out_val=out))
+        elif func in _COPIES and isinstance(out, torch.Tensor):
+            self.copied += out.numel() * out.element_size()
         return out
+
+
+_COPIES = {torch.ops.aten.clone.default, torch.ops.aten.copy_.default}
 
 
 def _cdata(t: torch.Tensor) -> int:
@@ -78,6 +89,7 @@ class _Run(fx.Interpreter):
         self.root = root
         self.values: dict[fx.Node, Any] = {}
         self.flops: dict[fx.Node, int] = {}
+        self.copied: dict[fx.Node, int] = {}
         self.causal: dict[fx.Node, bool] = {}
         self.saved: dict[fx.Node, dict[str, int]] = {}
         self.producer: dict[int, str] = {}
@@ -122,6 +134,7 @@ class _Run(fx.Interpreter):
                                f"{str(exc).splitlines()[0] if str(exc) else ''}; code that needs real data "
                                "cannot be planned on meta tensors") from exc
         self.flops[n] = counter.flops
+        self.copied[n] = counter.copied
         if n.op == "call_function" and self._from_weights(n):
             self.weights.add(n.name)
         for t in _tensors(out):
@@ -223,7 +236,8 @@ def measure(gm: fx.GraphModule, root: torch.nn.Module, make_inputs: Callable[[in
         causal = r2.causal.get(node, False)
         executed = flops * _causal_fraction(node) if causal else flops
         node.meta[MEASURED] = Measured(flops=executed, full_flops=flops, causal=causal, saved=saved,
-                                       weight_gather=node.name in r2.weights)
+                                       weight_gather=node.name in r2.weights,
+                                       copy_bytes=_linear(r2.copied.get(node, 0), r3.copied.get(node, 0)))
 
 
 def _causal_fraction(node: fx.Node) -> sympy.Expr:

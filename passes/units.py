@@ -188,7 +188,8 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
     params: dict[str, int] = {}  # every weight a node of the part uses, once (a tied weight in each unit using it)
     for n in nodes:
         c: NodeCost = n.meta[COST]
-        fw, bw, mm, fb, bb = fw + c.fwd_flops, bw + c.bwd_flops, mm + c.mm_flops, fb + c.fwd_bytes, bb + c.bwd_bytes
+        fw, bw, mm, bb = fw + c.fwd_flops, bw + c.bwd_flops, mm + c.mm_flops, bb + c.bwd_bytes
+        fb += c.fwd_bytes + 2 * c.copy_bytes
         wg += c.wgrad_flops
         full += c.mm_flops if c.full_mm_flops is None else c.full_mm_flops
         if n.op == "call_module":  # keyed by the parameter's own name where it is one, as a get_attr of it is
@@ -210,7 +211,7 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
                    and any(u.name not in selective for u in n.users)  # a core's result
                    for i in [n.meta.get(TENSOR)] if isinstance(i, TensorInfo) and i.shape), z)
     p = lambda e: Poly.of(e, B)  # noqa: E731
-    kernels = sum(1 for n in nodes if n.meta[COST].kind not in ("view", "none"))
+    kernels = sum(int(n.meta[COST].kind not in ("view", "none")) + int(n.meta[COST].copy_bytes != 0) for n in nodes)
     return Part(fwd_flops=p(fw), bwd_flops=p(bw), wgrad_flops=p(wg), mm_flops=p(mm), mm_bytes=p(mmb),
                 model_flops=p(full), products=tuple((p(f), p(by), p(bf), fused, p(wf), p(x), p(y))
                                                     for f, by, bf, fused, wf, x, y in products),
