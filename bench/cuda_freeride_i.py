@@ -31,18 +31,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from cuda_colocate import _cycles_per_ms  # noqa: E402
 
 POLL_S, LOOP_SLEEP_S, ROUND_S, FACTOR = 0.01, 0.005, 0.01, 1.2  # bench/paper_fill.py FR_* (FreeRide's artifact)
-
-
-def _cycles_per_ms() -> float:
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-    torch.cuda._sleep(1_000_000)
-    ev[0].record()
-    torch.cuda._sleep(20_000_000)
-    ev[1].record()
-    torch.cuda.synchronize()
-    return 20_000_000 / ev[0].elapsed_time(ev[1])
 
 
 def stage(iterations: int, compute_ms: float, bubble_ms: float, conn, start, out) -> None:

@@ -46,8 +46,8 @@ class NodeCost:
     saved: tuple[tuple[str, sympy.Expr], ...] = ()  # (tensor name, bytes) kept for backward
     full_mm_flops: sympy.Expr | None = None  # mm_flops with causal attention counted in full (None: the same)
     copy_bytes: sympy.Expr = ZERO  # forward layout copies the node dispatched (passes.measure), each written once
-    # and read once by a copy kernel of its own: memory-bound work beside the node's own (its backward is not
-    # charged: the gradient of a copy is passed on as it is)
+    # and read once by copy kernels (one launch counted per node): memory-bound work beside the node's own (their
+    # backward is not charged: the gradient of a copy is passed on as it is)
 
 
 # op name -> (forward FLOPs per output element, backward FLOPs per output element, saves)

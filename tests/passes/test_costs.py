@@ -230,3 +230,51 @@ def test_every_units_weight_gradient_bytes_are_within_its_saved_bytes_and_output
             saved = u.sharded.saved_bytes(b) + u.replicated.saved_bytes(b)
             assert (kept > 0) == (u.kind != "embedding")  # the lookups' W reads no product's X
             assert kept <= saved + float(dy.subs(B, b))
+
+
+HEADS = """import torch
+from torch import nn
+
+
+class Heads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(32, 96)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = self.qkv(x).view(b, s, 3, 4, 8).permute(2, 0, 3, 1, 4).unbind(0)
+        probs = torch.softmax(torch.matmul(q, k.transpose(-2, -1)), dim=-1)
+        ctx = torch.matmul(probs, v).transpose(1, 2).reshape(b, s, 32)
+        return ctx.contiguous() + x.reshape(b, s, 32)
+
+
+def build_model():
+    return Heads()
+
+
+def example_inputs(batch_size: int):
+    return (torch.randn(batch_size, 16, 32),)
+"""
+
+
+def test_layout_copies_are_what_the_dispatcher_copies(tmp_path):
+    """passes.measure counts the aten.clone / copy_ a node dispatches: at::matmul copies permuted heads that no
+    batched view expresses (q and k for the scores, v for the context), a reshape of a transposed tensor copies it;
+    a contiguous() of a contiguous tensor and a reshape of a contiguous one copy nothing. Each copy is written and
+    read once by a kernel of its own (the unit's forward bytes and kernels)."""
+    path = tmp_path / "heads.py"
+    path.write_text(HEADS)
+    prof, ctx = analyze(path, {})
+    head_bytes = 16 * 32 * 2 * B  # b x s x (heads x head dim) in bf16 (the default): one of q, k, v, or the context
+    copies = {n.name: n.meta[COST].copy_bytes for n in ctx.gm.graph.nodes if n.meta[COST].copy_bytes != 0}
+    kinds = {n.name: node_kind(n, ctx.gm) for n in ctx.gm.graph.nodes}
+    assert sorted((kinds[name], sympy.expand(v / head_bytes)) for name, v in copies.items()) == \
+        [("matmul", 1), ("matmul", 2), ("reshape", 1)]
+    assert all(n.meta[COST].fwd_bytes == 0 for n in ctx.gm.graph.nodes if kinds[n.name] == "contiguous")
+    unit = prof.units[0]
+    without = sum(n.meta[COST].fwd_bytes for n in ctx.gm.graph.nodes)
+    parts = unit.sharded.fwd_bytes(3) + unit.replicated.fwd_bytes(3)
+    assert parts == pytest.approx(float((without + 2 * 4 * head_bytes).subs(B, 3)))
+    kernels = sum(int(n.meta[COST].kind not in ("view", "none")) for n in ctx.gm.graph.nodes)
+    assert unit.sharded.kernels + unit.replicated.kernels == kernels + 3  # one copy kernel per copying node
