@@ -11,7 +11,9 @@ memory by pipelined transmission, on a V100, against the transmission fxplanner 
 resident (see pipeswitch()).
 
 The ratio printed is predicted / measured; a range is printed where the paper gives one. Nothing here is fitted to
-the papers' results: the fill's compute is priced by the same cost models as the main job, the bubble costs are
+the papers' results: the fill's compute is priced by the same cost models as the main job, its memory-bound kernels
+at the speeds eager PyTorch's reach, measured on an H200 (costmodels.eager: a fill job runs op by op, unfused; the
+papers' V100 and RTX 6000 Ada are assumed to reach the same shares of their bandwidth), the bubble costs are
 planner/fill/physics.py's constants with their sources, and each paper's own rules (margin, admission) are used.
 
 PipeFill section 6.1 (../shared/seeds/001_…, l.197-231): a 5B LLM trained on 16 V100-16GB, one per machine

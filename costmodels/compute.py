@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from passes.units import Part, Unit
 
 from .comm import allreduce_time, alltoall_time, p2p_time
+from .eager import eager_share
 from .fp8 import Fp8Recipe, runs_fp8
 from .hardware import Hardware
 from .memory import param_count
@@ -83,11 +84,15 @@ def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: 
             wgrad += product_bwd * wf / fb
             wgrad_kernels += 1
     ew_flops = max(part.fwd_flops(b) / t - mm, 0.0)
-    ew_bytes = max(part.fwd_bytes(b) / t - mm_bytes, 0.0) * (1 - eff.fusion)
-    fwd += max(ew_flops / vec, ew_bytes / bw)
     bwd_ew_flops = max(part.bwd_flops(b) / t - mm_bwd, 0.0)
-    bwd_ew_bytes = max(part.bwd_bytes(b) / t - 2 * mm_bytes, 0.0) * (1 - eff.fusion)
-    bwd += max(bwd_ew_flops / vec, bwd_ew_bytes / bw)
+    if eff.eager:  # each kind of kernel at its own measured speed; nothing fused
+        ew_s = sum(f(b) / t / (gpu.hbm_bw * eager_share(k, eff.hbm)) for k, f, _ in part.memory_bound)
+        bwd_ew_s = sum(bb(b) / t / (gpu.hbm_bw * eager_share(k, eff.hbm)) for k, _, bb in part.memory_bound)
+    else:
+        ew_s = max(part.fwd_bytes(b) / t - mm_bytes, 0.0) * (1 - eff.fusion) / bw
+        bwd_ew_s = max(part.bwd_bytes(b) / t - 2 * mm_bytes, 0.0) * (1 - eff.fusion) / bw
+    fwd += max(ew_flops / vec, ew_s)
+    bwd += max(bwd_ew_flops / vec, bwd_ew_s)
     launches = (part.kernels + casts) * eff.launch_s
     return ((fwd + launches) * eff.calibration, (bwd + 2 * launches) * eff.calibration,
             (wgrad + wgrad_kernels * eff.launch_s) * eff.calibration)

@@ -51,6 +51,7 @@ class Efficiency:
     calibration: float = 1.0  # measured / predicted compute time, from `planner calibrate`
     unit_factors: tuple[tuple[str, float, float], ...] = ()  # (unit kind, forward, backward) corrections
     action_overhead_s: float = 0.0  # per forward or backward action of a stage (runtime framework cost)
+    eager: bool = False  # memory-bound work at eager PyTorch's kernel speeds (costmodels.eager), as a fill job runs
 
     def __post_init__(self) -> None:
         if not 0 <= self.fusion < 1:

@@ -45,6 +45,7 @@ class NodeCost:
     param_names: tuple[str, ...] = ()
     saved: tuple[tuple[str, sympy.Expr], ...] = ()  # (tensor name, bytes) kept for backward
     full_mm_flops: sympy.Expr | None = None  # mm_flops with causal attention counted in full (None: the same)
+    op: str = ""  # the op's name (passes.costs.node_kind): which eager kernel runs it (costmodels.eager)
     copy_bytes: sympy.Expr = ZERO  # forward layout copies the node dispatched (passes.measure), each written once
     # and read once by copy kernels (one launch counted per node): memory-bound work beside the node's own (their
     # backward is not charged: the gradient of a copy is passed on as it is)
@@ -176,7 +177,7 @@ def _cost_of(node: fx.Node, gm: fx.GraphModule) -> NodeCost:
     acts = [(n, i) for n, i in ins if not _is_param(n, gm) and i.requires_grad]
     saved_inputs = tuple((storage_of(n).name, i.nbytes) for n, i in acts)
     weights = _weight_operands(node, gm, kind, ins)
-    cost = _table_cost(node, gm, kind, out, ins, io, acts, saved_inputs, weights)
+    cost = replace(_table_cost(node, gm, kind, out, ins, io, acts, saved_inputs, weights), op=kind)
     return _with_measured(cost, measured, kind, ins, weights) if measured is not None else cost
 
 

@@ -62,6 +62,9 @@ class Part:
     weights: tuple[tuple[str, int], ...] = ()  # (name, elements) of each weight in `params`: a weight tied between
     # two units (embedding and LM head) appears in both, and a rank holding both holds it once
     kernels: int = 0  # nodes that launch a kernel (views excluded), for launch overhead
+    memory_bound: tuple[tuple[str, Poly, Poly], ...] = ()  # (eager kernel kind, forward bytes, backward bytes) of the
+    # memory-bound work (every node but the products, and the layout copies), grouped by the kernel eager PyTorch
+    # runs for it (costmodels.eager): fwd_bytes - mm_bytes and bwd_bytes - 2 mm_bytes, split by kind
     row_products: tuple[int, ...] = ()  # indices into `products` of the row-parallel ones (their output is reduced
     # over the tensor-parallel ranks: the GEMMs a pipelined reduce-scatter overlaps)
 
@@ -186,8 +189,17 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
     products: list[tuple[sympy.Expr, ...]] = []
     rows: list[int] = []
     params: dict[str, int] = {}  # every weight a node of the part uses, once (a tied weight in each unit using it)
+    bound: dict[str, list[sympy.Expr]] = {}
     for n in nodes:
         c: NodeCost = n.meta[COST]
+        info = n.meta.get(TENSOR)
+        dtype = str(info.dtype).split(".")[-1] if isinstance(info, TensorInfo) else "float32"
+        if c.mm_flops == 0 and (c.fwd_bytes != 0 or c.bwd_bytes != 0):
+            slot = bound.setdefault(f"{_eager_kind(c.op, info)}/{dtype}", [z, z])
+            slot[0], slot[1] = slot[0] + c.fwd_bytes, slot[1] + c.bwd_bytes
+        if c.copy_bytes != 0:
+            slot = bound.setdefault(f"copy/{dtype}", [z, z])
+            slot[0] += 2 * c.copy_bytes
         fw, bw, mm, bb = fw + c.fwd_flops, bw + c.bwd_flops, mm + c.mm_flops, bb + c.bwd_bytes
         fb += c.fwd_bytes + 2 * c.copy_bytes
         wg += c.wgrad_flops
@@ -218,7 +230,18 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
                 fwd_bytes=p(fb), bwd_bytes=p(bb), saved_bytes=p(sum(saved.values(), z)),
                 wgrad_bytes=p(sum(_wgrad_tensors(nodes).values(), z)), selective_bytes=p(sel_b),
                 selective_flops=p(sel_f), fused_core_bytes=p(fused_b), params=sum(params.values()),
-                weights=tuple(sorted(params.items())), kernels=kernels, row_products=tuple(rows))
+                weights=tuple(sorted(params.items())), kernels=kernels, row_products=tuple(rows),
+                memory_bound=tuple((k, p(f), p(bb)) for k, (f, bb) in sorted(bound.items())))
+
+
+def _eager_kind(op: str, info: TensorInfo | None) -> str:
+    """The eager kernel an op runs as, where its speed differs by more than its bytes (costmodels.eager): a
+    LayerNorm or softmax over short rows or long ones (2048 elements and up), a batch norm; else the op's name."""
+    width = info.shape[-1] if isinstance(info, TensorInfo) and info.shape else None
+    wide = width is not None and width.is_number and int(width) >= 2048
+    if op in ("layer_norm", "softmax", "log_softmax"):
+        return f"{op.replace('log_', '')}{'_wide' if wide else ''}"
+    return op
 
 
 def _wgrad_tensors(nodes: list[fx.Node]) -> dict[str, sympy.Expr]:

@@ -111,7 +111,10 @@ def profile_job(job: FillJobSpec, hw: Hardware, precision: str,
                 sharing: GpuSharing | None = None) -> list[FillProfile]:
     """The job traced in the main job's precision and priced on the main job's hardware (its calibration
     included), under every batch size x configuration; with `sharing`, each unit's time is the time it takes
-    inside a bubble beside the main job (planner/fill/physics.py: runtime_unit_s)."""
+    inside a bubble beside the main job (planner/fill/physics.py: runtime_unit_s). The fill runtime runs the job
+    as eager PyTorch, op by op: its memory-bound kernels at their own measured speeds (costmodels.eager), none
+    fused."""
+    hw = hw.with_eff(eager=True, fusion=0.0)
     prof, _ = analyze(job.model, job.model_args, leaves=tuple(job.leaves), dtype=precision)
     configs = tuple(CONFIGS) if job.kind == "train" else ("plain",)
     out = []
