@@ -192,14 +192,11 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
     bound: dict[str, list[sympy.Expr]] = {}
     for n in nodes:
         c: NodeCost = n.meta[COST]
-        info = n.meta.get(TENSOR)
-        dtype = str(info.dtype).split(".")[-1] if isinstance(info, TensorInfo) else "float32"
         if c.mm_flops == 0 and (c.fwd_bytes != 0 or c.bwd_bytes != 0):
-            slot = bound.setdefault(f"{_eager_kind(c.op, info)}/{dtype}", [z, z])
+            slot = bound.setdefault(f"{_eager_kind(c.op, n)}/{_dtype_name(n)}", [z, z])
             slot[0], slot[1] = slot[0] + c.fwd_bytes, slot[1] + c.bwd_bytes
         if c.copy_bytes != 0:
-            slot = bound.setdefault(f"copy/{dtype}", [z, z])
-            slot[0] += 2 * c.copy_bytes
+            bound.setdefault(f"copy/{_dtype_name(n)}", [z, z])[0] += 2 * c.copy_bytes
         fw, bw, mm, bb = fw + c.fwd_flops, bw + c.bwd_flops, mm + c.mm_flops, bb + c.bwd_bytes
         fb += c.fwd_bytes + 2 * c.copy_bytes
         wg += c.wgrad_flops
@@ -234,9 +231,15 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
                 memory_bound=tuple((k, p(f), p(bb)) for k, (f, bb) in sorted(bound.items())))
 
 
-def _eager_kind(op: str, info: TensorInfo | None) -> str:
+def _dtype_name(n: fx.Node) -> str:
+    info = n.meta.get(TENSOR)
+    return str(info.dtype).split(".")[-1] if isinstance(info, TensorInfo) else "float32"
+
+
+def _eager_kind(op: str, n: fx.Node) -> str:
     """The eager kernel an op runs as, where its speed differs by more than its bytes (costmodels.eager): a
     LayerNorm or softmax over short rows or long ones (2048 elements and up), a batch norm; else the op's name."""
+    info = n.meta.get(TENSOR)
     width = info.shape[-1] if isinstance(info, TensorInfo) and info.shape else None
     wide = width is not None and width.is_number and int(width) >= 2048
     if op in ("layer_norm", "softmax", "log_softmax"):
