@@ -25,7 +25,7 @@ from .memory import param_count
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
-__all__ = ["UnitTime", "unit_time", "tp_allreduce_s", "cp_ring_s", "expert_alltoall_s"]
+__all__ = ["MEGATRON_MOE_HOST_S", "UnitTime", "unit_time", "tp_allreduce_s", "cp_ring_s", "expert_alltoall_s"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -115,6 +115,23 @@ moe_deepep_num_sms = 20 and moe_hybridep_num_sms = 16 (Megatron-Bridge's recipes
 microbatch's compute (--overlap-moe-expert-parallel-comm), that compute runs on the other SMs while they do: a hidden
 all-to-all of A seconds costs A x sms / SMs (the work those SMs would have done meanwhile). Megatron's NCCL
 all-to-all dispatcher is not charged: its channel count is NCCL's choice, not a stated configuration."""
+
+MEGATRON_MOE_HOST_S = 5.3e-3
+"""Least seconds of one mixture-of-experts layer's forward in Megatron-Core run eagerly (no full-iteration CUDA graph):
+the host time of its Python (Transformer Engine's modules, the router, the dispatcher's bookkeeping, the grouped
+experts). A dropless dispatch needs each expert's token count on the host, so it drains the stream every MoE layer
+(megatron/core/transformer/moe/token_dispatcher.py `_maybe_dtoh_and_synchronize`; fused_a2a.py: HybridEP's dispatch
+blocks unless told num_permuted_tokens): the host cannot run ahead of the GPU past a MoE layer, and a layer whose
+kernels take less than its host time waits for the host. Megatron's host time per layer hardly depends on tensor
+sizes: one constant. Fitted to one row, mbridge-26041-qwen3-30b-a3b-fp8cs-16 of bench/reference_runs_2026.json
+(Qwen3-30B-A3B, FP8, HybridEP, 16 H100, 0.1 ms grid: that row's layers price 2.6 ms of GPU work a forward). Checked
+without refitting: the same model's B200 and GB200 rows (their layers' forwards, 4.1 / 4.0 ms, also wait for the host),
+and Megatron-Bridge's eager BF16 run of the H100 row with the all-to-all dispatcher (docs/training/cuda-graphs.md:
+41.36 s an iteration, 40.2 s priced: its forward's 5.6 ms of kernels, mostly the cross-node all-to-all, hide the host,
+and CUDA graphs of attention and the router did not speed it up there). The larger MoE rows' layers (Qwen3-235B,
+DeepSeek-V3) take about as long on the GPU, and so barely feel it. Not applied to torchtitan (its host time is not
+measured here) nor to the backward (no drain: the host runs ahead), nor where the experts' input is padded to a capacity
+(ParallelConfig.expert_load > 1: the token counts are known, no drain; Megatron-Core token_dispatcher.py drop_and_pad)."""
 
 UB_SMS = 16
 """SMs a Transformer Engine userbuffers overlap takes from the GEMM it runs beside, for its "pipeline" (a row-parallel
@@ -214,6 +231,10 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
         ep_f, ep_b = ep_f - hid_f * (1 - taken), ep_b - hid_b * (1 - taken)
     fwd = (sf + rf) * kf + ar_f + cp_f + ep_f + cast / cfg.m
     bwd = (sb + rb) * kb + ar_b + cp_b + ep_b
+    if unit.experts and cfg.expert_load == 1:  # a dropless dispatch drains the stream: the layer's forward waits for
+        # the host's time for it (MEGATRON_MOE_HOST_S); padded to a capacity it does not. Under the 1F1B all-to-all
+        # overlap the host runs it beside another microbatch's backward of the layer: the pair waits
+        fwd += max(0.0, hw.eff.moe_host_s - fwd - (bwd if cfg.moe_a2a_overlap else 0.0))
     bwd += cfg.recompute_mode.extra_backward_s(unit, b, t, hw, cfg.precision, fwd)
     return UnitTime(fwd_s=fwd, bwd_s=bwd, tp_comm_s=ar_f + ar_b, cp_comm_s=cp_f + cp_b, bwd_weight_s=(sw + rw) * kb,
                     ep_comm_s=ep_f + ep_b, weight_cast_s=cast)

@@ -52,6 +52,8 @@ class Efficiency:
     unit_factors: tuple[tuple[str, float, float], ...] = ()  # (unit kind, forward, backward) corrections
     action_overhead_s: float = 0.0  # per forward or backward action of a stage (runtime framework cost)
     eager: bool = False  # memory-bound work at eager PyTorch's kernel speeds (costmodels.eager), as a fill job runs
+    moe_host_s: float = 0.0  # least seconds of a mixture-of-experts layer's forward: the engine's host time for it,
+    # which the dropless dispatch's stream drain exposes (costmodels.compute.MEGATRON_MOE_HOST_S); 0: not modelled
 
     def __post_init__(self) -> None:
         if not 0 <= self.fusion < 1:

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from costmodels.calibration import Calibration, apply_calibration
-from costmodels.compute import unit_time
+from costmodels.compute import MEGATRON_MOE_HOST_S, unit_time
 from costmodels.fp8 import FP8_RECIPES, default_recipe
 from costmodels.hardware import Hardware
 from costmodels.memory import activation_bytes
@@ -156,8 +156,9 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
                          progress=progress)
     if pins.layout and (stages := layout_stages(pins.layout)):  # a layout the model cannot take: one sentence now
         layout_bounds(pins.layout, [u.kind for u in profile.units], stages)
-    if pins.engine in ENGINE_KERNELS:  # the units are priced as the engine's fused kernels: nothing more to fuse
-        hw = hw.with_eff(fusion=0.0)
+    if pins.engine in ENGINE_KERNELS:  # the units are priced as the engine's fused kernels: nothing more to fuse; an
+        # eager Megatron-Core's MoE layers wait for its host
+        hw = hw.with_eff(fusion=0.0, moe_host_s=MEGATRON_MOE_HOST_S)
     ev = Evaluator(units=profile.units, hw=hw, global_batch=global_batch, n_gpus=gpus,
                    tokens_per_sample=profile.tokens_per_sample, layout=pins.layout or "")
     start = time.perf_counter()

@@ -129,3 +129,29 @@ def test_the_flex_dispatcher_sends_a_token_once_per_node_and_overlap_hides_the_a
     a2a, compute_f, compute_b = flex.ep_comm_s / 2, flex.fwd_s - flex.ep_comm_s / 2, flex.bwd_s - flex.ep_comm_s / 2
     hidden = min(a2a, compute_b) + min(a2a, compute_f)
     assert deepep.ep_comm_s == pytest.approx(2 * a2a - hidden + hidden * 20 / 132)
+
+
+def test_a_dropless_moe_layer_forward_waits_for_the_engines_host(mixtral):
+    """Megatron-Core's dropless dispatch drains the stream each MoE layer, so an eager layer's forward takes at least
+    the host's time for it (MEGATRON_MOE_HOST_S, planner.api sets it for --engine megatron): a layer shorter than that
+    is priced at it, a longer one as before; the backward is not (the host runs ahead); a padded capacity (no drain)
+    is not; under the 1F1B all-to-all overlap the host time is set against the forward and the backward it runs
+    beside. A dense unit is never floored."""
+    from costmodels.compute import MEGATRON_MOE_HOST_S
+
+    u = block(mixtral)
+    host = HW.with_eff(moe_host_s=MEGATRON_MOE_HOST_S)
+    for b in (1, 2):  # a short layer (1 x 1024 tokens) and one of twice the work
+        c = config(ep=8, b=b)
+        gpu, floored = unit_time(u, HW, c), unit_time(u, host, c)
+        assert floored.fwd_s == pytest.approx(max(gpu.fwd_s, MEGATRON_MOE_HOST_S))
+        assert floored.bwd_s == pytest.approx(gpu.bwd_s)
+    c = config(ep=8, b=1)
+    short = unit_time(u, HW, c)
+    assert short.fwd_s < MEGATRON_MOE_HOST_S < short.fwd_s + short.bwd_s  # the floor binds alone, not on the pair
+    assert unit_time(u, host, config(ep=8, b=1, expert_load=1.25)).fwd_s == pytest.approx(
+        unit_time(u, HW, config(ep=8, b=1, expert_load=1.25)).fwd_s)
+    over = config(ep=8, b=1, moe_dispatcher="deepep", moe_a2a_overlap=True)
+    assert unit_time(u, host, over).fwd_s == pytest.approx(unit_time(u, HW, over).fwd_s)
+    dense = next(x for x in mixtral.units if not x.experts)
+    assert unit_time(dense, host, c).fwd_s == unit_time(dense, HW, c).fwd_s
