@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from costmodels.compute import MEGATRON_MOE_HOST_S  # noqa: E402
 from passes.errors import UserError  # noqa: E402
 from planner.api import MEGATRON_SCHEDULES, make_plan  # noqa: E402
 from planner.plan import save_plan  # noqa: E402
@@ -35,6 +36,8 @@ def test_megatron_plan_divides_the_experts_where_it_wins(mixtral):
     assert own.config.ep == 1 and any("expert parallelism, which the fxplanner runtime does not run" in k
                                       for k in own.search.rejected)
     assert {"experts": 8, "top_k": 2, "moe_ffn": 14336}.items() <= mega.source.model_shape.items()
+    # Megatron-Core's MoE layers wait for its host (costmodels.compute.MEGATRON_MOE_HOST_S), and the plan says so
+    assert mega.source.efficiency["moe_host_s"] == MEGATRON_MOE_HOST_S and own.source.efficiency["moe_host_s"] == 0
 
 
 def test_an_engine_plans_launch_is_its_export_and_the_runtime_refuses_it(mixtral, tmp_path):
