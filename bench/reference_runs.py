@@ -10,7 +10,7 @@ neither; they ran fp16, the others bf16, with gradients reduced in fp32, Megatro
 grad_reduce_in_fp32 false as NeMo's and Megatron-Bridge's performance recipes set it). Every row is planned for Megatron-Core
 (--engine megatron: its schedules and fused kernels), with the partition the run used (the layout the row states,
 else Megatron's even split where the layers divide the virtual stages: _layout), with the row's FP8 recipe,
-expert-parallel degree and tensor-parallel communication overlap where it states them. The planner
+expert-parallel degree, padded expert capacity and tensor-parallel communication overlap where it states them. The planner
 chooses only what the row leaves open (recompute when null). Prints predicted against measured
 iteration time. The SC21 rows are priced with ref_gpt.py's GPT plus the dropouts Megatron-LM applied at its
 defaults (bench/models/ref_gpt_megatron.py). No constant is fitted to these rows (gemm_max was fitted to the 13 rows of the first file before the
@@ -71,6 +71,7 @@ def main() -> None:
                     precision="bf16" if h100 else "fp16", grad_fp32=r.get("grad_reduce_in_fp32"),
                     tp_comm_overlap=bool(r.get("tp_comm_overlap")), fp8_params=bool(r.get("fp8_params")),
                     moe_dispatcher=r.get("moe_dispatcher", "alltoall"), moe_a2a_overlap=bool(r.get("moe_a2a_overlap")),
+                    moe_capacity=r.get("moe_capacity", 0.0),
                     layout=_layout(r))
         model = (ROOT / "examples" / f"hf_{r['model'][3:]}.py" if r["model"].startswith("hf:")
                  else AS_RUN.get(r["model"], REFS / "models" / r["model"]))

@@ -131,7 +131,7 @@ and Megatron-Bridge's eager BF16 run of the H100 row with the all-to-all dispatc
 and CUDA graphs of attention and the router did not speed it up there). The larger MoE rows' layers (Qwen3-235B,
 DeepSeek-V3) take about as long on the GPU, and so barely feel it. Not applied to torchtitan (its host time is not
 measured here) nor to the backward (no drain: the host runs ahead), nor where the experts' input is padded to a capacity
-(ParallelConfig.expert_load > 1: the token counts are known, no drain; Megatron-Core token_dispatcher.py drop_and_pad)."""
+(ParallelConfig.moe_capacity: the token counts are known, no drain; Megatron-Core token_dispatcher.py drop_and_pad)."""
 
 UB_SMS = 16
 """SMs a Transformer Engine userbuffers overlap takes from the GEMM it runs beside, for its "pipeline" (a row-parallel
@@ -231,7 +231,7 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
         ep_f, ep_b = ep_f - hid_f * (1 - taken), ep_b - hid_b * (1 - taken)
     fwd = (sf + rf) * kf + ar_f + cp_f + ep_f + cast / cfg.m
     bwd = (sb + rb) * kb + ar_b + cp_b + ep_b
-    if unit.experts and cfg.expert_load == 1:  # a dropless dispatch drains the stream: the layer's forward waits for
+    if unit.experts and not cfg.moe_capacity:  # a dropless dispatch drains the stream: the layer's forward waits for
         # the host's time for it (MEGATRON_MOE_HOST_S); padded to a capacity it does not. Under the 1F1B all-to-all
         # overlap the host runs it beside another microbatch's backward of the layer: the pair waits
         fwd += max(0.0, hw.eff.moe_host_s - fwd - (bwd if cfg.moe_a2a_overlap else 0.0))

@@ -44,7 +44,9 @@ def plan(
     moe_a2a_overlap: bool = typer.Option(False, "--moe-a2a-overlap", help="overlap the expert all-to-alls with another "
                                          "microbatch's compute (Megatron --overlap-moe-expert-parallel-comm)"),
     expert_load: float = typer.Option(1.0, "--expert-load", help="tokens the busiest expert-parallel rank handles "
-                                      "over the balanced share: a padded capacity factor, or your router's balance"),
+                                      "over the balanced share under dropless routing: your router's balance"),
+    moe_capacity: float = typer.Option(0.0, "--moe-capacity", help="drop and pad each expert's tokens to this capacity "
+                                       "factor (Megatron --moe-expert-capacity-factor, padded); 0: dropless"),
     microbatch: Optional[int] = typer.Option(None, "--microbatch", help="pin the microbatch size"),
     vp: Optional[int] = typer.Option(None, "--vp", help="pin model chunks per rank (interleaving)"),
     recompute: Optional[str] = typer.Option(None, "--recompute", help=f"pin: {_choices(RECOMPUTE)}"),
@@ -118,11 +120,15 @@ def plan(
         cal = load_calibration(calibration) if calibration else None
         if dtype == "fp8":
             dtype, fp8 = "bf16", fp8 or "auto"
+        if moe_capacity and expert_load not in (1.0, moe_capacity):
+            raise UserError(f"--expert-load {expert_load:g} is a dropless router's balance, but --moe-capacity "
+                            f"{moe_capacity:g} pads every expert to that share: give one of them")
         pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, b=microbatch, v=vp, recompute=recompute,
                     recompute_layers=recompute_layers, schedule=schedule, layout=pipeline_layout,
                     zero=zero if zero is not None else None if shard_optimizer is None else int(shard_optimizer), grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce,
                     tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype, fp8=fp8 or "", engine=engine, fp8_params=fp8_params,
-                    expert_load=expert_load, moe_dispatcher=moe_dispatcher, moe_a2a_overlap=moe_a2a_overlap,
+                    expert_load=expert_load, moe_capacity=moe_capacity, moe_dispatcher=moe_dispatcher,
+                    moe_a2a_overlap=moe_a2a_overlap,
                     allow_cross_node_tp=allow_cross_node_tp)
         if global_batch < 1:
             raise UserError(f"--global-batch must be positive, got {global_batch}")

@@ -31,8 +31,11 @@ precision       training precision (registry: costmodels.precision)
 fp8             FP8 recipe of the linear layers' GEMMs under bf16/fp16 mixed precision ("": none; registry:
                 costmodels.fp8 -- Megatron's --fp8-format hybrid --fp8-recipe, torchao's float8)
 expert_load     tokens the busiest expert-parallel rank computes and exchanges, as a multiple of the balanced share:
-                a capacity factor c with padding makes it c (Megatron --moe-expert-capacity-factor c
-                --moe-pad-expert-input-to-capacity); dropless routing, the router's balance (1: balanced)
+                dropless routing, the router's balance (1: balanced); under moe_capacity, that capacity factor
+moe_capacity    0: dropless routing (every token reaches its experts; the dispatcher needs each expert's count on the
+                host, which drains the stream every MoE layer: costmodels.compute.MEGATRON_MOE_HOST_S); c > 0: each
+                expert's input dropped and padded to c times its balanced share (Megatron --moe-expert-capacity-factor c
+                --moe-pad-expert-input-to-capacity): the counts are known, no drain, and expert_load is c
 moe_dispatcher  how tokens reach their experts: "alltoall" (Megatron's all-to-all, one copy per routed expert) or
                 "deepep" / "hybridep" (the flex dispatcher: one copy per other node, fanned out over NVLink there)
 moe_a2a_overlap the expert all-to-alls of one microbatch overlapped with another's compute in 1F1B (Megatron's
@@ -101,6 +104,7 @@ class ParallelConfig:
     fp8: str = ""
     fp8_params: bool = False
     expert_load: float = 1.0
+    moe_capacity: float = 0.0
     moe_dispatcher: str = "alltoall"
     moe_a2a_overlap: bool = False
 
@@ -142,9 +146,14 @@ class ParallelConfig:
             raise ConfigError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.fp8 and self.fp8 not in FP8_RECIPES:
             raise ConfigError(f"FP8 recipe {self.fp8!r} is not one of {', '.join(FP8_RECIPES)}")
+        if not (isinstance(self.moe_capacity, (int, float)) and (self.moe_capacity == 0 or 1 <= self.moe_capacity <= 64)):
+            raise ConfigError(f"moe_capacity is 0 (dropless) or a capacity factor of at least 1, got {self.moe_capacity!r}")
         if not (isinstance(self.expert_load, (int, float)) and 1 <= self.expert_load <= 64):
             raise ConfigError(f"expert_load is the busiest rank's tokens over the balanced share, at least 1, got "
                               f"{self.expert_load!r}")
+        if self.moe_capacity and self.expert_load != self.moe_capacity:
+            raise ConfigError(f"experts padded to capacity factor {self.moe_capacity:g} load the busiest rank with "
+                              f"exactly that share, not expert_load {self.expert_load:g}")
         if self.moe_dispatcher not in MOE_DISPATCHERS:
             raise ConfigError(f"moe_dispatcher {self.moe_dispatcher!r} is not one of {', '.join(MOE_DISPATCHERS)}")
         if self.fp8_params and not (self.fp8 and FP8_RECIPES[self.fp8].weight_cache):
@@ -290,7 +299,7 @@ class ParallelConfig:
         instead."""
         recompute = recompute or ("none" if self.recompute_mode.partial else self.recompute)
         return (self.b, self.tp, self.cp, self.sp, self.tp_comm_overlap, recompute, self.precision, self.fp8,
-                self.ep, self.expert_load, self.moe_dispatcher, self.moe_a2a_overlap)
+                self.ep, self.expert_load, self.moe_capacity, self.moe_dispatcher, self.moe_a2a_overlap)
 
     def __str__(self) -> str:
         extra = "".join([f" cp={self.cp}" if self.cp > 1 else "", f" ep={self.ep}" if self.ep > 1 else "", " sp" if self.sp else "",
@@ -299,7 +308,9 @@ class ParallelConfig:
                          " tp-overlap" if self.tp_comm_overlap else "", f" fp8={self.fp8}" if self.fp8 else "",
                          " fp8-params" if self.fp8_params else "",
                          f" {self.moe_dispatcher}" if self.moe_dispatcher != "alltoall" and self.ep > 1 else "",
-                         " a2a-overlap" if self.moe_a2a_overlap and self.ep > 1 else ""])
+                         " a2a-overlap" if self.moe_a2a_overlap and self.ep > 1 else "",
+                         f" capacity={self.moe_capacity:g}" if self.moe_capacity else
+                         f" load={self.expert_load:g}" if self.expert_load != 1 else ""])
         layers = f"({self.recompute_layers} per chunk)" if self.recompute_mode.partial else ""
         return (f"t={self.tp} p={self.pp} d={self.dp}{extra} b={self.b} m={self.m} v={self.v} "
                 f"{self.schedule} recompute={self.recompute}{layers}")

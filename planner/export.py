@@ -362,8 +362,8 @@ def to_megatron(plan: Plan) -> Export:
                      ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", c.moe_dispatcher])
             if c.moe_a2a_overlap:
                 argv += ["--overlap-moe-expert-parallel-comm", "--delay-wgrad-compute"]
-            if c.expert_load != 1:  # each expert padded to its capacity: the busiest rank's share, exactly
-                argv += ["--moe-expert-capacity-factor", f"{c.expert_load:g}", "--moe-pad-expert-input-to-capacity"]
+            if c.moe_capacity:  # each expert padded to its capacity: the busiest rank's share, exactly
+                argv += ["--moe-expert-capacity-factor", f"{c.moe_capacity:g}", "--moe-pad-expert-input-to-capacity"]
             if shape.get("moe_layer_freq"):
                 argv += ["--moe-layer-freq", str(shape["moe_layer_freq"])]
             if shape.get("shared_expert_ffn"):

@@ -91,7 +91,9 @@ class ConfigModel(_Model):
     moe_a2a_overlap: bool = Field(False, description="expert all-to-alls overlapped with another microbatch's compute "
                                   "(Megatron --overlap-moe-expert-parallel-comm)")
     expert_load: float = Field(1.0, description="tokens the busiest expert-parallel rank computes and exchanges, over "
-                               "the balanced share (a padded capacity factor; 1: balanced)")
+                               "the balanced share (the router's balance, or the capacity factor; 1: balanced)")
+    moe_capacity: float = Field(0.0, description="experts' inputs dropped and padded to this capacity factor (Megatron "
+                                "--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity); 0: dropless")
 
     @model_validator(mode="after")
     def _consistent(self) -> "ConfigModel":
@@ -103,8 +105,8 @@ class ConfigModel(_Model):
         return cls(tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp, ep=c.ep, sp=c.sp, zero=c.zero, grad_fp32=c.grad_fp32,
                    overlap_grad_reduce=c.overlap_grad_reduce, tp_comm_overlap=c.tp_comm_overlap, microbatch=c.b, microbatches=c.m,
                    vp=c.v, recompute=c.recompute, recompute_layers=c.recompute_layers, schedule=c.schedule, precision=c.precision, fp8=c.fp8,
-                   fp8_params=c.fp8_params, expert_load=c.expert_load, moe_dispatcher=c.moe_dispatcher,
-                   moe_a2a_overlap=c.moe_a2a_overlap)
+                   fp8_params=c.fp8_params, expert_load=c.expert_load, moe_capacity=c.moe_capacity,
+                   moe_dispatcher=c.moe_dispatcher, moe_a2a_overlap=c.moe_a2a_overlap)
 
     def to_config(self) -> ParallelConfig:
         return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, ep=self.ep, sp=self.sp, zero=self.zero,
@@ -114,7 +116,8 @@ class ConfigModel(_Model):
                               recompute_layers=self.recompute_layers,
                               schedule=self.schedule, precision=self.precision, fp8=self.fp8,
                               fp8_params=self.fp8_params, expert_load=self.expert_load,
-                              moe_dispatcher=self.moe_dispatcher, moe_a2a_overlap=self.moe_a2a_overlap)
+                              moe_capacity=self.moe_capacity, moe_dispatcher=self.moe_dispatcher,
+                              moe_a2a_overlap=self.moe_a2a_overlap)
 
 
 class Stage(_Model):

@@ -66,6 +66,7 @@ class Pins:
     engine: str = "fxplanner"  # what runs the plan (ENGINES): its launch commands, and what it can run
     fp8_params: bool = False  # the linear layers' weights in FP8 only (Megatron --fp8-param-gather)
     expert_load: float = 1.0  # the busiest expert-parallel rank's tokens over the balanced share (ParallelConfig)
+    moe_capacity: float = 0.0  # experts padded to this capacity factor (ParallelConfig); 0: dropless
     moe_dispatcher: str = "alltoall"  # ParallelConfig.moe_dispatcher
     moe_a2a_overlap: bool = False  # ParallelConfig.moe_a2a_overlap
     layout: str | None = None  # the partition as stated (planner.layout: Megatron-Core's layout string, or "even")
@@ -262,7 +263,9 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                                                  recompute=rc, recompute_layers=layers, sp=sp, schedule=name,
                                                  precision=pins.precision,
                                                  fp8=pins.fp8, fp8_params=pins.fp8_params,
-                                                 expert_load=pins.expert_load if ep > 1 else 1.0,
+                                                 expert_load=pins.moe_capacity or (pins.expert_load if ep > 1
+                                                                                   else 1.0),
+                                                 moe_capacity=pins.moe_capacity,
                                                  moe_dispatcher=pins.moe_dispatcher,
                                                  moe_a2a_overlap=pins.moe_a2a_overlap and ep > 1)
 

@@ -62,7 +62,8 @@ def test_all_to_all_moves_2_tokens_k_h_each_way(mixtral):
     assert unit_time(u, HW, config()).ep_comm_s == 0
     # a padded capacity factor of 1.5: the busiest rank exchanges (and computes) 1.5x its balanced share
     one = 7 / 8 * 1.5 * nbytes / links.nvlink_bw + 7 * links.nvlink_latency_s
-    loaded, balanced = unit_time(u, HW, config(ep=8, expert_load=1.5)), unit_time(u, HW, config(ep=8))
+    loaded = unit_time(u, HW, config(ep=8, expert_load=1.5, moe_capacity=1.5))
+    balanced = unit_time(u, HW, config(ep=8))
     assert loaded.ep_comm_s == pytest.approx(4 * one)
     assert loaded.fwd_s - loaded.ep_comm_s / 2 > balanced.fwd_s - balanced.ep_comm_s / 2
     # across nodes (ep = 16 on 8-GPU nodes): the NICs carry the 8 of 16 shares bound for the other node
@@ -134,9 +135,9 @@ def test_the_flex_dispatcher_sends_a_token_once_per_node_and_overlap_hides_the_a
 def test_a_dropless_moe_layer_forward_waits_for_the_engines_host(mixtral):
     """Megatron-Core's dropless dispatch drains the stream each MoE layer, so an eager layer's forward takes at least
     the host's time for it (MEGATRON_MOE_HOST_S, planner.api sets it for --engine megatron): a layer shorter than that
-    is priced at it, a longer one as before; the backward is not (the host runs ahead); a padded capacity (no drain)
-    is not; under the 1F1B all-to-all overlap the host time is set against the forward and the backward it runs
-    beside. A dense unit is never floored."""
+    is priced at it, a longer one as before; the backward is not (the host runs ahead); experts padded to a capacity
+    (no drain) are not, a dropless router's imbalance is; under the 1F1B all-to-all overlap the host time is set
+    against the forward and the backward it runs beside. A dense unit is never floored."""
     from costmodels.compute import MEGATRON_MOE_HOST_S
 
     u = block(mixtral)
@@ -149,8 +150,13 @@ def test_a_dropless_moe_layer_forward_waits_for_the_engines_host(mixtral):
     c = config(ep=8, b=1)
     short = unit_time(u, HW, c)
     assert short.fwd_s < MEGATRON_MOE_HOST_S < short.fwd_s + short.bwd_s  # the floor binds alone, not on the pair
-    assert unit_time(u, host, config(ep=8, b=1, expert_load=1.25)).fwd_s == pytest.approx(
-        unit_time(u, HW, config(ep=8, b=1, expert_load=1.25)).fwd_s)
+    padded = config(ep=8, b=1, expert_load=1.25, moe_capacity=1.25)
+    assert unit_time(u, host, padded).fwd_s == pytest.approx(unit_time(u, HW, padded).fwd_s)
+    unbalanced = config(ep=8, b=1, expert_load=1.25)  # dropless, the router loading the busiest rank 1.25x: it drains
+    assert unit_time(u, host, unbalanced).fwd_s == pytest.approx(
+        max(unit_time(u, HW, unbalanced).fwd_s, MEGATRON_MOE_HOST_S))
+    with pytest.raises(ConfigError, match="capacity factor 1.5 load the busiest rank with exactly that share"):
+        config(ep=8, moe_capacity=1.5)
     over = config(ep=8, b=1, moe_dispatcher="deepep", moe_a2a_overlap=True)
     assert unit_time(u, host, over).fwd_s == pytest.approx(unit_time(u, HW, over).fwd_s)
     dense = next(x for x in mixtral.units if not x.experts)

@@ -74,11 +74,15 @@ def test_megatron_core_builds_the_plans_experts(mixtral, dispatcher, overlap):
 
     mega = mixtral[0]
     plan = mega.model_copy(update={"config": mega.config.model_copy(update={
-        "moe_dispatcher": dispatcher, "moe_a2a_overlap": overlap, "expert_load": 1.25})})
+        "moe_dispatcher": dispatcher, "moe_a2a_overlap": overlap, "expert_load": 1.25, "moe_capacity": 1.25})})
     ex = to_megatron(plan)
     kind = "alltoall" if dispatcher == "alltoall" else "flex"
     assert check_megatron(ex)["moe"] == (8, 2, mega.config.ep, kind, overlap)
     assert ex.argv[ex.argv.index("--moe-expert-capacity-factor") + 1] == "1.25"
+    assert "--moe-pad-expert-input-to-capacity" in ex.argv
+    # dropless routing whose router loads the busiest rank 1.25x: no capacity, nothing dropped
+    dropless = plan.model_copy(update={"config": plan.config.model_copy(update={"moe_capacity": 0.0})})
+    assert "--moe-expert-capacity-factor" not in to_megatron(dropless).argv
 
 
 def test_a_torchtitan_plan_of_a_family_torchtitan_does_not_ship_names_what_to_fill_in(tmp_path):
