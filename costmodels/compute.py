@@ -25,7 +25,7 @@ from .memory import param_count
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
-__all__ = ["MEGATRON_MOE_HOST_S", "UnitTime", "unit_time", "tp_allreduce_s", "cp_ring_s", "expert_alltoall_s"]
+__all__ = ["MEGATRON_MOE_HOST_S", "UnitTime", "moe_host_wait_s", "unit_time", "tp_allreduce_s", "cp_ring_s", "expert_alltoall_s"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -238,6 +238,14 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     bwd += cfg.recompute_mode.extra_backward_s(unit, b, t, hw, cfg.precision, fwd)
     return UnitTime(fwd_s=fwd, bwd_s=bwd, tp_comm_s=ar_f + ar_b, cp_comm_s=cp_f + cp_b, bwd_weight_s=(sw + rw) * kb,
                     ep_comm_s=ep_f + ep_b, weight_cast_s=cast)
+
+
+def moe_host_wait_s(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> float:
+    """Seconds a MoE unit's forward waits for the engine's host beyond its GPU work (MEGATRON_MOE_HOST_S; 0 where
+    its kernels are longer, it is padded to a capacity, or the floor is not modelled)."""
+    if not (unit.experts and hw.eff.moe_host_s):
+        return 0.0
+    return unit_time(unit, hw, cfg).fwd_s - unit_time(unit, hw.with_eff(moe_host_s=0.0), cfg).fwd_s
 
 
 def expert_alltoall_s(nbytes: float, top_k: int, cfg: ParallelConfig, hw: Hardware) -> float:

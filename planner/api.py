@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from costmodels.calibration import Calibration, apply_calibration
-from costmodels.compute import MEGATRON_MOE_HOST_S, unit_time
+from costmodels.compute import MEGATRON_MOE_HOST_S, moe_host_wait_s, unit_time
 from costmodels.fp8 import FP8_RECIPES, default_recipe
 from costmodels.hardware import Hardware
 from costmodels.memory import activation_bytes
@@ -133,6 +133,17 @@ def engine_launch(plan: Plan, plan_path: str) -> Launch:
     return Launch(nnodes=plan.launch.nnodes, nproc_per_node=plan.launch.nproc_per_node,
                   commands=[f"planner export {plan_path} --to {engine}{flags} -o {script} && bash {script}"]
                   * plan.launch.nnodes, script=text)
+
+
+def _host_notes(ev: Evaluator, c: ParallelConfig) -> list[str]:
+    """Where the chosen configuration's MoE layers wait for the engine's host, say so and what would hide it."""
+    moe = next((u for u in ev.units if u.experts), None)
+    wait = moe_host_wait_s(moe, ev.hw, c) if moe is not None else 0.0
+    if wait <= 0:
+        return []
+    return [f"each MoE layer's forward waits {wait * 1e3:.1f} ms for Megatron-Core's host beyond its kernels (at least "
+            f"{ev.hw.eff.moe_host_s * 1e3:.1f} ms a layer: the dropless dispatch drains the stream every layer); a "
+            "larger microbatch, --moe-capacity, or a full-iteration CUDA graph hides it"]
 
 
 def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per_node: int | None = None,
@@ -313,6 +324,7 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
                       frontend=profile.frontend, engine=pins.engine,
                       model_shape=profile.model_shape,
                       notes=[*(f"unpriced op {op} ({share:.1%} of the forward's bytes)" for op, share in profile.unpriced),
+                             *_host_notes(ev, c),
                              *(n for n in profile.notes  # how the fxplanner runtime runs it: its plans only
                                if pins.engine == "fxplanner" or not n.startswith("the fxplanner runtime"))],
                       leaves=list(leaves), target=hw.name, gpu=gpu, cluster=asdict(hw.cluster),

@@ -138,7 +138,7 @@ def test_a_dropless_moe_layer_forward_waits_for_the_engines_host(mixtral):
     is priced at it, a longer one as before; the backward is not (the host runs ahead); experts padded to a capacity
     (no drain) are not, a dropless router's imbalance is; under the 1F1B all-to-all overlap the host time is set
     against the forward and the backward it runs beside. A dense unit is never floored."""
-    from costmodels.compute import MEGATRON_MOE_HOST_S
+    from costmodels.compute import MEGATRON_MOE_HOST_S, moe_host_wait_s
 
     u = block(mixtral)
     host = HW.with_eff(moe_host_s=MEGATRON_MOE_HOST_S)
@@ -161,3 +161,5 @@ def test_a_dropless_moe_layer_forward_waits_for_the_engines_host(mixtral):
     assert unit_time(u, host, over).fwd_s == pytest.approx(unit_time(u, HW, over).fwd_s)
     dense = next(x for x in mixtral.units if not x.experts)
     assert unit_time(dense, host, c).fwd_s == unit_time(dense, HW, c).fwd_s
+    assert moe_host_wait_s(u, host, c) == pytest.approx(MEGATRON_MOE_HOST_S - short.fwd_s)
+    assert moe_host_wait_s(u, HW, c) == 0 == moe_host_wait_s(dense, host, c)

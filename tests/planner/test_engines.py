@@ -40,6 +40,19 @@ def test_megatron_plan_divides_the_experts_where_it_wins(mixtral):
     assert mega.source.efficiency["moe_host_s"] == MEGATRON_MOE_HOST_S and own.source.efficiency["moe_host_s"] == 0
 
 
+def test_a_plan_whose_moe_layers_wait_for_the_host_says_so():
+    """Qwen3-30B-A3B's MoE layers at one 4096-token sequence a microbatch take less GPU time than Megatron-Core's host
+    does for them: the plan says how long each waits and what would hide it; padded to a capacity they do not wait."""
+    kw = dict(gpus=8, global_batch=64, target="h100-sxm", model_args={"preset": "qwen3-30b-a3b", "layers": 2})
+    pins = Pins(engine="megatron", tp=1, pp=1, ep=8, b=1)
+    plan, _ = make_plan(str(EXAMPLES / "hf_qwen3_moe.py"), pins=pins, **kw)
+    note = next(n for n in plan.source.notes if n.startswith("each MoE layer's forward waits"))
+    assert "a larger microbatch, --moe-capacity, or a full-iteration CUDA graph hides it" in note
+    padded, _ = make_plan(str(EXAMPLES / "hf_qwen3_moe.py"), pins=replace(pins, moe_capacity=1.0), **kw)
+    assert not any(n.startswith("each MoE layer's forward waits") for n in padded.source.notes)
+    assert padded.predictions.iteration_s < plan.predictions.iteration_s
+
+
 def test_an_engine_plans_launch_is_its_export_and_the_runtime_refuses_it(mixtral, tmp_path):
     mega, _, path = mixtral
     assert mega.launch.commands[0].startswith(f"planner export {path} --to megatron -o ")
