@@ -94,6 +94,9 @@ def engine_pins(pins: Pins, hw: Hardware) -> Pins:
                             "add --engine megatron or --engine torchtitan")
         return replace(pins, ep=1)
     if pins.engine == "megatron":
+        if pins.moe_capacity and pins.moe_dispatcher == "deepep":  # megatron-core TransformerConfig refuses it
+            raise UserError("Megatron-Core's flex dispatcher with DeepEP does not pad experts to a capacity "
+                            "(--moe-capacity): use --moe-dispatcher alltoall or hybridep, or dropless routing")
         allowed = tuple(k for k in (pins.schedules or MEGATRON_SCHEDULES) if k in MEGATRON_SCHEDULES)
         if pins.schedule is not None and pins.schedule not in MEGATRON_SCHEDULES:
             raise UserError(f"Megatron-Core runs the {' and '.join(MEGATRON_SCHEDULES)} schedules, not "

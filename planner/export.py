@@ -599,6 +599,8 @@ def check_megatron(ex: Export) -> dict[str, object]:
             expert_tensor_parallel_size=num("expert_tensor_parallel_size"), moe_grouped_gemm=bool(a.get(
                 "moe_grouped_gemm")), moe_token_dispatcher_type=a.get("moe_token_dispatcher_type", "allgather"),
             moe_flex_dispatcher_backend=a.get("moe_flex_dispatcher_backend", "deepep"),
+            moe_expert_capacity_factor=float(a["moe_expert_capacity_factor"]) if "moe_expert_capacity_factor" in a
+            else None, moe_pad_expert_input_to_capacity=bool(a.get("moe_pad_expert_input_to_capacity")),
             overlap_moe_expert_parallel_comm=bool(a.get("overlap_moe_expert_parallel_comm")),
             delay_wgrad_compute=bool(a.get("delay_wgrad_compute")),
             moe_layer_freq=parse_layer_freq(a["moe_layer_freq"]) if "moe_layer_freq" in a else 1,

@@ -87,15 +87,23 @@ def test_megatron_core_builds_the_plans_experts(mixtral, dispatcher, overlap):
 
     mega = mixtral[0]
     plan = mega.model_copy(update={"config": mega.config.model_copy(update={
-        "moe_dispatcher": dispatcher, "moe_a2a_overlap": overlap, "expert_load": 1.25, "moe_capacity": 1.25})})
-    ex = to_megatron(plan)
+        "moe_dispatcher": dispatcher, "moe_a2a_overlap": overlap, "expert_load": 1.25})})
     kind = "alltoall" if dispatcher == "alltoall" else "flex"
-    assert check_megatron(ex)["moe"] == (8, 2, mega.config.ep, kind, overlap)
+    # dropless routing whose router loads the busiest rank 1.25x: no capacity, nothing dropped
+    assert check_megatron(ex := to_megatron(plan))["moe"] == (8, 2, mega.config.ep, kind, overlap)
+    assert "--moe-expert-capacity-factor" not in ex.argv
+    padded = plan.model_copy(update={"config": plan.config.model_copy(update={"moe_capacity": 1.25})})
+    ex = to_megatron(padded)
     assert ex.argv[ex.argv.index("--moe-expert-capacity-factor") + 1] == "1.25"
     assert "--moe-pad-expert-input-to-capacity" in ex.argv
-    # dropless routing whose router loads the busiest rank 1.25x: no capacity, nothing dropped
-    dropless = plan.model_copy(update={"config": plan.config.model_copy(update={"moe_capacity": 0.0})})
-    assert "--moe-expert-capacity-factor" not in to_megatron(dropless).argv
+    if dispatcher == "deepep":  # megatron-core refuses to pad experts behind DeepEP, and so does the planner
+        with pytest.raises(ValueError, match="does not support moe_pad_expert_input_to_capacity"):
+            check_megatron(ex)
+        with pytest.raises(UserError, match="DeepEP does not pad experts to a capacity"):
+            make_plan(str(EXAMPLES / "hf_mixtral.py"), gpus=64, global_batch=256, target="h100-sxm",
+                      pins=Pins(engine="megatron", moe_dispatcher="deepep", moe_capacity=1.25))
+    else:
+        assert check_megatron(ex)["moe"] == (8, 2, mega.config.ep, kind, overlap)
 
 
 def test_a_torchtitan_plan_of_a_family_torchtitan_does_not_ship_names_what_to_fill_in(tmp_path):
