@@ -25,7 +25,8 @@ from .memory import param_count
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
-__all__ = ["MEGATRON_MOE_HOST_S", "UnitTime", "moe_host_wait_s", "unit_time", "tp_allreduce_s", "cp_ring_s", "expert_alltoall_s"]
+__all__ = ["MEGATRON_MOE_HOST_S", "UnitTime", "moe_host_wait_s", "unit_time", "tp_allreduce_s", "cp_ring_s",
+           "expert_alltoall_s"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -80,7 +80,11 @@ def engine_pins(pins: Pins, hw: Hardware) -> Pins:
     """The pins for what the plan's engine runs: fxplanner's runtime runs neither FP8 nor expert parallelism (asking
     for them is refused in one sentence naming the engines that do); Megatron-Core runs Transformer Engine's FP8
     recipes and its two pipeline schedules (with bf16, gradients accumulated and reduced in fp32), torchtitan torchao's
-    float8. --fp8 auto becomes the engine's default recipe for the GPU, and a recipe the GPU cannot run is refused."""
+    float8. --fp8 auto becomes the engine's default recipe for the GPU, and a recipe the GPU cannot run is refused.
+    Experts padded to a capacity are Megatron-Core's (the others route dropless)."""
+    if pins.moe_capacity and pins.engine != "megatron":
+        raise UserError(f"experts padded to a capacity (--moe-capacity) run in Megatron-Core; {pins.engine} routes "
+                        "every token to its experts: add --engine megatron, or plan dropless")
     if pins.engine == "fxplanner":
         if pins.fp8:
             raise UserError("FP8 runs in Megatron-Core (Transformer Engine's recipes) or torchtitan (torchao's float8), "

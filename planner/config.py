@@ -146,8 +146,9 @@ class ParallelConfig:
             raise ConfigError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
         if self.fp8 and self.fp8 not in FP8_RECIPES:
             raise ConfigError(f"FP8 recipe {self.fp8!r} is not one of {', '.join(FP8_RECIPES)}")
-        if not (isinstance(self.moe_capacity, (int, float)) and (self.moe_capacity == 0 or 1 <= self.moe_capacity <= 64)):
-            raise ConfigError(f"moe_capacity is 0 (dropless) or a capacity factor of at least 1, got {self.moe_capacity!r}")
+        if not (isinstance(self.moe_capacity, (int, float)) and (not self.moe_capacity or 1 <= self.moe_capacity <= 64)):
+            raise ConfigError(f"moe_capacity is 0 (dropless) or a capacity factor of at least 1, got "
+                              f"{self.moe_capacity!r}")
         if not (isinstance(self.expert_load, (int, float)) and 1 <= self.expert_load <= 64):
             raise ConfigError(f"expert_load is the busiest rank's tokens over the balanced share, at least 1, got "
                               f"{self.expert_load!r}")
