@@ -50,6 +50,34 @@ def _layout(r: dict) -> str | None:
     return "even" if r["pp"] > 1 and layers and layers % (r["pp"] * (r["vp"] or 1)) == 0 else None
 
 
+def price_row(r: dict):
+    """(plan, predicted memory over the capacity or None) of one row at its stated configuration."""
+    h100 = r["gpu"] != "a100-80"  # NeMo / Megatron-Bridge runs: distributed optimizer, overlapped reductions
+    pins = Pins(tp=r["tp"], pp=r["pp"], dp=r["dp"], cp=r["cp"], b=r["microbatch"], v=r["vp"], recompute=r["recompute"],
+                sp=r["sequence_parallel"], zero=1 if h100 else 0, max_v=max(8, r["vp"] or 0),
+                overlap_grad_reduce=r.get("overlap_grad_reduce", h100),
+                schedule=("interleaved" if r["vp"] else None) if r["pp"] > 1 else None,
+                schedules=MEGATRON_SCHEDULES, engine="megatron", fp8=r.get("fp8") or "", ep=r.get("ep", 1),
+                precision="bf16" if h100 else "fp16", grad_fp32=r.get("grad_reduce_in_fp32"),
+                tp_comm_overlap=bool(r.get("tp_comm_overlap")), fp8_params=bool(r.get("fp8_params")),
+                moe_dispatcher=r.get("moe_dispatcher", "alltoall"), moe_a2a_overlap=bool(r.get("moe_a2a_overlap")),
+                moe_capacity=r.get("moe_capacity", 0.0),
+                layout=_layout(r))
+    model = (ROOT / "examples" / f"hf_{r['model'][3:]}.py" if r["model"].startswith("hf:")
+             else AS_RUN.get(r["model"], REFS / "models" / r["model"]))
+    kw = dict(gpus=r["gpus"], global_batch=r["global_batch"], model_args=r["model_args"], pins=pins)
+    try:
+        return make_plan(str(model), target=TARGETS[r["gpu"]], **kw)[0], None
+    except NoFeasibleConfig:  # the run fitted, the memory model says it does not: price its time all the same, on
+        # the GPU with twice the memory, and report what the memory model predicts against the real capacity
+        with tempfile.TemporaryDirectory() as tmp:
+            big = Path(tmp) / "big.yaml"
+            hbm = get_target(TARGETS[r["gpu"]]).gpu.hbm_bytes
+            big.write_text(f"schema_version: 1\nbase: {TARGETS[r['gpu']]}\ngpu: {{hbm_bytes: {2 * hbm}}}\n")
+            plan, _ = make_plan(str(model), target=str(big), **kw)
+        return plan, max(m.total for m in plan.predictions.memory) / hbm
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--json")
@@ -62,31 +90,7 @@ def main() -> None:
         source[r["id"]] = f
         if args.only and args.only not in r["id"]:
             continue
-        h100 = r["gpu"] != "a100-80"  # NeMo / Megatron-Bridge runs: distributed optimizer, overlapped reductions
-        pins = Pins(tp=r["tp"], pp=r["pp"], dp=r["dp"], cp=r["cp"], b=r["microbatch"], v=r["vp"], recompute=r["recompute"],
-                    sp=r["sequence_parallel"], zero=1 if h100 else 0, max_v=max(8, r["vp"] or 0),
-                    overlap_grad_reduce=r.get("overlap_grad_reduce", h100),
-                    schedule=("interleaved" if r["vp"] else None) if r["pp"] > 1 else None,
-                    schedules=MEGATRON_SCHEDULES, engine="megatron", fp8=r.get("fp8") or "", ep=r.get("ep", 1),
-                    precision="bf16" if h100 else "fp16", grad_fp32=r.get("grad_reduce_in_fp32"),
-                    tp_comm_overlap=bool(r.get("tp_comm_overlap")), fp8_params=bool(r.get("fp8_params")),
-                    moe_dispatcher=r.get("moe_dispatcher", "alltoall"), moe_a2a_overlap=bool(r.get("moe_a2a_overlap")),
-                    moe_capacity=r.get("moe_capacity", 0.0),
-                    layout=_layout(r))
-        model = (ROOT / "examples" / f"hf_{r['model'][3:]}.py" if r["model"].startswith("hf:")
-                 else AS_RUN.get(r["model"], REFS / "models" / r["model"]))
-        kw = dict(gpus=r["gpus"], global_batch=r["global_batch"], model_args=r["model_args"], pins=pins)
-        try:
-            plan, _ = make_plan(str(model), target=TARGETS[r["gpu"]], **kw)
-            over = None
-        except NoFeasibleConfig:  # the run fitted, the memory model says it does not: price its time all the same, on
-            # the GPU with twice the memory, and report what the memory model predicts against the real capacity
-            with tempfile.TemporaryDirectory() as tmp:
-                big = Path(tmp) / "big.yaml"
-                hbm = get_target(TARGETS[r["gpu"]]).gpu.hbm_bytes
-                big.write_text(f"schema_version: 1\nbase: {TARGETS[r['gpu']]}\ngpu: {{hbm_bytes: {2 * hbm}}}\n")
-                plan, _ = make_plan(str(model), target=str(big), **kw)
-            over = max(m.total for m in plan.predictions.memory) / hbm
+        plan, over = price_row(r)
         pred, meas = plan.predictions.iteration_s, r["measured_iter_s"]
         row = {"id": r["id"], "predicted_s": pred, "measured_s": meas, "error": pred / meas - 1,
                "config": str(plan.config.to_config()), "mfu": plan.predictions.mfu, "memory_over_capacity": over}
