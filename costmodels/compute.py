@@ -38,6 +38,7 @@ class UnitTime:
     bwd_weight_s: float = 0.0  # of bwd_s, the weight gradients (W): each weight product's dW and its launch
     ep_comm_s: float = 0.0  # of fwd_s + bwd_s, the expert-parallel all-to-alls (dispatch, combine, their gradients)
     weight_cast_s: float = 0.0  # cached FP8 weights' casts, once per iteration: fwd_s holds 1/m of it
+    host_wait_s: float = 0.0  # of fwd_s, what a MoE layer waits for the engine's host beyond its kernels
 
     @property
     def bwd_input_s(self) -> float:
@@ -232,21 +233,21 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
         ep_f, ep_b = ep_f - hid_f * (1 - taken), ep_b - hid_b * (1 - taken)
     fwd = (sf + rf) * kf + ar_f + cp_f + ep_f + cast / cfg.m
     bwd = (sb + rb) * kb + ar_b + cp_b + ep_b
-    if unit.experts and not cfg.moe_capacity:  # a dropless dispatch drains the stream: the layer's forward waits for
-        # the host's time for it (MEGATRON_MOE_HOST_S); padded to a capacity it does not. Under the 1F1B all-to-all
-        # overlap the host runs it beside another microbatch's backward of the layer: the pair waits
-        fwd += max(0.0, hw.eff.moe_host_s - fwd - (bwd if cfg.moe_a2a_overlap else 0.0))
+    # a dropless dispatch drains the stream: the layer's forward waits for the host's time for it
+    # (MEGATRON_MOE_HOST_S); padded to a capacity it does not. Under the 1F1B all-to-all overlap the host runs it
+    # beside another microbatch's backward of the layer: the pair waits
+    wait = max(0.0, hw.eff.moe_host_s - fwd - (bwd if cfg.moe_a2a_overlap else 0.0)) \
+        if unit.experts and not cfg.moe_capacity else 0.0
+    fwd += wait
     bwd += cfg.recompute_mode.extra_backward_s(unit, b, t, hw, cfg.precision, fwd)
     return UnitTime(fwd_s=fwd, bwd_s=bwd, tp_comm_s=ar_f + ar_b, cp_comm_s=cp_f + cp_b, bwd_weight_s=(sw + rw) * kb,
-                    ep_comm_s=ep_f + ep_b, weight_cast_s=cast)
+                    ep_comm_s=ep_f + ep_b, weight_cast_s=cast, host_wait_s=wait)
 
 
 def moe_host_wait_s(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> float:
-    """Seconds a MoE unit's forward waits for the engine's host beyond its GPU work (MEGATRON_MOE_HOST_S; 0 where
-    its kernels are longer, it is padded to a capacity, or the floor is not modelled)."""
-    if not (unit.experts and hw.eff.moe_host_s):
-        return 0.0
-    return unit_time(unit, hw, cfg).fwd_s - unit_time(unit, hw.with_eff(moe_host_s=0.0), cfg).fwd_s
+    """Seconds a MoE unit's forward waits for the engine's host beyond its GPU work (UnitTime.host_wait_s; 0 where its
+    kernels are longer, it is padded to a capacity, it is no MoE layer, or the floor is not modelled)."""
+    return unit_time(unit, hw, cfg).host_wait_s
 
 
 def expert_alltoall_s(nbytes: float, top_k: int, cfg: ParallelConfig, hw: Hardware) -> float:
