@@ -16,7 +16,7 @@ ends with a synchronize in planner/runtime/fill_task.py), at a BERT-base-inferen
 - slice_ms: the GPU time each synchronize of the fill hands the waiting receive, if the share is
   w / (w + slice) for w the fill's work between synchronizes (k products' time alone);
 - runner: the fill runtime's own task (planner/runtime/fill_task.py UnitRunner: BERT-base inference, batch 8,
-  sequence 128, PipeFill's fill job, in bf16 as a bf16 plan runs it; fp32 before 2026-11-27) stepping its units, each ending with its synchronize: the median seconds of
+  sequence 128, PipeFill's fill job, or with `--runner-job resnet18` ResNet18 training at batch 64, FreeRide's side task; in bf16 as a bf16 plan runs it; fp32 before 2026-11-27) stepping its units, each ending with its synchronize: the median seconds of
   each unit alone and beside "recv", against planner/fill/physics.py's shared_unit_s of the alone times; and again
   as the runtime runs them time-sliced, short units (physics.batched) in batches with one synchronize each
   (`runner_time_sliced_batched`), against runtime_unit_s;
@@ -106,7 +106,13 @@ def main_end(seconds: float, start, out) -> None:
     out.put(("main_end", statistics.median(per)))
 
 
-def runner(batched: bool, seconds: float, start, out) -> None:
+RUNNER_JOBS = {"bert": ("bert.py", {"preset": "base", "seq": 128}, "infer", 8),
+               "resnet18": ("vision.py", {"arch": "resnet18"}, "train", 64)}
+"""The runner's fill job: BERT-base inference at batch 8 (PipeFill's), or ResNet18 training at batch 64 (FreeRide's),
+in bf16."""
+
+
+def runner(batched: bool, job: str, seconds: float, start, out) -> None:
     """`batched`: as the runtime runs units on a time-sliced GPU, runs of short units (physics.batched, by their
     times alone, taken before the start) back to back within BATCH_WORK_S, one synchronize a batch
     (fill_task._timed_steps), each unit timed by CUDA events."""
@@ -114,8 +120,9 @@ def runner(batched: bool, seconds: float, start, out) -> None:
     from planner.runtime.fill_executor import TaskSpec
     from planner.runtime.fill_task import UnitRunner, _timed_steps
 
-    r = UnitRunner(TaskSpec(job="bert", model_file=str(ROOT / "examples" / "bert.py"), model_sha256="",
-                            model_args={"preset": "base", "seq": 128}, kind="infer", batch_size=8, units=(),
+    model, margs, kind, batch = RUNNER_JOBS[job]
+    r = UnitRunner(TaskSpec(job=job, model_file=str(ROOT / "examples" / model), model_sha256="",
+                            model_args=margs, kind=kind, batch_size=batch, units=(),
                             device="cuda:0", interface="iterative", iterations=None, precision="bf16"))
     r.to_device()
     n = len(r.linearized)
@@ -140,13 +147,13 @@ def runner(batched: bool, seconds: float, start, out) -> None:
     out.put(("unit_s", [statistics.median(times.get(k, [float("nan")])) for k in range(n)]))
 
 
-def runner_rows(seconds: float, sharing: str, batched: bool = False) -> dict:
+def runner_rows(seconds: float, sharing: str, batched: bool = False, job: str = "bert") -> dict:
     from planner.fill.physics import runtime_unit_s, shared_unit_s
 
-    alone = _run([(runner, (batched,))], seconds)["unit_s"]
-    beside = _run([(runner, (batched,)), (recv, ())], seconds)["unit_s"]
+    alone = _run([(runner, (batched, job))], seconds)["unit_s"]
+    beside = _run([(runner, (batched, job)), (recv, ())], seconds)["unit_s"]
     predicted = [(runtime_unit_s if batched else shared_unit_s)(a, sharing) for a in alone]
-    res = {"units": len(alone), "batched": batched, "alone_ms": [a * 1e3 for a in alone],
+    res = {"job": job, "units": len(alone), "batched": batched, "alone_ms": [a * 1e3 for a in alone],
            "beside_recv_ms": [b * 1e3 for b in beside],
            "iteration_alone_ms": sum(alone) * 1e3, "iteration_beside_recv_ms": sum(beside) * 1e3,
            "iteration_predicted_ms": sum(predicted) * 1e3, "sharing": sharing,
@@ -196,11 +203,12 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.5)
     ap.add_argument("--mps", action="store_true", help="also measure under MPS (starts nvidia-cuda-mps-control)")
     ap.add_argument("--runner-only", action="store_true", help="only the fill task's own units (no GEMM loops)")
+    ap.add_argument("--runner-job", choices=sorted(RUNNER_JOBS), default="bert")
     args = ap.parse_args()
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "seconds": args.seconds}
     cases = [("bert_b8", 1), ("bert_b8", 10), ("bert_b8", 100), ("large", 1), ("large", 10)]
-    result["runner_time_sliced"] = runner_rows(args.seconds, "timeslice")
-    result["runner_time_sliced_batched"] = runner_rows(args.seconds, "timeslice", batched=True)
+    result["runner_time_sliced"] = runner_rows(args.seconds, "timeslice", job=args.runner_job)
+    result["runner_time_sliced_batched"] = runner_rows(args.seconds, "timeslice", batched=True, job=args.runner_job)
     if not args.runner_only:
         result["time_sliced"] = measure(args.seconds, cases, (recv, idle))
     if args.mps:
@@ -210,7 +218,7 @@ def main() -> None:
         else:
             try:
                 print("under MPS", flush=True)
-                result["runner_mps"] = runner_rows(args.seconds, "mps")
+                result["runner_mps"] = runner_rows(args.seconds, "mps", job=args.runner_job)
                 if not args.runner_only:
                     result["mps"] = measure(args.seconds, cases[:2] + cases[3:4], (recv,))
             except Exception as exc:  # noqa: BLE001 - record what MPS did here

@@ -55,17 +55,47 @@ def measured(model: str, args: dict, kind: str, batch: int, precision: str, reps
         torch.cuda.synchronize()
         whole.append(time.perf_counter() - t)
     whole.sort()
+    host: list[list[float]] = [[] for _ in range(n)]  # the host's seconds to queue each unit, the GPU idle at its start
+    for _ in range(reps):
+        for _ in range(n):
+            k = r.pos % n
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            r.step(sync=False)
+            host[k].append(time.perf_counter() - t)
+    torch.cuda.synchronize()
     data = []
     for i in range(3):  # the host's work for a batch (the model file's sample_batch), inside the first unit
         t = time.perf_counter()
         r.mf.call("sample_batch", batch, i)
         data.append(time.perf_counter() - t)
     out = {"data_s": statistics.median(data), "units": n, "unit_s": units, "iteration_synced_s": sum(units), "iteration_one_sync_s": whole[len(whole) // 2],
+           "unit_host_s": [statistics.median(h) for h in host], "unit_ops": _unit_ops(r),
            "peak_allocated_gb": torch.cuda.max_memory_allocated() / 1e9}
     del r
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     return out
+
+
+def _unit_ops(r) -> list[dict[str, int]]:
+    """Per linearized unit, the forward's graph nodes that the generated code calls, by target (a leaf module by its
+    class): what the host dispatches for the unit (a backward unit: its forward's nodes)."""
+    from collections import Counter
+
+    per_call = []
+    for call in r.calls:
+        sub = r.module.get_submodule(call.target)
+        c: Counter = Counter()
+        for node in sub.graph.nodes:
+            if node.op == "call_module":
+                c[type(sub.get_submodule(node.target)).__name__] += 1
+            elif node.op in ("call_function", "call_method"):
+                c[getattr(node.target, "__name__", str(node.target))] += 1
+        per_call.append(dict(c))
+    n = len(per_call)
+    return [per_call[k] if k < n else per_call[2 * n - 1 - k] if k < 2 * n else {"optimizer": 1}
+            for k in range(len(r.linearized))]
 
 
 def predicted(model: str, args: dict, kind: str, batch: int, precision: str, target: str) -> dict:
@@ -77,8 +107,12 @@ def predicted(model: str, args: dict, kind: str, batch: int, precision: str, tar
     job = FillJobSpec(name="j", model=str(ROOT / "examples" / model), model_args=args, kind=kind,
                       batch_sizes=[batch], work=Work(iterations=1))
     prof = next(p for p in profile_job(job, Hardware(target=get_target(target)), precision) if p.config == "plain")
+    from passes.pipeline import analyze
+
+    units, _ = analyze(str(ROOT / "examples" / model), args, dtype=precision)
+    nodes = [len(u.nodes) for u in units.units]
     return {"iteration_s": prof.dedicated_s, "flops_per_iteration": prof.flops_per_iteration,
-            "unit_s": [u.time_s for u in prof.units]}
+            "unit_s": [u.time_s for u in prof.units], "unit_nodes": nodes}
 
 
 def main() -> None:
