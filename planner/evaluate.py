@@ -189,6 +189,34 @@ class Evaluator:
                   + c.kept(params, experts, 1) * num.optimizer_bytes + copies)
         return (static + c.inflight(c.pp - 1) * self._cache[key]) / c.pp + self.hw.reserve_bytes
 
+    def least_slowest_stage_s(self, c: ParallelConfig) -> float:
+        """One chunk a rank: no partition's slowest stage is faster than the blocks memory makes some rank take. Rank j
+        holds at most U_j = room / (static + inflight(j) x activations) blocks at the fewest bytes any block needs
+        (room: the capacity less the allocator's reserve, nothing else), so some rank holds L, the least with
+        sum(min(U_j, L)) >= the blocks, each taking at least the fastest block's time. 0 where memory binds no rank
+        (or no spread fits, which evaluation reports)."""
+        if c.v != 1 or c.pp == 1:
+            return 0.0
+        key = ("block floor", c.unit_key("full" if c.recompute_mode.partial else None), c.pp, c.m, c.schedule)
+        if key not in self._cache:
+            rows, counts = self.distinct_costs(c), self.twin_counts
+            kinds = [i for i in rows if self.units[i].kind == "block"]
+            floor = 0.0
+            if kinds:
+                leanest = c.fallback(recompute="full") if c.recompute_mode.partial else c  # partial: no fewer bytes
+                act = min(activation_bytes(self.units[i], leanest) for i in kinds)
+                static = min(static_bytes(self.units[i], c) for i in kinds)
+                room, blocks = self.capacity - self.hw.reserve_bytes, sum(counts[i] for i in kinds)
+                held = [int(room // need) if (need := static + c.inflight(j) * act) > 0 else blocks
+                        for j in range(c.pp)]
+                if sum(held) >= blocks:
+                    least = -(-blocks // c.pp)
+                    while sum(min(h, least) for h in held) < blocks:
+                        least += 1
+                    floor = least * min(rows[i][0] + rows[i][1] for i in kinds)
+            self._cache[key] = floor
+        return self._cache[key]
+
     def evaluate(self, c: ParallelConfig) -> Evaluation:
         if c.stages > len(self.units):
             raise Rejected("units", f"{c.stages} stages but only {len(self.units)} units")
@@ -274,9 +302,15 @@ class Evaluator:
         over what one block frees at the busiest microbatch count (each frees its plain less its full bytes)."""
         if bounds:
             return self.least_recompute_on(c, bounds)
+        return self.least_recompute_for(c, short)
+
+    def least_recompute_for(self, c: ParallelConfig, short: float) -> int:
+        """No fewer blocks per chunk than this free `short` bytes on a rank: each block a chunk redoes frees at most
+        the most any block frees (its plain less its full bytes) per microbatch its chunk holds, and a rank's v
+        chunks hold at most v x inflight(0) (ParallelConfig.inflight counts whole stages)."""
         kept = self.unit_costs(c.fallback(recompute="none"))[3]
         least = self.unit_costs(c.fallback(recompute="full"))[3]
-        frees = max((kept[i] - least[i] for i in self._blocks), default=0.0) * c.inflight(0)
+        frees = max((kept[i] - least[i] for i in self._blocks), default=0.0) * c.inflight(0) * c.v
         return min(max(1, math.ceil(short / frees)) if frees else 1, self._most_recomputed(c))
 
     def least_recompute_on(self, c: ParallelConfig, bounds: tuple[int, ...]) -> int:
@@ -284,12 +318,20 @@ class Evaluator:
         rank memory only, no partition of its own; at most _most_recomputed)."""
         most = self._most_recomputed(c)
         stages = [range(a, b) for a, b in zip(bounds, bounds[1:])]
-        for k in range(1, most + 1):
+
+        def fits(k: int) -> bool:
             ck = replace(c, recompute_layers=k)
             redo = {i for r in self._recomputed(ck, bounds) for i in r}
-            if max(m.total for m in self._rank_memory(ck, stages, redo)) <= self.capacity:
-                return k
-        return most
+            return max(m.total for m in self._rank_memory(ck, stages, redo)) <= self.capacity
+
+        lo, hi = 1, most  # a rank's memory never grows with the count (each block redone keeps fewer bytes): the
+        while lo < hi:  # least that fits by bisection, else the most
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
 
     @cached_property
     def _blocks(self) -> tuple[int, ...]:

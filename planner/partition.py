@@ -176,8 +176,13 @@ def partition(inp: PartitionInput) -> Partition:
     choice = [[-1] * (n + 1) for _ in range(k + 1)]
     best[0][0] = 0.0
     segment = _segments(inp)
+    sums = None if _recompute_tables(inp) else (_prefix(inp.static_bytes), _prefix(inp.activation_bytes),
+                                                 _prefix(inp.time_s), _prefix(inp.weight_bytes))
     for j in range(1, k + 1):
         prev, row, pick = best[j - 1], best[j], choice[j]
+        if sums:  # the same loop with its two tests written out (the search's hottest code: no calls)
+            _plain_stage(inp, sums, j, n, k, prev, row, pick)
+            continue
         fits, Tj = segment(j - 1)
         lo = cross = j - 1  # both only move right as i grows: a longer segment fits from no earlier split, and
         # its time crosses the rising prev no earlier
@@ -203,6 +208,37 @@ def partition(inp: PartitionInput) -> Partition:
         bounds.append(choice[j][bounds[-1]])
     bounds.reverse()
     return _result(tuple(bounds), _stage_time(inp), _stage_bytes(inp))
+
+
+def _plain_stage(inp: PartitionInput, sums: tuple[list[float], ...], j: int, n: int, k: int, prev: list[float],
+                 row: list[float], pick: list[int]) -> None:
+    """partition's row j without partial recomputation: `_segments`' fits and time inlined, in the same arithmetic
+    (`sums`: the prefix sums of static, activation and weight bytes and of time)."""
+    S, A, T, W = sums
+    W = W if inp.weight_bytes else S
+    w = inp.w_pending[j - 1] if inp.weight_bytes else 0.0
+    cap, fl = inp.cap_bytes[j - 1], inp.inflight[j - 1]
+    share = 1 / inp.time_share[j - 1] if inp.time_share else 1.0
+    lo = cross = j - 1
+    for i in range(j, n - (k - j) + 1):
+        Si, Wi, Ai, Ti = S[i], W[i], A[i], T[i]
+        ok = Si - S[lo] + w * (Wi - W[lo]) + fl * (Ai - A[lo]) <= cap
+        while not ok and lo < i - 1:
+            lo += 1
+            ok = Si - S[lo] + w * (Wi - W[lo]) + fl * (Ai - A[lo]) <= cap
+        if not ok:
+            continue
+        if cross < lo:
+            cross = lo
+        while cross < i - 1 and prev[cross] < (Ti - T[cross]) * share:
+            cross += 1
+        a, b = prev[cross], (Ti - T[cross]) * share
+        s, slowest = cross, (a if a > b else b)
+        if cross > lo:
+            a, b = prev[cross - 1], (Ti - T[cross - 1]) * share
+            if (before := a if a > b else b) <= slowest:
+                s, slowest = cross - 1, before
+        row[i], pick[i] = slowest, s
 
 
 def _result(bounds: tuple[int, ...], T, held) -> Partition:
@@ -270,17 +306,22 @@ def rank_load(inp: PartitionInput, ranks: Sequence[Sequence[int]], peaks: Sequen
     T, parts, seen, stages = _stage_time(inp), _stage_parts(inp), {}, {}
     ends = [itemgetter(*(j + d for j in js for d in (0, 1))) for js in ranks]  # a rank's stages' bounds
 
-    def stage(j: int, lo: int, hi: int) -> tuple[float, float, float]:  # (seconds, fixed bytes, bytes per microbatch)
-        if (j, lo, hi) not in stages:
-            stages[j, lo, hi] = (T(lo, hi), *parts(j, lo, hi))
-        return stages[j, lo, hi]
-
     def load(bounds: Sequence[int], r: int) -> tuple[float, float]:
         key = (r, ends[r](bounds))
-        if key not in seen:
-            times, fixed, acts = zip(*(stage(j, bounds[j], bounds[j + 1]) for j in ranks[r]))
-            seen[key] = (sum(times), max(0.0, sum(fixed) + max(sum(map(mul, peak, acts)) for peak in peaks[r]) - cap))
-        return seen[key]
+        got = seen.get(key)
+        if got is None:  # the rank's stages' (seconds, fixed bytes, bytes per microbatch), each computed once
+            time = fixed = 0.0
+            acts = []
+            for j in ranks[r]:
+                lo, hi = bounds[j], bounds[j + 1]
+                st = stages.get((j, lo, hi))
+                if st is None:
+                    st = stages[j, lo, hi] = (T(lo, hi), *parts(j, lo, hi))
+                time, fixed = time + st[0], fixed + st[1]
+                acts.append(st[2])
+            over = fixed + max(sum(map(mul, peak, acts)) for peak in peaks[r]) - cap
+            got = seen[key] = (time, over if over > 0.0 else 0.0)
+        return got
 
     return load
 

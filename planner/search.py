@@ -280,9 +280,11 @@ def _optimistic_iteration(ev: Evaluator, c: ParallelConfig) -> float:
         fwd = {i: r[0] + r[6] / c.m for i, r in rows.items()}  # the forward with its share of the FP8 casts
         work = {i: fwd[i] + r[1] for i, r in rows.items()}
         stage = max(sum(count[i] * x for i, x in work.items()) / k, max(work.values(), default=0.0))
-        if c.recompute_mode.partial:  # every stage redoes at least one block (or recompute_layers of them)
+        if c.recompute_mode.partial:  # every stage redoes at least one block (or recompute_layers of them, of the
+            # blocks a balanced stage holds)
             redo = ev.distinct_costs(c.fallback(recompute="full"))
-            stage += max(1, c.recompute_layers) * min(
+            blocks = sum(count[i] for i in rows if ev.units[i].kind == "block")
+            stage += max(1, min(c.recompute_layers, blocks // k)) * min(
                 (redo[i][1] - r[1] for i, r in rows.items() if ev.units[i].kind == "block"), default=0.0)
         # a split backward's bubble shrinks as W grows and F shrinks: the extreme shares of any unit bound it below
         f = stage * min((fwd[i] / x for i, x in work.items() if x), default=0.0) if split else 0.0
@@ -290,8 +292,10 @@ def _optimistic_iteration(ev: Evaluator, c: ParallelConfig) -> float:
         ev._cache[key] = (stage, f, w)
     stage, f, w = ev._cache[key]
     floor = ev.dp_comm_floor(c)  # ZeRO-2/3: the sharded collectives' own time
-    if not split:
-        return max(floor, c.schedule_kind.analytic_s((stage,) * k, (0.0,) * k, c.pp, c.v, c.m, 0.0, ()))
+    if not split:  # one stage no faster than memory lets it be (Evaluator.least_slowest_stage_s), the rest balanced
+        slowest = max(stage, ev.least_slowest_stage_s(c))
+        return max(floor, c.schedule_kind.analytic_s((slowest,) + (stage,) * (k - 1), (0.0,) * k, c.pp, c.v, c.m,
+                                                     0.0, ()))
     return max(floor, c.schedule_kind.analytic_s((f,) * k, (stage - f,) * k, c.pp, c.v, c.m, 0.0,
                                                  (min(w, stage - f),) * k))
 
@@ -309,11 +313,15 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
     leanest: tuple[float, ParallelConfig] | None = None
     bounded, deferred = [], []  # deferred: partial recomputation, ZeRO-2, -3 where less does not fit (_fallbacks)
     for c in pool:
+        short = 0.0  # bytes the last configuration tried was over by, at the least
         for k, c in enumerate(chain((c,), _fallbacks(c, pins))):
             need = ev.memory_lower_bound(c)
             if need <= ev.capacity:
-                (deferred if k else bounded).append((_optimistic_iteration(ev, c), c))
+                bound = c if not short or not c.recompute_mode.partial or c.recompute_layers else \
+                    replace(c, recompute_layers=ev.least_recompute_for(c, short))  # it redoes no fewer blocks
+                (deferred if k else bounded).append((_optimistic_iteration(ev, bound), c))
                 break
+            short = need - ev.capacity
             rejected["memory (lower bound)"] += 1
             leanest = min(leanest or (need, c), (need, c), key=lambda x: x[0])
     found: list[Evaluation] = []
