@@ -292,9 +292,11 @@ def _optimistic_iteration(ev: Evaluator, c: ParallelConfig) -> float:
         ev._cache[key] = (stage, f, w)
     stage, f, w = ev._cache[key]
     floor = ev.dp_comm_floor(c)  # ZeRO-2/3: the sharded collectives' own time
-    if not split:  # one stage no faster than memory lets it be (Evaluator.least_slowest_stage_s), the rest balanced
+    if not split:  # one stage no faster than memory lets it be (Evaluator.least_slowest_stage_s), the others
+        # sharing the rest of the work evenly
         slowest = max(stage, ev.least_slowest_stage_s(c))
-        return max(floor, c.schedule_kind.analytic_s((slowest,) + (stage,) * (k - 1), (0.0,) * k, c.pp, c.v, c.m,
+        rest = (stage * k - slowest) / (k - 1) if k > 1 else 0.0
+        return max(floor, c.schedule_kind.analytic_s((slowest,) + (rest,) * (k - 1), (0.0,) * k, c.pp, c.v, c.m,
                                                      0.0, ()))
     return max(floor, c.schedule_kind.analytic_s((f,) * k, (stage - f,) * k, c.pp, c.v, c.m, 0.0,
                                                  (min(w, stage - f),) * k))
