@@ -188,7 +188,7 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     if fill is not None:
         if progress:
             progress("fill")
-        alone = {j.name: profile_job(j, hw, pins.precision) for j in fill.jobs}
+        alone = {j.name: profile_job(j, hw, pins.precision, host=fill.gpu_sharing != "none") for j in fill.jobs}
         jobs = {name: [shared_profile(p, fill.gpu_sharing) for p in profs] for name, profs in alone.items()}
         if fill_time_limit_s <= 0:
             raise UserError(f"--fill-time-limit must be positive, got {fill_time_limit_s}")

@@ -224,7 +224,8 @@ def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy", alone=None) ->
         return plan
     spec = spec or fill_spec_of(plan)
     hw = plan_hardware(plan)
-    alone = alone or {j.name: profile_job(j, hw, plan.config.precision) for j in spec.jobs}
+    alone = alone or {j.name: profile_job(j, hw, plan.config.precision, host=spec.gpu_sharing != "none")
+                      for j in spec.jobs}
     jobs = {name: [shared_profile(p, spec.gpu_sharing) for p in profs] for name, profs in alone.items()}
     fa = assign_fill(plan_cycles(plan), plan.predictions.iteration_s, jobs, hw, safety_margin=spec.safety_margin, solver=solver,
                      hold_free=plan_hold_free(plan), replicas=plan.config.dp * plan.config.cp * plan.config.tp,

@@ -88,6 +88,9 @@ class FillUnit:
     state_bytes: int = 0
     """State live after this unit that must leave the device if the chunk ends here (activations
     saved for backward). Only used when the packer is given ``state_swap_bw``."""
+    gpu_s: float | None = None
+    """Of a unit the host takes longer to issue than the GPU to run (time_s is then the host's,
+    planner/fill/physics.py HOST_UNIT_S): the GPU's seconds. None: time_s is the GPU's."""
 
     def __post_init__(self) -> None:
         if self.time_s < 0 or self.mem_bytes < 0 or self.flops < 0 or self.state_bytes < 0:

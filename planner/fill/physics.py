@@ -55,7 +55,8 @@ import math
 from typing import Literal, Sequence
 
 __all__ = ["SAFE_FILL_FRACTION", "DEFAULT_SAFETY_MARGIN", "STEP_SAFETY", "STEP_ALLOWANCE_S", "STEP_IPC_S",
-           "FILL_CONTEXT_BYTES", "TIMESLICE_S", "GpuSharing", "chunk_overhead_s", "unit_overhead_s",
+           "FILL_CONTEXT_BYTES", "TIMESLICE_S", "HOST_UNIT_S", "HOST_KERNEL_S", "HOST_OPTIMIZER_TENSOR_S",
+           "host_unit_s", "GpuSharing", "chunk_overhead_s", "unit_overhead_s",
            "shortest_bubble_s", "shared_unit_s", "BATCH_WORK_S", "batched", "runtime_unit_s"]
 
 GpuSharing = Literal["timeslice", "mps", "none"]
@@ -74,6 +75,26 @@ STEP_IPC_S = 40e-6
 measured on the 2-core CI machine (`python bench/paper_fill.py --ipc` measures it where you run it)."""
 FILL_CONTEXT_BYTES = 300 << 20
 """A fill task process's CUDA context on the device: "a few hundred MB" (PipeSwitch, 002 l.282)."""
+
+
+HOST_UNIT_S = {"infer": 120e-6, "forward": 150e-6, "backward": 380e-6}
+"""The host's seconds to run one unit beyond its kernels (the fill task's step: the unit's arguments, autocast and
+grad mode, its call; for a backward the autograd engine's call), and HOST_KERNEL_S per kernel the unit launches
+(passes.units Part.kernels), each op dispatched eagerly (under autograd and autocast in training). A unit takes no
+less than these on the host however little GPU work it holds: BERT-base inference at batch 8 in bf16 runs 0.5 ms a
+layer where its kernels take 0.1 ms. Measured on the H100 machine (2026-11-27: `python bench/cuda_fill_speed.py`,
+bench/results/cuda_fill_speed_h100_2026-11-27.json, each unit queued with the GPU idle at its start and no
+synchronize: unit_host_s) over BERT-base inference (b 8/32/128) and ResNet18/50 and VGG19 training (b 64), fp32 and
+bf16: least squares of each mode's units on the planner's kernel count (training's first unit, which waits for its
+batch, left out); inference's per-unit part from its one-kernel head units (77-176 us), its per-kernel part from its
+layers. Per iteration these give 0.86-1.18x the measured host time of ten of the twelve jobs; BERT at batch 32
+0.65-0.76x (its host ran 8.5-9.9 ms an iteration where batch 8 and 128 ran 5.8-6.7: the host's noise, or its
+allocator; tests/fill/test_physics.py holds the other ten to 0.7-1.3x). Host speed is the machine's,
+not the GPU's: taken for every target (the papers' V100 and RTX 6000 Ada hosts are not measured)."""
+HOST_KERNEL_S = {"infer": 24e-6, "forward": 58e-6, "backward": 39e-6}
+HOST_OPTIMIZER_TENSOR_S = 34e-6
+"""The optimizer step's host seconds per parameter tensor (torch.optim.Adam, foreach): 2.1, 5.1, 1.9 ms for ResNet18,
+ResNet50, VGG19's 62, 161, 38 tensors on the H100 machine (same file)."""
 
 
 TIMESLICE_S = 2.2e-3
@@ -120,10 +141,23 @@ def batched(compute_s: float, sharing: GpuSharing) -> bool:
         _in_batch_s(compute_s) < shared_unit_s(compute_s, sharing)
 
 
-def runtime_unit_s(compute_s: float, sharing: GpuSharing) -> float:
-    """A unit's seconds inside a bubble as the runtime runs it: in a batch where that is cheaper (`batched`), else
-    between its own synchronizes (`shared_unit_s`)."""
-    return _in_batch_s(compute_s) if batched(compute_s, sharing) else shared_unit_s(compute_s, sharing)
+def runtime_unit_s(compute_s: float, sharing: GpuSharing, host_s: float = 0.0) -> float:
+    """A unit's seconds inside a bubble as the runtime runs it: in a batch where that is cheaper (`batched`, by its
+    time alone, as the runtime decides from its profile), else between its own synchronizes (`shared_unit_s` of its
+    time alone). `host_s`: the host's seconds to issue it (HOST_UNIT_S), where longer than its GPU time its time
+    alone: in a batch the GPU alternating with the receive (twice its GPU time) cannot make it faster than the host
+    issues it, and it hands the receive its share of the batch's slice by its time alone (a host-bound batch's queue
+    runs dry and the receive takes the GPU: BERT-base inference at batch 8 in bf16, 14 units of 0.27 ms alone on
+    an H200, ran 6.0 ms an iteration in one batch beside the receive, 3.9 ms alone; this prices 4.7 ms)."""
+    alone = max(compute_s, host_s)
+    if batched(alone, sharing):
+        return max(host_s, 2 * compute_s) + TIMESLICE_S * alone / BATCH_WORK_S
+    return shared_unit_s(alone, sharing)
+
+
+def host_unit_s(mode: str, kernels: int) -> float:
+    """The host's seconds to run a fill unit of `kernels` kernels eagerly: mode "infer", "forward" or "backward"."""
+    return HOST_UNIT_S[mode] + HOST_KERNEL_S[mode] * kernels
 
 
 def unit_overhead_s(launch_s: float) -> float:

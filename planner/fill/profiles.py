@@ -15,7 +15,7 @@ from passes.pipeline import ModelProfile, analyze
 from planner.config import ParallelConfig
 
 from .packing import FillUnit
-from .physics import GpuSharing, runtime_unit_s
+from .physics import HOST_OPTIMIZER_TENSOR_S, GpuSharing, host_unit_s, runtime_unit_s
 from .pipeswitch import Layer
 from .spec import FillJobSpec
 
@@ -68,8 +68,10 @@ def job_config(b: int, config: str, precision: str) -> ParallelConfig:
 
 
 def linearize(prof: ModelProfile, kind: str, config: str, b: int, hw: Hardware,
-              precision: str) -> tuple[list[FillUnit], int]:
-    """(units of one iteration, resident bytes) for a job configuration."""
+              precision: str, host: bool = True) -> tuple[list[FillUnit], int]:
+    """(units of one iteration, resident bytes) for a job configuration; `host`: each unit no faster than the host
+    issues it (a CUDA device, planner/fill/physics.py HOST_UNIT_S), not on the CPU runtime, where an op's dispatch
+    is part of its run."""
     cfg = job_config(b, config, precision)
     num = cfg.numerics
     times = [unit_time(u, hw, cfg) for u in prof.units]
@@ -79,7 +81,8 @@ def linearize(prof: ModelProfile, kind: str, config: str, b: int, hw: Hardware,
         units = [FillUnit(name=f"F:{u.name}", time_s=t.fwd_s, flops=u.fwd_flops(b),
                           mem_bytes=int(u.input_bytes(b) + u.output_bytes(b) + plain(u, b, 1)))
                  for u, t in zip(prof.units, times)]
-        return units, int(params * num.weight_bytes)
+        issued = [host_unit_s("infer", _kernels(u)) if host else 0.0 for u in prof.units]
+        return _issued(units, issued), int(params * num.weight_bytes)
     kept = [cfg.recompute_mode.kept_bytes(u, b, 1) if u.kind == "block" else plain(u, b, 1) for u in prof.units]
     working = [plain(u, b, 1) for u in prof.units]
     units, live = [], 0.0
@@ -95,7 +98,23 @@ def linearize(prof: ModelProfile, kind: str, config: str, b: int, hw: Hardware,
     units.append(_optimizer_unit(params, config, hw, cfg))
     offloaded = config == "offload"  # weights + grads on the device; Adam state on the host
     resident = params * (num.weight_bytes + num.grad_bytes if offloaded else num.bytes_per_param())
-    return units, int(resident)
+    if not host:
+        return units, int(resident)
+    fwd = [host_unit_s("forward", _kernels(u)) for u in prof.units]
+    redo = [f if config == "checkpoint" and u.kind == "block" else 0.0 for u, f in zip(prof.units, fwd)]
+    bwd = [host_unit_s("backward", _kernels(u)) + r for u, r in zip(prof.units, redo)]
+    tensors = sum(1 for u in prof.units for part in (u.sharded, u.replicated) for _, n in part.weights if n)
+    return _issued(units, [*fwd, *reversed(bwd), HOST_OPTIMIZER_TENSOR_S * tensors]), int(resident)
+
+
+def _kernels(u) -> int:
+    return u.sharded.kernels + u.replicated.kernels
+
+
+def _issued(units: list[FillUnit], host: list[float]) -> list[FillUnit]:
+    """Each unit no faster than the host issues it (planner/fill/physics.py HOST_UNIT_S): the fill runtime runs the
+    job as eager PyTorch, one op at a time."""
+    return [replace(u, time_s=h, gpu_s=u.time_s) if h > u.time_s else u for u, h in zip(units, host)]
 
 
 def _optimizer_unit(params: int, config: str, hw: Hardware, cfg: ParallelConfig) -> FillUnit:
@@ -108,20 +127,22 @@ def _optimizer_unit(params: int, config: str, hw: Hardware, cfg: ParallelConfig)
 
 
 def profile_job(job: FillJobSpec, hw: Hardware, precision: str,
-                sharing: GpuSharing | None = None) -> list[FillProfile]:
+                sharing: GpuSharing | None = None, host: bool | None = None) -> list[FillProfile]:
     """The job traced in the main job's precision and priced on the main job's hardware (its calibration
     included), under every batch size x configuration; with `sharing`, each unit's time is the time it takes
     inside a bubble beside the main job (planner/fill/physics.py: runtime_unit_s). The fill runtime runs the job
     as eager PyTorch, op by op: its memory-bound kernels at their own measured speeds (costmodels.eager), none
-    fused."""
+    fused; on a CUDA device each unit no faster than the host issues it (`host`: by default unless `sharing` is
+    "none", the CPU runtime's)."""
     hw = hw.with_eff(eager=True, fusion=0.0)
+    host = sharing != "none" if host is None else host
     prof, _ = analyze(job.model, job.model_args, leaves=tuple(job.leaves), dtype=precision)
     configs = tuple(CONFIGS) if job.kind == "train" else ("plain",)
     out = []
     for b in job.batch_sizes:
         fwd = [unit_time(u, hw, job_config(b, "plain", precision)).fwd_s for u in prof.units]
         for config in configs:
-            units, resident = linearize(prof, job.kind, config, b, hw, precision)
+            units, resident = linearize(prof, job.kind, config, b, hw, precision, host)
             layers = tuple(Layer(name=u.name, param_bytes=int(u.params * PRECISIONS[precision].weight_bytes),
                                  exec_time_s=f) for u, f in zip(prof.units, fwd))
             out.append(FillProfile(job=job.name, kind=job.kind, batch_size=b, config=config, units=tuple(units),
@@ -134,5 +155,9 @@ def profile_job(job: FillJobSpec, hw: Hardware, precision: str,
 
 def shared_profile(prof: FillProfile, sharing: GpuSharing) -> FillProfile:
     """A profile priced alone, its units' times as they run inside bubbles beside the main job (physics)."""
-    return replace(prof, units=tuple(replace(u, time_s=runtime_unit_s(u.time_s, sharing)) for u in prof.units),
-                   alone_s=prof.dedicated_s)
+    def inside(u: FillUnit) -> FillUnit:
+        if u.gpu_s is None:
+            return replace(u, time_s=runtime_unit_s(u.time_s, sharing))
+        return replace(u, time_s=runtime_unit_s(u.gpu_s, sharing, host_s=u.time_s))
+
+    return replace(prof, units=tuple(inside(u) for u in prof.units), alone_s=prof.dedicated_s)

@@ -153,10 +153,19 @@ def test_fill_jobs_are_priced_with_the_calibration():
     plain, calibrated = ({u: t for u, t in zip(p.fill.jobs[0].units, p.fill.jobs[0].unit_time_s)} for p in plans)
     blocks = [u for u in plain if u.startswith(("F:blocks", "B:blocks"))]
     assert blocks, list(plain)
-    for u in blocks:
-        assert calibrated[u] == pytest.approx(3.0 * plain[u]), u
-    assert calibrated["OPT"] == pytest.approx(plain["OPT"])
+    from planner.fill.profiles import profile_job
     from planner.plan import plan_hardware  # what simulate-fill prices fill jobs on: the plan's own efficiency
+
+    def gpu(plan):  # each unit's GPU seconds (the plan's times are no less than the host's, which no calibration scales)
+        prof = next(p for p in profile_job(spec.jobs[0], plan_hardware(plan), plan.config.precision)
+                    if p.config == plan.fill.jobs[0].config)
+        return {u.name: u.time_s if u.gpu_s is None else u.gpu_s for u in prof.units}
+
+    gpu_plain, gpu_calibrated = gpu(plans[0]), gpu(plans[1])
+    for u in blocks:
+        assert gpu_calibrated[u] == pytest.approx(3.0 * gpu_plain[u]), u
+        assert calibrated[u] >= plain[u] and calibrated[u] == pytest.approx(max(plain[u], 3.0 * gpu_plain[u])), u
+    assert calibrated["OPT"] == pytest.approx(plain["OPT"])
 
     assert plan_hardware(plans[1]).eff.unit_factors == (("block", 3.0, 3.0),)
     assert plan_hardware(plans[0]).eff == Hardware(target=get_target("a100-80gb")).eff

@@ -196,7 +196,11 @@ def test_time_sliced_fill_is_packed_at_its_shared_speed_and_saves_its_dedicated_
     job = FillJobSpec(name="mlp", model=str(Path(__file__).resolve().parents[2] / "examples" / "mlp.py"),
                       kind="infer", batch_sizes=[64], work=Work(samples=6400))
     (alone,), (sliced,), (mps,) = (profile_job(job, HW, "bf16", s) for s in (None, "timeslice", "mps"))
-    assert [u.time_s for u in sliced.units] == [runtime_unit_s(u.time_s, "timeslice") for u in alone.units]
+    assert any(u.gpu_s is not None for u in alone.units)  # a small job: the host issues its units slower
+    assert [u.time_s for u in sliced.units] == [runtime_unit_s(u.time_s, "timeslice") if u.gpu_s is None else
+                                                runtime_unit_s(u.gpu_s, "timeslice", host_s=u.time_s)
+                                                for u in alone.units]
+    assert all(s.time_s >= a.time_s for s, a in zip(sliced.units, alone.units))
     assert [u.time_s for u in mps.units] == [u.time_s for u in alone.units]
     assert sliced.dedicated_s == pytest.approx(alone.iteration_s) and alone.dedicated_s == alone.iteration_s
     assert sliced.flops_per_iteration == alone.flops_per_iteration
@@ -223,3 +227,55 @@ def test_a_node_that_shares_its_gpus_otherwise_than_planned_is_told(monkeypatch)
     assert "gpu_sharing: mps" in sharing_mismatch("timeslice", True)
     assert all(sharing_mismatch(p, m) is None for p, m in (("mps", True), ("timeslice", False), ("none", True),
                                                            ("none", False)))
+
+
+SPEED = COLOCATE.with_name("cuda_fill_speed_h100_2026-11-27.json")
+SPEED_JOBS = {"bert-base-infer-b8": ("bert.py", {"preset": "base", "seq": 128}, "infer", 8),
+              "bert-base-infer-b128": ("bert.py", {"preset": "base", "seq": 128}, "infer", 128),
+              "resnet18-train-b64": ("vision.py", {"arch": "resnet18"}, "train", 64),
+              "resnet50-train-b64": ("vision.py", {"arch": "resnet50"}, "train", 64),
+              "vgg19-train-b64": ("vision.py", {"arch": "vgg19"}, "train", 64)}
+
+
+@pytest.mark.parametrize("key", sorted(SPEED_JOBS))
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_a_fill_unit_takes_no_less_than_the_host_takes_to_issue_it(key, precision):
+    """On the H100 machine (bench/cuda_fill_speed.py) each unit's host seconds, queued with the GPU idle, against
+    host_unit_s of the planner's kernel count: per iteration within 0.7-1.3x (training's first unit, which waits for
+    its batch, left out); and the priced units alone are no faster than that, nor than their GPU time."""
+    from planner.fill.physics import HOST_OPTIMIZER_TENSOR_S, host_unit_s
+    from planner.fill.profiles import profile_job
+    from planner.fill.spec import FillJobSpec, Work
+
+    model, args, kind, batch = SPEED_JOBS[key]
+    measured = json.loads(SPEED.read_text())["jobs"][f"{key}-{precision}"]["measured"]["unit_host_s"]
+    job = FillJobSpec(name="j", model=str(Path(__file__).resolve().parents[2] / "examples" / model), model_args=args,
+                      kind=kind, batch_sizes=[batch], work=Work(iterations=1))
+    prof = next(p for p in profile_job(job, Hardware(target=get_target("h100-sxm")), precision) if p.config == "plain")
+    assert len(prof.units) == len(measured)
+    from passes.pipeline import analyze
+    units = analyze(job.model, args, dtype=precision)[0].units
+    kernels = [u.sharded.kernels + u.replicated.kernels for u in units]
+    if kind == "infer":
+        host = [host_unit_s("infer", k) for k in kernels]
+    else:
+        tensors = sum(1 for u in units for part in (u.sharded, u.replicated) for _, n in part.weights if n)
+        host = ([host_unit_s("forward", k) for k in kernels] + [host_unit_s("backward", k) for k in reversed(kernels)]
+                + [HOST_OPTIMIZER_TENSOR_S * tensors])
+    skip = 1 if kind == "train" else 0
+    assert sum(host[skip:]) / sum(measured[skip:]) == pytest.approx(1.0, abs=0.3)
+    for u, h in zip(prof.units, host):
+        assert u.time_s == pytest.approx(max(h, u.time_s if u.gpu_s is None else u.gpu_s))
+        assert u.time_s >= h * (1 - 1e-9) and (u.gpu_s is None or u.gpu_s < u.time_s)
+
+
+@given(st.floats(1e-6, 0.05), st.floats(0.0, 0.05))
+def test_a_host_bound_unit_is_no_faster_in_a_bubble_than_alone(compute, host):
+    """Beside the main job a unit takes no less than alone (the longer of its GPU and host time); time-sliced, more
+    than under MPS; with no host time it is priced as before."""
+    alone = max(compute, host)
+    for sharing in ("timeslice", "mps", "none"):
+        assert runtime_unit_s(compute, sharing, host_s=host) >= alone * (1 - 1e-12)
+    assert runtime_unit_s(compute, "mps", host_s=host) == runtime_unit_s(compute, "none", host_s=host) == alone
+    assert runtime_unit_s(compute, "timeslice", host_s=host) > alone
+    assert runtime_unit_s(compute, "timeslice", host_s=0.0) == runtime_unit_s(compute, "timeslice")
