@@ -148,7 +148,8 @@ def runtime_unit_s(compute_s: float, sharing: GpuSharing, host_s: float = 0.0) -
     alone: in a batch the GPU alternating with the receive (twice its GPU time) cannot make it faster than the host
     issues it, and it hands the receive its share of the batch's slice by its time alone (a host-bound batch's queue
     runs dry and the receive takes the GPU: BERT-base inference at batch 8 in bf16, 14 units of 0.27 ms alone on
-    an H200, ran 6.0 ms an iteration in one batch beside the receive, 3.9 ms alone; this prices 4.7 ms)."""
+    an H200, ran 6.0 ms an iteration in one batch beside the receive, 3.9 ms alone, which this prices at 4.7 ms from
+    those alone times; on an H100 3.7 ms of GPU timeline beside it, 4.2 ms alone: no slice seen there)."""
     alone = max(compute_s, host_s)
     if batched(alone, sharing):
         return max(host_s, 2 * compute_s) + TIMESLICE_S * alone / BATCH_WORK_S
