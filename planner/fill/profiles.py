@@ -44,6 +44,9 @@ class FillProfile:
     priority: int = 0
     pair_with: str | None = None
     """Another training job to run beside, paired (FillJobSpec.pair_with)."""
+    host_wait_s: float = 0.0
+    """Of one iteration alone, the seconds the GPU waits for the host issuing its units (planner/fill/physics.py
+    HOST_UNIT_S)."""
     alone_s: float | None = None
     """One iteration's seconds on a GPU of its own, where the units' times are inside bubbles beside the main job
     (planner/fill/physics.py: runtime_unit_s); None where they are the same."""
@@ -149,7 +152,8 @@ def profile_job(job: FillJobSpec, hw: Hardware, precision: str,
                                    resident_bytes=resident, layers=layers, params=prof.total_params,
                                    sha256=prof.sha256, batches=job.iterations(b), arrival_s=job.arrival_s,
                                    deadline_s=job.deadline_s, priority=job.priority,
-                                   pair_with=job.pair_with))
+                                   pair_with=job.pair_with,
+                                   host_wait_s=sum(u.time_s - u.gpu_s for u in units if u.gpu_s is not None)))
     return out if sharing is None else [shared_profile(p, sharing) for p in out]
 
 

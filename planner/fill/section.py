@@ -31,7 +31,8 @@ def fill_section(fa: FillAssignment, spec: FillSpec, *, offload: bool, main_usef
                                 units=[u.name for u in prof.units], unit_time_s=[u.time_s for u in prof.units],
                                 resident=rf.resident, load_groups=[list(g) for g in rf.load_groups],
                                 leaves=list(js.leaves), iterations=prof.batches,
-                                arrival_s=js.arrival_s, deadline_s=js.deadline_s, priority=js.priority)
+                                arrival_s=js.arrival_s, deadline_s=js.deadline_s, priority=js.priority,
+                                notes=_host_note(prof))
         jobs[key].shards.append(FillShard(rank=turn.rank, first_batch=turn.first_batch, batches=turn.batches,
                                           start_s=turn.start_s, end_s=turn.end_s))
         chunks.extend(_chunks(rf, key))
@@ -57,6 +58,18 @@ def fill_section(fa: FillAssignment, spec: FillSpec, *, offload: bool, main_usef
                                             offload_bytes=list(offload_bytes) if offload else [],
                                             unplaceable=fa.unplaceable,
                                             not_chosen=fa.not_chosen, notes=fa.notes))
+
+
+def _host_note(prof) -> list[str]:
+    """Say where the host issuing the job's units (eager PyTorch, op by op) is slower than the GPU runs them, by more
+    than a tenth of its iteration."""
+    bound = sum(u.gpu_s is not None for u in prof.units)
+    if prof.host_wait_s <= 0.1 * prof.dedicated_s:
+        return []
+    return [f"the host issues {bound} of its {len(prof.units)} units slower than the GPU runs them at batch "
+            f"{prof.batch_size} (eager PyTorch, planner/fill/physics.py HOST_UNIT_S): alone, the GPU waits for the "
+            f"host {prof.host_wait_s / prof.dedicated_s:.0%} of its time; a larger batch does more work in the same "
+            "bubbles"]
 
 
 def _chunks(rf: RankFill, key: str) -> list[FillChunk]:

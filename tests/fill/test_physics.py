@@ -279,3 +279,19 @@ def test_a_host_bound_unit_is_no_faster_in_a_bubble_than_alone(compute, host):
     assert runtime_unit_s(compute, "mps", host_s=host) == runtime_unit_s(compute, "none", host_s=host) == alone
     assert runtime_unit_s(compute, "timeslice", host_s=host) > alone
     assert runtime_unit_s(compute, "timeslice", host_s=0.0) == runtime_unit_s(compute, "timeslice")
+
+
+def test_a_plan_says_which_fill_jobs_the_host_binds():
+    """A job whose units the host issues slower than the GPU runs them is noted in the plan (with the GPU's share of
+    that time); one the GPU binds is not."""
+    from planner.fill.profiles import profile_job
+    from planner.fill.section import _host_note
+    from planner.fill.spec import FillJobSpec, Work
+
+    job = FillJobSpec(name="bert", model=str(Path(__file__).resolve().parents[2] / "examples" / "bert.py"),
+                      model_args={"preset": "base", "seq": 128}, kind="infer", batch_sizes=[8, 128],
+                      work=Work(iterations=1))
+    small, large = profile_job(job, Hardware(target=get_target("h100-sxm")), "bf16")
+    (note,) = _host_note(small)
+    assert "the host issues" in note and "at batch 8" in note
+    assert _host_note(large) == []
