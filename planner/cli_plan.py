@@ -257,6 +257,9 @@ def _print_fill(p: Plan) -> None:
                   f"bubbles: {why}", highlight=False)
     for name, why in fp.notes.items():
         out.print(f"[yellow]note[/] {name}: {why}", highlight=False)
+    for job in f.jobs:
+        for why in job.notes:
+            out.print(f"[yellow]note[/] {job.name}: {why}", highlight=False)
 
 
 @app.command()

@@ -56,6 +56,8 @@ def test_every_fill_job_is_accounted_for(tmp_path):
     assert accounted == {"bert-infer", "mlp-train", "resnet-train", "resnet-wide-train"}
     for name, why in fill.predictions.not_chosen.items():
         assert f"not chosen {name}: it fits" in " ".join(res.stdout.split())
+    bound = [j for j in fill.jobs if j.notes]  # the example's small jobs wait for their host (fill/physics.py)
+    assert bound and all(f"note {j.name}: the host issues" in " ".join(res.stdout.split()) for j in bound)
 
 
 def test_the_example_pairs_two_training_jobs_on_one_rank_and_says_so(tmp_path):
