@@ -22,6 +22,9 @@ iterative interface) runs it:
 - **Interruption.** No step is cut by the bubble's end (admission above), so the interruption PipeFill names
   (001 l.245) is the tail of the bubble the next unit does not fit into: the packing's granularity, priced by
   the packer, not a constant.
+- **The host.** The runtime runs a fill job as eager PyTorch, each op dispatched by the host (under autograd and
+  autocast in training): a unit takes no less than `host_unit_s` of its kernels (HOST_UNIT_S, measured), whatever
+  little GPU work it holds; small fill jobs are bound by it (the plan says which).
 - **Sharing the GPU with the waiting main job.** In a bubble the main job waits in a receive, and NCCL's receive
   is a kernel spinning on the GPU until the data arrives. Without MPS the GPU time-slices between the two
   processes' contexts: each time the fill job synchronizes (every unit ends with one) the spinning receive takes

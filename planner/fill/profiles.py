@@ -12,6 +12,7 @@ from costmodels.hardware import Hardware
 from costmodels.precision import ADAM_HOST_BYTES, PRECISIONS
 from costmodels.recompute import RECOMPUTE
 from passes.pipeline import ModelProfile, analyze
+from passes.units import Unit
 from planner.config import ParallelConfig
 
 from .packing import FillUnit
@@ -110,7 +111,7 @@ def linearize(prof: ModelProfile, kind: str, config: str, b: int, hw: Hardware,
     return _issued(units, [*fwd, *reversed(bwd), HOST_OPTIMIZER_TENSOR_S * tensors]), int(resident)
 
 
-def _kernels(u) -> int:
+def _kernels(u: Unit) -> int:
     return u.sharded.kernels + u.replicated.kernels
 
 
