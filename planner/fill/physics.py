@@ -92,7 +92,8 @@ bf16: least squares of each mode's units on the planner's kernel count (training
 batch, left out); inference's per-unit part from its one-kernel head units (77-176 us), its per-kernel part from its
 layers. Per iteration these give 0.86-1.18x the measured host time of ten of the twelve jobs; BERT at batch 32
 0.65-0.76x (its host ran 8.5-9.9 ms an iteration where batch 8 and 128 ran 5.8-6.7: the host's noise, or its
-allocator; tests/fill/test_physics.py holds the other ten to 0.7-1.3x). Host speed is the machine's,
+allocator; tests/fill/test_physics.py holds the other ten to 0.7-1.3x); on the H200 machine's host (same day,
+cuda_fill_speed_h200_2026-11-27b.json) 0.79-1.37x of eleven, BERT b32 fp32 0.61x. Host speed is the machine's,
 not the GPU's: taken for every target (the papers' V100 and RTX 6000 Ada hosts are not measured)."""
 HOST_KERNEL_S = {"infer": 24e-6, "forward": 58e-6, "backward": 39e-6}
 HOST_OPTIMIZER_TENSOR_S = 34e-6
