@@ -175,12 +175,16 @@ def partition(inp: PartitionInput) -> Partition:
     best = [[INF] * (n + 1) for _ in range(k + 1)]
     choice = [[-1] * (n + 1) for _ in range(k + 1)]
     best[0][0] = 0.0
-    segment = _segments(inp)
-    sums = None if _recompute_tables(inp) else (_prefix(inp.static_bytes), _prefix(inp.activation_bytes),
-                                                 _prefix(inp.time_s), _prefix(inp.weight_bytes))
+    segment = sums = None
+    if _recompute_tables(inp):
+        segment = _segments(inp)
+    else:  # the same loop with its two tests written out (the search's hottest code: no calls)
+        S = _prefix(inp.static_bytes)
+        sums = (S, _prefix(inp.activation_bytes), _prefix(inp.time_s),
+                _prefix(inp.weight_bytes) if inp.weight_bytes else S)
     for j in range(1, k + 1):
         prev, row, pick = best[j - 1], best[j], choice[j]
-        if sums:  # the same loop with its two tests written out (the search's hottest code: no calls)
+        if sums:
             _plain_stage(inp, sums, j, n, k, prev, row, pick)
             continue
         fits, Tj = segment(j - 1)
@@ -213,9 +217,8 @@ def partition(inp: PartitionInput) -> Partition:
 def _plain_stage(inp: PartitionInput, sums: tuple[list[float], ...], j: int, n: int, k: int, prev: list[float],
                  row: list[float], pick: list[int]) -> None:
     """partition's row j without partial recomputation: `_segments`' fits and time inlined, in the same arithmetic
-    (`sums`: the prefix sums of static, activation and weight bytes and of time)."""
+    (`sums`: the prefix sums of static bytes, activation bytes, time and weight bytes, or static bytes again)."""
     S, A, T, W = sums
-    W = W if inp.weight_bytes else S
     w = inp.w_pending[j - 1] if inp.weight_bytes else 0.0
     cap, fl = inp.cap_bytes[j - 1], inp.inflight[j - 1]
     share = 1 / inp.time_share[j - 1] if inp.time_share else 1.0

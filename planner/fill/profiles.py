@@ -85,8 +85,9 @@ def linearize(prof: ModelProfile, kind: str, config: str, b: int, hw: Hardware,
         units = [FillUnit(name=f"F:{u.name}", time_s=t.fwd_s, flops=u.fwd_flops(b),
                           mem_bytes=int(u.input_bytes(b) + u.output_bytes(b) + plain(u, b, 1)))
                  for u, t in zip(prof.units, times)]
-        issued = [host_unit_s("infer", _kernels(u)) if host else 0.0 for u in prof.units]
-        return _issued(units, issued), int(params * num.weight_bytes)
+        if host:
+            units = _issued(units, [host_unit_s("infer", _kernels(u)) for u in prof.units])
+        return units, int(params * num.weight_bytes)
     kept = [cfg.recompute_mode.kept_bytes(u, b, 1) if u.kind == "block" else plain(u, b, 1) for u in prof.units]
     working = [plain(u, b, 1) for u in prof.units]
     units, live = [], 0.0
