@@ -93,6 +93,22 @@ class Evaluation:
                         weight_bytes=tuple(int(w) for w in self.weight_bytes))
 
 
+def least_room(need: Sequence[float], blocks: int) -> float:
+    """The least R with sum_j floor(R / need[j]) >= blocks: the fullest of len(need) bins, bin j taking need[j] per
+    item, when `blocks` items are spread to make it least (0 without items, or where an item needs nothing)."""
+    if not blocks or min(need, default=0.0) <= 0:
+        return 0.0
+    tol = 1 + 1e-12  # an exact multiple of need[j] counts as reached
+
+    def held(r: float) -> int:
+        return sum(int(r / n * tol) for n in need)
+
+    room = blocks / sum(1 / n for n in need)  # no less: sum_j R / need[j] >= sum_j floor(R / need[j]) >= blocks
+    while held(room) < blocks:  # the next multiple of some need[j] holds one more; floor loses < 1 a bin, so at most
+        room = min((int(room / n * tol) + 1) * n for n in need)  # len(need) steps
+    return room
+
+
 @dataclass(kw_only=True)
 class Evaluator:
     units: tuple[Unit, ...]
@@ -189,24 +205,49 @@ class Evaluator:
                   + c.kept(params, experts, 1) * num.optimizer_bytes + copies)
         return (static + c.inflight(c.pp - 1) * self._cache[key]) / c.pp + self.hw.reserve_bytes
 
+    def _block_bytes(self, c: ParallelConfig) -> tuple[float, float, int]:
+        """(The fewest static bytes any block keeps on a rank, the fewest activation bytes any keeps per microbatch
+        (partial recomputation: no fewer than recomputing it), the blocks); (0, 0, 0) without blocks."""
+        partial = c.recompute_mode.partial
+        key = ("block bytes", c.unit_key("full" if partial else None), c.dp, c.zero, c.grad_fp32, c.fp8_params)
+        if key not in self._cache:
+            kinds, counts = [i for i in set(self._twins) if self.units[i].kind == "block"], self.twin_counts
+            leanest = c.fallback(recompute="full") if partial else c
+            self._cache[key] = (min(static_bytes(self.units[i], c) for i in kinds),
+                                min(activation_bytes(self.units[i], leanest) for i in kinds),
+                                sum(counts[i] for i in kinds)) if kinds else (0.0, 0.0, 0)
+        return self._cache[key]
+
+    def least_rank_room(self, c: ParallelConfig) -> float:
+        """One chunk a rank: no partition's fullest rank needs fewer bytes (beyond the allocator's reserve) than R,
+        the least with sum_j floor(R / (static + inflight(j) x activations)) >= the blocks, each block at the fewest
+        bytes any needs (_block_bytes): rank j holding n_j blocks needs at least n_j times its divisor. 0 for v > 1
+        or p = 1."""
+        if c.v != 1 or c.pp == 1:
+            return 0.0
+        static, act, blocks = self._block_bytes(c)
+        key = ("rank room", static, act, blocks, c.pp, c.m, c.schedule)
+        if key not in self._cache:
+            self._cache[key] = least_room([static + c.inflight(j) * act for j in range(c.pp)], blocks)
+        return self._cache[key]
+
     def least_slowest_stage_s(self, c: ParallelConfig) -> float:
         """One chunk a rank: no partition's slowest stage is faster than the blocks memory makes some rank take. Rank j
         holds at most U_j = room / (static + inflight(j) x activations) blocks at the fewest bytes any block needs
         (room: the capacity less the allocator's reserve, nothing else), so some rank holds L, the least with
         sum(min(U_j, L)) >= the blocks, each taking at least the fastest block's time. 0 where memory binds no rank
-        (or no spread fits, which evaluation reports)."""
+        (or no spread fits, which evaluation rejects: _partition)."""
         if c.v != 1 or c.pp == 1:
             return 0.0
-        key = ("block floor", c.unit_key("full" if c.recompute_mode.partial else None), c.pp, c.m, c.schedule)
+        static, act, blocks = self._block_bytes(c)
+        key = ("block floor", c.unit_key("full" if c.recompute_mode.partial else None), static, act, c.pp, c.m,
+               c.schedule)
         if key not in self._cache:
-            rows, counts = self.distinct_costs(c), self.twin_counts
+            rows = self.distinct_costs(c)
             kinds = [i for i in rows if self.units[i].kind == "block"]
             floor = 0.0
             if kinds:
-                leanest = c.fallback(recompute="full") if c.recompute_mode.partial else c  # partial: no fewer bytes
-                act = min(activation_bytes(self.units[i], leanest) for i in kinds)
-                static = min(static_bytes(self.units[i], c) for i in kinds)
-                room, blocks = self.capacity - self.hw.reserve_bytes, sum(counts[i] for i in kinds)
+                room = self.capacity - self.hw.reserve_bytes
                 held = [int(room // need) if (need := static + c.inflight(j) * act) > 0 else blocks
                         for j in range(c.pp)]
                 if sum(held) >= blocks:
@@ -419,6 +460,9 @@ class Evaluator:
             raise Rejected("layers not divisible by the virtual stages (Megatron's even layout)", str(exc)) from exc
 
     def _partition(self, c: ParallelConfig, fwd, bwd, act, wkeep):
+        if (spread := self.least_rank_room(c) + self.hw.reserve_bytes) > self.capacity:  # what partition would
+            # find after its search: no spread of the blocks fits their ranks
+            raise Rejected("memory", "no partition fits", spread)
         k = c.stages
         static = [static_bytes(u, c) for u in self.units]
         work = max(act, default=0.0) if c.recompute_mode.working_set else 0.0

@@ -270,6 +270,21 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                                                  moe_a2a_overlap=pins.moe_a2a_overlap and ep > 1)
 
 
+_UNBOUNDED, _BOUNDED, _FALLBACK = range(3)  # what a queued configuration's lower bound is: its share of the work
+# (_least_work_s), its optimistic time; and whether it only adds work to one that did not fit
+
+
+def _least_work_s(ev: Evaluator, c: ParallelConfig) -> float:
+    """No rank of c, nor of what it falls back to (_fallbacks: more recomputation or sharding, no less work), is
+    busy less than its share of the m microbatches' forward and backward (the FP8 weights' casts aside): a bound
+    below _optimistic_iteration's, from one sum per unit_key."""
+    key = ("work", c.unit_key())
+    if key not in ev._cache:
+        count = ev.twin_counts
+        ev._cache[key] = sum(count[i] * (r[0] + r[1]) for i, r in ev.distinct_costs(c).items())
+    return c.m * ev._cache[key] / c.pp
+
+
 def _optimistic_iteration(ev: Evaluator, c: ParallelConfig) -> float:
     """The schedule's own time with perfectly balanced stages and free p2p: no partition beats it."""
     k, split = c.stages, c.schedule_kind.split_backward
@@ -313,45 +328,51 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
     if not pool:
         raise NoFeasibleConfig(_no_candidates_message(ev, pins, rejected))
     leanest: tuple[float, ParallelConfig] | None = None
-    bounded, deferred = [], []  # deferred: partial recomputation, ZeRO-2, -3 where less does not fit (_fallbacks)
-    for c in pool:
-        short = 0.0  # bytes the last configuration tried was over by, at the least
-        for k, c in enumerate(chain((c,), _fallbacks(c, pins))):
-            need = ev.memory_lower_bound(c)
-            if need <= ev.capacity:
-                bound = c if not short or not c.recompute_mode.partial or c.recompute_layers else \
-                    replace(c, recompute_layers=ev.least_recompute_for(c, short))  # it redoes no fewer blocks
-                (deferred if k else bounded).append((_optimistic_iteration(ev, bound), c))
-                break
-            short = need - ev.capacity
-            rejected["memory (lower bound)"] += 1
-            leanest = min(leanest or (need, c), (need, c), key=lambda x: x[0])
     found: list[Evaluation] = []
-    # one queue by lower bound; what did not fit comes back with more recomputation or sharding (_fallbacks), priced
-    # only where it could beat the best found (not merely rank among the top)
-    heap = [(lower, i, c, False) for i, (lower, c) in enumerate(bounded)]
-    heap += [(lower, len(heap) + i, c, True) for i, (lower, c) in enumerate(deferred)]
+    # one queue by lower bound. A configuration enters with its ranks' share of the work (_least_work_s, ~1 us) and
+    # is bounded in full (its memory, its schedule: _optimistic_iteration, ~40 us) only when it reaches the front, so
+    # the ~10^4 the search never prices are never bounded either; what did not fit comes back with more
+    # recomputation or sharding (_fallbacks), priced only where it could beat the best found (not merely rank among
+    # the top)
+    heap = [(_least_work_s(ev, c), i, c, _UNBOUNDED) for i, c in enumerate(pool)]
     heapq.heapify(heap)
-    seen, count = {c for _, _, c, _ in heap}, len(heap)
+    seen, count = set(pool), len(heap)
+
+    def push(c: ParallelConfig, lower: float, kind: int) -> None:
+        nonlocal count
+        heapq.heappush(heap, (lower, count, c, kind))
+        count += 1
 
     def retry(c: ParallelConfig, lower: float, r: Rejected | None = None) -> None:
         """Queue what c falls back to (_fallbacks), each bounded below by `lower` and its own optimistic time (with
         at least the recomputation `r`, c's shortfall, says it needs)."""
-        nonlocal count
         for f in _fallbacks(c, pins):
             if f not in seen:
                 seen.add(f)
-                bound = _optimistic_iteration(ev, f if r is None else _at_least(ev, f, r))
-                heapq.heappush(heap, (max(lower, bound), count, f, True))
-                count += 1
+                push(f, max(lower, _optimistic_iteration(ev, f if r is None else _at_least(ev, f, r))), _FALLBACK)
     while heap:
-        lower, _, c, fallback = heapq.heappop(heap)
+        lower, _, c, kind = heapq.heappop(heap)
         if progress:
             progress(count - len(heap) - 1, count)
         if len(found) >= top and lower >= found[top - 1].iteration_s:
             rejected["cannot beat the top configurations"] += 1 + len(heap)
             break
-        if fallback and found and lower >= found[0].iteration_s:
+        if kind == _UNBOUNDED:  # the first of c and its fallbacks that memory does not rule out, bounded in full
+            short = 0.0  # bytes the last configuration tried was over by, at the least
+            for k, f in enumerate(chain((c,), _fallbacks(c, pins))):
+                need = ev.memory_lower_bound(f)
+                if need <= ev.capacity:
+                    bound = f if not short or not f.recompute_mode.partial or f.recompute_layers else \
+                        replace(f, recompute_layers=ev.least_recompute_for(f, short))  # it redoes no fewer blocks
+                    if not k or f not in seen:
+                        seen.add(f)
+                        push(f, max(lower, _optimistic_iteration(ev, bound)), _FALLBACK if k else _BOUNDED)
+                    break
+                short = need - ev.capacity
+                rejected["memory (lower bound)"] += 1
+                leanest = min(leanest or (need, f), (need, f), key=lambda x: x[0])
+            continue
+        if kind == _FALLBACK and found and lower >= found[0].iteration_s:
             rejected["cannot beat the best configuration"] += 1
             continue
         try:

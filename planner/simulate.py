@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from planner.schedule import Action, Op, Schedule, ScheduleError, gc_paused
+from planner.schedule import Action, Op, Schedule, ScheduleError, _action, gc_paused
 
 __all__ = ["Bubble", "Interval", "SimCosts", "SimResult", "simulate", "with_bubbles"]
 
@@ -373,6 +373,11 @@ def with_bubbles(schedule: Schedule, result: SimResult) -> Schedule:
     """Insert ``BUBBLE{id}`` actions where each simulated bubble occurs (old ones are dropped)."""
     if len(result.timelines) != schedule.p:
         raise ValueError(f"result has {len(result.timelines)} ranks, schedule has p={schedule.p}")
+    with gc_paused():
+        return _with_bubbles(schedule, result)
+
+
+def _with_bubbles(schedule: Schedule, result: SimResult) -> Schedule:
     ranks = []
     for r, timeline in enumerate(result.timelines):
         base = [a for a in schedule.ranks[r] if a.op is not _BUBBLE]
@@ -380,8 +385,8 @@ def with_bubbles(schedule: Schedule, result: SimResult) -> Schedule:
         inserts: dict[int, list[Action]] = {}
         pending: list[Action] = []
         for iv in timeline:
-            if iv.kind == "bubble":
-                pending.append(Action.parse(iv.action))
+            if iv.kind == "bubble":  # "BUBBLE{id}", as _rank_timeline names it
+                pending.append(_action(None, _BUBBLE, int(iv.action[6:])))
                 continue
             if iv.action not in step_of:
                 raise ValueError(f"rank {r}: simulated action {iv.action} is not in the schedule")
