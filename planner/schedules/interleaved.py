@@ -116,7 +116,13 @@ def _maximizers(points: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
     keep = []
     for i, q in enumerate(points):
         others = points[:i] + points[i + 1:]
-        pairs = chain([(points[i - 1], points[i + 1])] if 0 < i < len(points) - 1 else [], combinations(others, 2))
+        # a mix of a and b reaches q only where one of them does in every coordinate: a bit per coordinate, and
+        # only the pairs whose bits cover all are tried
+        reach = [sum(1 << j for j, (x, y) in enumerate(zip(q, a)) if y >= x) for a in others]
+        full = (1 << len(q)) - 1
+        pairs = chain([(points[i - 1], points[i + 1])] if 0 < i < len(points) - 1 else [],
+                      ((others[j], others[k]) for j, k in combinations(range(len(others)), 2)
+                       if reach[j] | reach[k] == full))
         if not any(under_mix(q, a, b) for a, b in pairs):
             keep.append(q)
     return keep
