@@ -223,13 +223,19 @@ class Evaluator:
         the least with sum_j floor(R / (static + inflight(j) x activations)) >= the blocks, each block at the fewest
         bytes any needs (_block_bytes): rank j holding n_j blocks needs at least n_j times its divisor. 0 for v > 1
         or p = 1."""
-        if c.v != 1 or c.pp == 1:
-            return 0.0
-        static, act, blocks = self._block_bytes(c)
-        key = ("rank room", static, act, blocks, c.pp, c.m, c.schedule)
+        need, blocks = self._block_need(c)
+        key = ("rank room", need, blocks)
         if key not in self._cache:
-            self._cache[key] = least_room([static + c.inflight(j) * act for j in range(c.pp)], blocks)
+            self._cache[key] = least_room(need, blocks)
         return self._cache[key]
+
+    def _block_need(self, c: ParallelConfig) -> tuple[tuple[float, ...], int]:
+        """(Per rank j, the fewest bytes a block it holds needs: static + inflight(j) x activations at the fewest any
+        block keeps (_block_bytes), the blocks); ((), 0) for v > 1 or p = 1."""
+        if c.v != 1 or c.pp == 1:
+            return (), 0
+        static, act, blocks = self._block_bytes(c)
+        return tuple(static + c.inflight(j) * act for j in range(c.pp)), blocks
 
     def least_slowest_stage_s(self, c: ParallelConfig) -> float:
         """One chunk a rank: no partition's slowest stage is faster than the blocks memory makes some rank take. Rank j
@@ -237,24 +243,19 @@ class Evaluator:
         (room: the capacity less the allocator's reserve, nothing else), so some rank holds L, the least with
         sum(min(U_j, L)) >= the blocks, each taking at least the fastest block's time. 0 where memory binds no rank
         (or no spread fits, which evaluation rejects: _partition)."""
-        if c.v != 1 or c.pp == 1:
+        need, blocks = self._block_need(c)
+        if not blocks:
             return 0.0
-        static, act, blocks = self._block_bytes(c)
-        key = ("block floor", c.unit_key("full" if c.recompute_mode.partial else None), static, act, c.pp, c.m,
-               c.schedule)
+        key = ("block floor", c.unit_key(), need)  # the blocks' times (distinct_costs), what ranks hold
         if key not in self._cache:
-            rows = self.distinct_costs(c)
-            kinds = [i for i in rows if self.units[i].kind == "block"]
+            rows, room = self.distinct_costs(c), self.capacity - self.hw.reserve_bytes
+            held = [int(room // n) if n > 0 else blocks for n in need]
             floor = 0.0
-            if kinds:
-                room = self.capacity - self.hw.reserve_bytes
-                held = [int(room // need) if (need := static + c.inflight(j) * act) > 0 else blocks
-                        for j in range(c.pp)]
-                if sum(held) >= blocks:
-                    least = -(-blocks // c.pp)
-                    while sum(min(h, least) for h in held) < blocks:
-                        least += 1
-                    floor = least * min(rows[i][0] + rows[i][1] for i in kinds)
+            if sum(held) >= blocks:
+                least = -(-blocks // c.pp)
+                while sum(min(h, least) for h in held) < blocks:
+                    least += 1
+                floor = least * min(r[0] + r[1] for i, r in rows.items() if self.units[i].kind == "block")
             self._cache[key] = floor
         return self._cache[key]
 
