@@ -118,3 +118,97 @@ def _print_fill(run: RunEntry) -> None:
         for job in rep.jobs:
             if job.error:
                 out.print(f"  fill job {job.name}: {job.error}", highlight=False, soft_wrap=True)
+
+
+@app.command()
+def rehearse(
+    plan_file: str = typer.Argument("plan.json", help="plan written by `planner plan`"),
+    rank: int = typer.Option(..., "--rank", help="the pipeline rank to run for real (its peers are replayed)"),
+    steps: int = typer.Option(5, "--steps", help="training iterations; step 0 runs without fill and measures"),
+    compare_no_fill: bool = typer.Option(False, "--compare-no-fill",
+                                         help="run without fill first, then with it, and print the slowdown"),
+    fill_fraction: Optional[float] = typer.Option(
+        None, "--fill-fraction", help="offer the fill jobs this fraction of each bubble (0 < F <= 1; default: the "
+        "bubble less the plan's safety margin)"),
+    no_fill: bool = typer.Option(False, "--no-fill", help="never hand bubbles to fill jobs"),
+    device: str = typer.Option("auto", "--device", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N"),
+    report_file: str = typer.Option("rehearsal.json", "-o", "--output", help="where to write the report JSON"),
+    metrics: str = typer.Option("rehearsal-metrics.json", "--metrics",
+                                help="where to write the metrics (`planner validate PLAN --metrics` reads them)"),
+    boundary: Optional[str] = typer.Option(None, "--boundary", hidden=True,
+                                           help="replay a launch's recorded boundary tensors (rank file)"),
+    seed: int = typer.Option(0, "--seed", help="seed of build_model"),
+    as_json: bool = typer.Option(False, "--json", help="print the report JSON instead of the tables"),
+) -> None:
+    """Run one pipeline rank of PLAN on this machine's device: its real stages in the plan's order, every receive
+    arriving when the plan's simulation says, its bubbles handed to its fill jobs; predicted against measured."""
+    from passes.errors import write_atomic
+
+    from .metrics import save_metrics
+    from .runtime.rehearse import RehearseOptions, rehearse as run_rehearsal
+
+    with user_errors():
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if device == "cuda":
+            device = "cuda:0"
+        opts = RehearseOptions(rank=rank, steps=steps, fill=not no_fill, compare_no_fill=compare_no_fill,
+                               fill_fraction=fill_fraction, device=device, seed=seed,
+                               boundary=Path(boundary) if boundary else None)
+        echo = (lambda line: None) if as_json else (lambda line: out.print(line, highlight=False, markup=False))
+        report = run_rehearsal(plan_file, opts, log=echo)
+        save_metrics(report.pop("metrics"), metrics)
+        write_atomic(report_file, json.dumps(report, indent=1) + "\n", "rehearsal report")
+    if as_json:
+        print_json(json.dumps(report, indent=1))
+        return
+    _print_rehearsal(report, report_file, metrics)
+
+
+def _err(measured: float | None, predicted: float | None) -> str:
+    return "-" if measured is None or not predicted else f"{measured / predicted - 1:+.1%}"
+
+
+def _print_rehearsal(r: dict, report_file: str, metrics: str) -> None:
+    table = Table(title=f"pipeline rank {r['rank']} on {r['device']}: compute per microbatch (median over steps)")
+    for col in ("stage", "action", "count", "predicted", "measured", "error"):
+        table.add_column(col, justify="right")
+    for k in r["action_kinds"]:
+        table.add_row(str(k["stage"]), k["kind"], str(k["count"]), _ms(k["predicted_s"]), _ms(k["measured_s"]),
+                      _err(k["measured_s"], k["predicted_s"]))
+    out.print(table)
+    bubbles = r["bubbles"]
+    if bubbles:
+        table = Table(title="bubbles (median over the steps after the first)")
+        for col in ("bubble", "kind", "predicted start", "predicted", "measured", "error"):
+            table.add_column(col, justify="right")
+        for b in bubbles:
+            table.add_row(str(b["id"]), b["kind"], _ms(b["predicted_start_s"]), _ms(b["predicted_s"]),
+                          "-" if b["measured_s"] is None else _ms(b["measured_s"]), _err(b["measured_s"], b["predicted_s"]))
+        out.print(table)
+    mem = r["memory"]
+    gib = lambda x: "-" if x is None else f"{x / 2**30:.2f} GiB"  # noqa: E731
+    out.print(f"memory: planned {gib(mem['predicted_bytes'])} (reserve excluded) of {gib(mem['capacity_bytes'])}; "
+              f"peak allocated {gib(mem['allocated_peak_bytes'])}, reserved {gib(mem['reserved_peak_bytes'])}"
+              f"{'' if mem['allocated_peak_bytes'] is not None else ' (measured on CUDA only)'}", highlight=False)
+    out.print(f"iteration: predicted {_ms(r['iteration']['predicted_s'])}; the replayed pipeline ends its steps at "
+              f"{_ms(r['iteration']['replayed_s'])}", highlight=False)
+    for name, run in r["runs"].items():
+        st = run["step_s"]
+        line = f"{name.replace('_', ' ')}: step {_ms(st['median'])} median [{_ms(st['min'])}, {_ms(st['max'])}]" \
+            if st["median"] is not None else f"{name}: no steps after the first"
+        fill = run["fill"]
+        if fill:
+            tflops = "-" if fill["tflops"] is None else f"{fill['tflops']:.3f}"
+            line += (f"; fill {fill['units_per_step']:.1f} units/step (planned {fill['planned_units_per_step']}), "
+                     f"{fill['work_s_per_step'] * 1e3:.2f} ms of planned work/step "
+                     f"(planned {fill['planned_work_s_per_step'] * 1e3:.2f} ms), {tflops} TFLOP/s recovered "
+                     f"(plan: {fill['planned_tflops']:.3f} TFLOP/s/GPU), {fill['overruns']} overrun(s), "
+                     f"{fill['kills']} kill(s), {fill['errors']} error(s)")
+        out.print(line, highlight=False)
+    if r.get("slowdown") is not None:
+        out.print(f"main-job slowdown with fill: {r['slowdown']:+.2%} (median step time, steps after the first)",
+                  highlight=False)
+    out.print(f"written {report_file} and {metrics} (`planner validate PLAN --metrics {metrics}`)", highlight=False)

@@ -325,6 +325,8 @@ class RunEntry(_Model):
                                                              "the runtime trains in (the plan's precision)")
     loss: list[float] = Field(description="per step, from the last pipeline rank (dp 0, tp 0)")
     predicted_iteration_s: float = Field(description="the plan's predicted iteration on its target, seconds")
+    rehearsed_rank: Optional[int] = Field(None, description="a rehearsal (planner rehearse): the one pipeline rank "
+                                          "that ran, its peers replayed from the plan; null for a launch")
     ranks: list[RankRecord] = Field(min_length=1, description="per global rank, in order")
 
 

@@ -128,7 +128,7 @@ def compare(plan: Plan, metrics: MetricsDocument, skip: int = 1) -> ValidationRe
     run = metrics.runs[0]
     c = plan.config
     ranks = []
-    for r in range(c.pp):
+    for r in sorted({x.pp for x in run.ranks}):  # every rank of a launch; a rehearsal's one
         steps = _steps(run, r, skip)
         rows = []
         extra = plan.predictions.action_overhead_s  # framework time: not inside the measured compute

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from ..metrics import MetricsDocument
     from ..plan import Plan
 
-__all__ = ["CheckedPlan", "LocalRun", "check_plan", "resolve_model_file", "torchrun_command", "launch_local",
+__all__ = ["CheckedPlan", "LocalRun", "check_plan", "load_runtime_model_file", "resolve_model_file", "torchrun_command", "launch_local",
            "local_overload",
            "child_env", "summarize", "mean_iteration_s", "METRICS_SCHEMA"]
 
@@ -93,6 +93,19 @@ def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
         raise UserError(f"plan {path} needs tp*cp*pp*dp = {c.tp}*{c.cp}*{c.pp}*{c.dp} = {need} processes, but this "
                         f"launch has WORLD_SIZE={world_size}; start it with {need} processes (torchrun --nproc-per-node ...)")
     return CheckedPlan(path=path, plan=plan, model_file=model)
+
+
+def load_runtime_model_file(c: CheckedPlan) -> Any:
+    """Import the plan's model file (and torch); it must also define sample_batch and loss_fn."""
+    from passes.load import load_model_file
+
+    mf = load_model_file(c.model_file, dict(c.plan.source.model_args))
+    missing = [fn for fn in ("sample_batch", "loss_fn") if not mf.has(fn)]
+    if missing:
+        raise UserError(f"model file {c.model_file} does not define {' and '.join(f'{m}()' for m in missing)}; the "
+                        "runtime needs sample_batch(batch_size, step, **model_args) -> (inputs, targets) and "
+                        "loss_fn(output, targets)")
+    return mf
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from passes.errors import UserError
 
-from . import CheckedPlan, check_plan
+from . import CheckedPlan, check_plan, load_runtime_model_file
 from .fill_executor import GRACE_S
 
 if TYPE_CHECKING:
@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--characterize", metavar="RANK:BUBBLE", help="after the steps, measure that bubble by "
                     "doubling waits inside it until the step slows (PipeFill 4.2); result in the metrics")
     ap.add_argument("--dump-params", metavar="DIR", help=argparse.SUPPRESS)  # debug: DIR/<plan#>/rank<R>.pt
+    ap.add_argument("--record-boundary", metavar="DIR", help=argparse.SUPPRESS)  # debug: received tensors, same paths
     args = ap.parse_args(argv)
     if args.steps < 1:
         ap.error(f"--steps must be at least 1, got {args.steps}")
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     try:  # the plan checks need no torch: a fraction of a second on every rank
         checked = [check_plan(p, world) for p in args.plans]
-        files = [_load_model_file(c) for c in checked]
+        files = [load_runtime_model_file(c) for c in checked]
     except UserError as exc:
         _PRECHECK_FAILED.append(True)
         return _error(rank, world, str(exc))
@@ -124,19 +125,6 @@ def _device(choice: str) -> str:
     if choice == "cuda":
         choice = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     return choice
-
-
-def _load_model_file(c: CheckedPlan) -> Any:
-    """Import the model file (and torch); it must also define sample_batch and loss_fn."""
-    from passes.load import load_model_file
-
-    mf = load_model_file(c.model_file, dict(c.plan.source.model_args))
-    missing = [fn for fn in ("sample_batch", "loss_fn") if not mf.has(fn)]
-    if missing:
-        raise UserError(f"model file {c.model_file} does not define {' and '.join(f'{m}()' for m in missing)}; the "
-                        "runtime needs sample_batch(batch_size, step, **model_args) -> (inputs, targets) and "
-                        "loss_fn(output, targets)")
-    return mf
 
 
 def _run(args: argparse.Namespace, checked: list[CheckedPlan], files: list[Any], rank: int, world: int) -> int:
@@ -163,7 +151,7 @@ def _run(args: argparse.Namespace, checked: list[CheckedPlan], files: list[Any],
                               optimizer=args.optimizer, lr=args.lr,
                               seed=args.seed, device=device,
                               dump_dir=Path(args.dump_params) / str(i) if args.dump_params else None,
-                              characterize=_rank_bubble(args.characterize))
+                              characterize=_rank_bubble(args.characterize), record=bool(args.record_boundary))
             ex = prepare(c.plan, mf, opts)
             log = lambda text: print(f"[rank {rank}] {c.path.name}: {text}", flush=True)  # noqa: E731
             try:
@@ -174,6 +162,10 @@ def _run(args: argparse.Namespace, checked: list[CheckedPlan], files: list[Any],
                 return 1
             if opts.dump_dir is not None:
                 ex.dump(opts.dump_dir / f"rank{rank}.pt")
+            if args.record_boundary:
+                where = Path(args.record_boundary) / str(i)
+                where.mkdir(parents=True, exist_ok=True)
+                torch.save(ex.recorded, where / f"rank{rank}.pt")
             gathered: list[Any] = [None] * world if rank == 0 else []
             dist.gather_object(record, gathered if rank == 0 else None, dst=0)
             if rank == 0:

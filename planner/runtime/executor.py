@@ -58,7 +58,7 @@ from .fill_executor import GRACE_S
 from .groups import Groups, make_groups, make_shared_groups
 from .optim import GradSync, SavedBytes
 from .stage import (DTYPES, StageModule, TensorSpec, apply_tensor_parallel, boundary_specs, build_split,
-                    stage_modules)
+                    stage_modules, to_precision)
 
 __all__ = ["RunOptions", "NullFill", "FillHooks", "ActionError", "Executor", "prepare", "load_fill_client",
            "failure_text"]
@@ -78,6 +78,9 @@ class RunOptions:
     device: str = "cpu"
     dump_dir: Path | None = None
     """Debug: write each rank's parameters and gradients (canonical names) after the last step."""
+    record: bool = False
+    """Debug: keep every boundary tensor received from another rank ("step:tag" -> tensor), for a rehearsal of the
+    rank to replay (planner/runtime/rehearse.py)."""
     characterize: tuple[int, int] | None = None
     """(pipeline rank, bubble id): after the steps, measure that bubble by doubling waits (PipeFill 4.2)."""
 
@@ -223,10 +226,12 @@ class Executor:
         self.bubble_samples: dict[int, list[float]] = {}
         """Bubble id -> duration observed in step 0 (seconds, this rank)."""
         self.fill: Any = NullFill()
+        self.fill_options: Any = None  # the fill executor's ExecutorOptions (None: its defaults)
         self.cuda = options.device.startswith("cuda")
         self.device_bytes = torch.cuda.get_device_properties(options.device).total_memory if self.cuda else 0
         self._slots = slots  # tags must agree between sender and receiver: from all stages' programs
         self._mail: dict[int, torch.Tensor] = {}
+        self.recorded: dict[str, torch.Tensor] = {}  # RunOptions.record
         self.hold: tuple[tuple[int, int], float] | None = None  # ((pp rank, bubble id), seconds) to occupy
         self.saved_bytes: dict[int, int] = {}  # stage -> bytes one microbatch saves for the backward (step 0)
         fp = plan.fill.predictions if plan.fill is not None else None
@@ -254,7 +259,7 @@ class Executor:
             except Exception as exc:  # noqa: BLE001 - re-raised with the schedule position
                 raise ActionError(self.c.pp, i, action, exc) from exc
         loss = self._step_loss(st)
-        dist.barrier()
+        self._step_end(st)
         self._end_bubble(st)
         return {"step": index, "iteration_s": time.perf_counter() - st.t0, "loss": loss, "bubbles": st.bubbles,
                 "stages": {str(k): {"forward_s": v[0], "backward_s": v[1]} for k, v in sorted(st.times.items())},
@@ -265,6 +270,10 @@ class Executor:
 
     def _do(self, st: _Step, a: Action) -> None:
         _ACTIONS[a.op](self, st, a)
+
+    def _step_end(self, st: _Step) -> None:
+        """Every rank ends the step together: a trailing bubble lasts until the slowest rank is done."""
+        dist.barrier()
 
     def _compute(self, st: _Step, a: Action) -> None:
         """F, B, I or W of one stage and microbatch, timed; what it produces for a stage on this rank handed over."""
@@ -277,9 +286,13 @@ class Executor:
             self._backward_weight(st, a.stage, a.mb)
         else:
             self._backward(st, a.stage, a.mb, split=op is Op.I)
-        self._sync()
+        self._compute_done(a)
         st.times.setdefault(a.stage, [0.0, 0.0])[op is not Op.F] += time.perf_counter() - start
         self._hand_over(st, a)
+
+    def _compute_done(self, a: Action) -> None:
+        """After an F/B/I/W's kernels were issued, before its time is taken."""
+        self._sync()
 
     def _allreduce(self, st: _Step, a: Action) -> None:
         self._end_bubble(st)
@@ -423,24 +436,30 @@ class Executor:
         wait only orders the compute stream after the receive, and the bubble (the fill job's time) lasts until the
         data has arrived, not until the receive was queued."""
         peer = self._peer(from_stage)
-        t = self.c.tp_size
         bufs = []
         for j, spec in enumerate(specs):
             if peer == self.c.rank:
                 bufs.append(self._mail.pop(tag + j))
                 continue
-            numel = math.prod(spec.shape)
-            split = t > 1 and numel % t == 0
-            buf = torch.empty(numel // t if split else spec.shape, dtype=spec.dtype, device=self.options.device)
-            dist.irecv(buf, src=peer, tag=tag + j).wait()
-            if split:
-                parts = [torch.empty_like(buf) for _ in range(t)]
-                dist.all_gather(parts, buf, group=self.groups.tp_group)
-                buf = torch.cat(parts).view(spec.shape)
-            bufs.append(buf)
+            bufs.append(self._recv_remote(st, spec, peer, tag + j))
+            if self.options.record:  # debug: what this rank received, for a rehearsal to replay (planner rehearse)
+                self.recorded[f"{st.index}:{tag + j}"] = bufs[-1].detach().cpu().clone()
         if self.cuda and st.bubble is not None:
             torch.cuda.current_stream().synchronize()
         return bufs
+
+    def _recv_remote(self, st: _Step, spec: TensorSpec, peer: int, tag: int) -> torch.Tensor:
+        """One boundary tensor from another rank: each tensor-parallel rank receives its 1/t, then all-gathers."""
+        t = self.c.tp_size
+        numel = math.prod(spec.shape)
+        split = t > 1 and numel % t == 0
+        buf = torch.empty(numel // t if split else spec.shape, dtype=spec.dtype, device=self.options.device)
+        dist.irecv(buf, src=peer, tag=tag).wait()
+        if split:
+            parts = [torch.empty_like(buf) for _ in range(t)]
+            dist.all_gather(parts, buf, group=self.groups.tp_group)
+            buf = torch.cat(parts).view(spec.shape)
+        return buf
 
     def _recv_forward(self, st: _Step, k: int, mb: int) -> None:
         names = [n for n in self.stages[k].program.recv if isinstance(self.specs.get(n), TensorSpec)]
@@ -577,8 +596,8 @@ class Executor:
 
     def _start_fill(self, client: Any) -> Any:
         try:
-            started = client.start(self.plan, self.c.pp, self.c.rank, self.options.device,
-                                   grace_s=self.options.fill_grace_s)  # durations come with each bubble_begin
+            started = client.start(self.plan, self.c.pp, self.c.rank, self.options.device,  # durations come with
+                                   grace_s=self.options.fill_grace_s, options=self.fill_options)  # each bubble_begin
         except Exception as exc:  # noqa: BLE001 - fill is best effort; the main job goes on
             print(f"warning: rank {self.c.rank}: fill client did not start ({type(exc).__name__}: {exc})",
                   file=sys.stderr, flush=True)
@@ -636,13 +655,15 @@ class LossScaler:
         return True
 
 
-def prepare(plan: Plan, model_file: ModelFile, options: RunOptions) -> Executor:
-    """Build groups, model, stages and optimizer for this rank (collective: every rank calls it)."""
+def prepare(plan: Plan, model_file: ModelFile, options: RunOptions, executor: type[Executor] = Executor,
+            **extra: Any) -> Executor:
+    """Build groups, model, stages and optimizer for this rank (collective: every rank calls it); `executor` (and
+    its `extra` arguments): the class that runs them (a rehearsal's)."""
     c = plan.config.to_config()
     groups = make_groups(device_type="cuda" if options.device.startswith("cuda") else "cpu",
                          pp=c.pp, dp=c.dp, tp=c.tp, cp=c.cp)
     torch.manual_seed(options.seed)
-    model = model_file.build(options.device, torch.float32).to(DTYPES[c.precision])  # fp32 init, then rounded
+    model = to_precision(model_file.build(options.device, torch.float32), DTYPES[c.precision])  # fp32 init, rounded
     model.train()
     split = build_split(model, plan, model_file)
     make_shared_groups(groups, split.holders)
@@ -663,8 +684,9 @@ def prepare(plan: Plan, model_file: ModelFile, options: RunOptions) -> Executor:
     if c.tp > 1:
         apply_tensor_parallel(stages, plan, model, groups.tp_mesh, inner)
     slots = 1 + max(len(p.send) for p in split.programs)
-    return Executor(plan=plan, model_file=model_file, groups=groups, stages=stages, specs=specs, slots=slots,
-                    options=options, cp=cp)
+    return executor(plan=plan, model_file=model_file, groups=groups, stages=stages, specs=specs, slots=slots,
+                    options=options, cp=cp, **extra)
+
 
 
 def _sequence(plan: Plan, specs: dict[str, Any]) -> int:

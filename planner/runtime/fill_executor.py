@@ -165,6 +165,9 @@ class ExecutorOptions:
     """Run a resident, unpaired iterative job's short units (physics.batched) in batches of up to this much
     of their profiled work, one synchronize per batch (planner/fill/physics.py: BATCH_WORK_S, runtime_unit_s); 0:
     one unit per request. None: the plan decides (batches on CUDA where its fill is time-sliced)."""
+    replicas: int | None = None
+    """GPUs of the pipeline rank that run its fill jobs, dividing them (None: all of them, the plan's dp x cp x tp; a
+    rehearsal of one rank runs one)."""
 
     def __post_init__(self) -> None:
         bad = {k: v for k, v in self.interface.items() if v not in ("iterative", "imperative")}
@@ -449,7 +452,7 @@ class Executor:
             BATCH_WORK_S if sliced else 0.0
         self.pp = plan.config.pp
         self.precision = plan.config.precision
-        self.replicas = plan.config.dp * plan.config.cp * plan.config.tp  # this stage's GPUs (pp is outermost)
+        self.replicas = options.replicas or plan.config.dp * plan.config.cp * plan.config.tp  # the stage's GPUs
         self.replica = global_rank % self.replicas
         self.run_key = run_key
         self.policy_name, self.policy = plan.fill.policy, resolve_policy(plan.fill.policy)

@@ -49,7 +49,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Plan precision -> the dtype the runtime's parameters and activations take."""
 
 __all__ = ["Piece", "StageProgram", "TensorSpec", "SplitModel", "StageModule", "build_split", "boundary_specs",
-           "stage_modules", "apply_tensor_parallel", "tensor_parallel_refusal"]
+           "stage_modules", "apply_tensor_parallel", "tensor_parallel_refusal", "to_precision"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -260,7 +260,7 @@ def boundary_specs(model_file: ModelFile, plan: Plan, inner: dict[str, dict[str,
     dtype = DTYPES[plan.config.precision]
     split = meta_split
     if split is None:
-        meta = model_file.build("meta", torch.float32).to(dtype)  # boundary tensors take the precision's dtype
+        meta = to_precision(model_file.build("meta", torch.float32), dtype)  # boundary tensors take the precision's dtype
         meta.train()
         split, _ = _trace_split(meta, plan, model_file)
     inputs, _ = model_file.call("sample_batch", plan.config.microbatch, 0)
@@ -485,7 +485,7 @@ def tensor_parallel_refusal(plan: Plan, model_file: ModelFile) -> tuple[str, str
     parallelism rewrites the shapes per rank first: not checked here."""
     if plan.config.tp <= 1 or plan.config.cp > 1:
         return None
-    meta = model_file.build("meta", torch.float32).to(DTYPES[plan.config.precision])
+    meta = to_precision(model_file.build("meta", torch.float32), DTYPES[plan.config.precision])
     meta.train()
     split = build_split(meta, plan, model_file)
     inner: dict[str, dict[str, Any]] = {}
@@ -562,3 +562,10 @@ def _result_users(node: fx.Node) -> list[tuple[int, str]]:
 def _returns_tuple(piece: fx.GraphModule) -> bool:
     out = next(n for n in piece.graph.nodes if n.op == "output")
     return isinstance(out.args[0], (tuple, list))
+
+
+def to_precision(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The model's floating-point parameters and buffers in `dtype`; complex and integer ones as they are (a complex
+    RoPE table, torchtitan's freqs_cis: `Module.to(dtype)` would keep its real part only), as torchtitan's mixed
+    precision leaves them."""
+    return model._apply(lambda t: t.to(dtype) if t.is_floating_point() else t)

@@ -13,6 +13,7 @@ from passes.load import load_model_file
 from planner.api import make_plan
 from planner.plan import Plan, save_plan
 from planner.runtime import child_env
+from planner.runtime.stage import to_precision
 from planner.search import Pins
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -81,7 +82,7 @@ def reference(model: Path, model_args: dict[str, Any], *, global_batch: int, ste
     and take no optimizer step (an fp16 run's overflowed steps)."""
     mf = load_model_file(model, model_args)
     torch.manual_seed(seed)
-    net = mf.build("cpu", torch.float32).to(dtype)
+    net = to_precision(mf.build("cpu", torch.float32), dtype)
     net.train()
     masters = [torch.nn.Parameter(p.detach().float().clone()) for p in net.parameters()] \
         if dtype != torch.float32 else list(net.parameters())

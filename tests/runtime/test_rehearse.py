@@ -1,0 +1,135 @@
+"""`planner rehearse`: one rank of a p = 4 plan run for real in this process, its peers replayed from the plan.
+
+The rank executes exactly its action list, in order, every step; its stage computes what the same stage computes in
+a real launch of the plan (fed the boundary tensors that launch recorded); fill runs only inside its bubbles; with
+--compare-no-fill both runs are reported, and the metrics are what `planner validate` reads.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from planner.api import make_plan
+from planner.cli import app
+from planner.fill.spec import FillJobSpec, FillSpec, Work
+from planner.metrics import load_metrics
+from planner.plan import Plan, save_plan
+from planner.runtime.rehearse import RehearseOptions, rehearse
+from planner.search import Pins
+from planner.validate import compare
+
+from ._util import GPT, ROOT, gpt_args, torchrun
+
+pytestmark = pytest.mark.multiprocess
+
+CPU_TARGET = ROOT / "examples" / "targets" / "cpu-core.yaml"
+MLP = ROOT / "examples" / "mlp.py"
+
+
+def _plan(model: Path, fill: bool) -> Plan:
+    job = FillJobSpec(name="mlp", model=str(MLP), model_args={"features": 32, "width": 64, "depth": 2},
+                      kind="train", batch_sizes=[8], work=Work(iterations=100_000))
+    plan, _ = make_plan(str(model), gpus=4, global_batch=16, target=str(CPU_TARGET), gpus_per_node=4,
+                        model_args=gpt_args(4), fill=FillSpec(jobs=[job], gpu_sharing="none") if fill else None,
+                        pins=Pins(tp=1, pp=4, dp=1, b=2, v=1, schedule="1f1b", recompute="none", precision="fp32"))
+    return plan
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory) -> tuple[Path, Plan]:
+    path = tmp_path_factory.mktemp("rehearse") / "plan.json"
+    plan = _plan(GPT, fill=True)
+    save_plan(plan, path)
+    return path, plan
+
+
+def test_rank_runs_its_actions_in_order_with_fill_inside_its_bubbles(filled) -> None:
+    path, plan = filled
+    rank = next(c.rank for c in plan.fill.chunks)  # a rank the plan gives fill
+    report = rehearse(path, RehearseOptions(rank=rank, steps=3, compare_no_fill=True), log=lambda _: None)
+    # exactly the plan's action list, every step of both runs
+    assert [a["action"] for a in report["actions"]] == plan.actions[rank]
+    assert report["runs"]["with_fill"]["in_plan_order"] and report["runs"]["without_fill"]["in_plan_order"]
+    # both runs reported, and the slowdown between them
+    assert set(report["runs"]) == {"with_fill", "without_fill"}
+    assert report["slowdown"] is not None
+    assert report["runs"]["without_fill"]["fill"] is None
+    work = report["runs"]["with_fill"]["fill"]
+    assert work["units_per_step"] > 0 and work["errors"] == 0
+    # every bubble of the rank measured; the stage's actions timed against the plan's
+    assert [b["id"] for b in report["bubbles"]] == [b.id for b in plan.bubbles if b.rank == rank]
+    assert all(b["measured_s"] is not None for b in report["bubbles"])
+    assert {k["kind"] for k in report["action_kinds"]} == {"forward", "backward"}
+    doc = report["metrics"]
+    fill_run = doc.runs[0]
+    assert fill_run.fill and fill_run.rehearsed_rank == rank and len(fill_run.ranks) == 1
+    rep = fill_run.ranks[0].fill_report
+    planned = {c.bubble_id for c in plan.fill.chunks if c.rank == rank}
+    steps = 0
+    for occ in rep.bubbles:  # fill only inside the bubbles the main job signalled, within the grace period
+        assert occ.bubble_id in planned and occ.main_end is not None
+        for s in occ.steps:
+            assert occ.main_begin <= s.start <= s.end <= occ.main_end + rep.grace_s, (occ.bubble_id, s)
+        steps += len(occ.steps)
+    assert steps > 0
+    # what `planner validate` reads: this rank's rows, predicted against measured
+    result = compare(plan, doc)
+    assert [r.rank for r in result.ranks] == [rank]
+    assert any(row.what.startswith("bubble") and row.measured is not None for row in result.ranks[0].rows)
+
+
+def test_stage_computes_what_a_launch_computes(tmp_path) -> None:
+    """Fed the boundary tensors a real 4-process launch received, a middle rank ends with the launch's parameters
+    and gradients, and the last rank's first loss is the launch's (its later ones differ: the head is tied to the
+    embedding on rank 0, whose gradient a rehearsal does not have)."""
+    plan = _plan(GPT, fill=False)
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    proc = torchrun(4, [str(path), "--steps", "2", "--no-fill", "--metrics", str(tmp_path / "m.json"),
+                        "--dump-params", str(tmp_path / "dump"), "--record-boundary", str(tmp_path / "rec")],
+                    cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    launched = load_metrics(tmp_path / "m.json").runs[0]
+    for rank in (1, 3):
+        dump = tmp_path / f"rehearsed{rank}.pt"
+        report = rehearse(path, RehearseOptions(rank=rank, steps=2, fill=False, dump=dump,
+                                                boundary=tmp_path / "rec" / "0" / f"rank{rank}.pt"), log=lambda _: None)
+        if rank == 3:
+            assert report["runs"]["without_fill"]["loss"][0] == pytest.approx(launched.loss[0], rel=1e-6)
+            continue
+        got, want = torch.load(dump, weights_only=True), torch.load(tmp_path / "dump" / "0" / f"rank{rank}.pt",
+                                                                     weights_only=True)
+        assert got["params"].keys() == want["params"].keys() and got["params"]
+        for name in want["params"]:
+            torch.testing.assert_close(got["params"][name], want["params"][name], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got["grads"][name].norm(), want["grads"][name].norm(), rtol=1e-5, atol=1e-7)
+
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--rank", "4"], "--rank 4 is out of range: the plan has 4 pipeline rank(s), 0 to 3"),
+    (["--rank", "0", "--fill-fraction", "0"], "--fill-fraction must lie in (0, 1], got 0"),
+    (["--rank", "0", "--fill-fraction", "1.5"], "--fill-fraction must lie in (0, 1], got 1.5"),
+])
+def test_bad_input_is_one_sentence(filled, tmp_path, args, needle) -> None:
+    result = runner.invoke(app, ["rehearse", str(filled[0]), *args, "-o", str(tmp_path / "r.json"),
+                                 "--metrics", str(tmp_path / "m.json")])
+    text = result.stdout + (result.stderr or "")
+    assert result.exit_code == 2 and needle in text and "Traceback" not in text, text
+
+
+def test_a_plan_of_another_model_file_is_refused(tmp_path) -> None:
+    model = tmp_path / "gpt.py"
+    shutil.copy(GPT, model)
+    path = tmp_path / "plan.json"
+    save_plan(_plan(model, fill=False), path)
+    model.write_text(model.read_text() + "\n# edited\n")
+    result = runner.invoke(app, ["rehearse", str(path), "--rank", "0", "-o", str(tmp_path / "r.json")])
+    text = result.stdout + (result.stderr or "")
+    assert result.exit_code == 2 and "the file changed since planning" in text and "Traceback" not in text, text
