@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 from rich.table import Table
@@ -127,9 +127,9 @@ def rehearse(
     steps: int = typer.Option(5, "--steps", help="training iterations; step 0 runs without fill and measures"),
     compare_no_fill: bool = typer.Option(False, "--compare-no-fill",
                                          help="run without fill first, then with it, and print the slowdown"),
-    fill_fraction: Optional[float] = typer.Option(
+    fill_fraction: Optional[List[float]] = typer.Option(
         None, "--fill-fraction", help="offer the fill jobs this fraction of each bubble (0 < F <= 1; default: the "
-        "bubble less the plan's safety margin)"),
+        "bubble less the plan's safety margin); repeat it for one run with fill per fraction"),
     no_fill: bool = typer.Option(False, "--no-fill", help="never hand bubbles to fill jobs"),
     device: str = typer.Option("auto", "--device", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N"),
     report_file: str = typer.Option("rehearsal.json", "-o", "--output", help="where to write the report JSON"),
@@ -155,7 +155,7 @@ def rehearse(
         if device == "cuda":
             device = "cuda:0"
         opts = RehearseOptions(rank=rank, steps=steps, fill=not no_fill, compare_no_fill=compare_no_fill,
-                               fill_fraction=fill_fraction, device=device, seed=seed,
+                               fill_fractions=tuple(fill_fraction or (None,)), device=device, seed=seed,
                                boundary=Path(boundary) if boundary else None)
         echo = (lambda line: None) if as_json else (lambda line: out.print(line, highlight=False, markup=False))
         report = run_rehearsal(plan_file, opts, log=echo)
@@ -195,11 +195,13 @@ def _print_rehearsal(r: dict, report_file: str, metrics: str) -> None:
               f"{'' if mem['allocated_peak_bytes'] is not None else ' (measured on CUDA only)'}", highlight=False)
     out.print(f"iteration: predicted {_ms(r['iteration']['predicted_s'])}; the replayed pipeline ends its steps at "
               f"{_ms(r['iteration']['replayed_s'])}", highlight=False)
-    for name, run in r["runs"].items():
+    for run in r["runs"]:
         st = run["step_s"]
-        line = f"{name.replace('_', ' ')}: step {_ms(st['median'])} median [{_ms(st['min'])}, {_ms(st['max'])}]" \
-            if st["median"] is not None else f"{name}: no steps after the first"
-        fill = run["fill"]
+        line = f"{run['label']}: step {_ms(st['median'])} median [{_ms(st['min'])}, {_ms(st['max'])}]" \
+            if st["median"] is not None else f"{run['label']}: no steps after the first"
+        if run["slowdown"] is not None:
+            line += f", main-job slowdown {run['slowdown']:+.2%}"
+        fill = run["fill_work"]
         if fill:
             tflops = "-" if fill["tflops"] is None else f"{fill['tflops']:.3f}"
             line += (f"; fill {fill['units_per_step']:.1f} units/step (planned {fill['planned_units_per_step']}), "
@@ -208,7 +210,4 @@ def _print_rehearsal(r: dict, report_file: str, metrics: str) -> None:
                      f"(plan: {fill['planned_tflops']:.3f} TFLOP/s/GPU), {fill['overruns']} overrun(s), "
                      f"{fill['kills']} kill(s), {fill['errors']} error(s)")
         out.print(line, highlight=False)
-    if r.get("slowdown") is not None:
-        out.print(f"main-job slowdown with fill: {r['slowdown']:+.2%} (median step time, steps after the first)",
-                  highlight=False)
     out.print(f"written {report_file} and {metrics} (`planner validate PLAN --metrics {metrics}`)", highlight=False)

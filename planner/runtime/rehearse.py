@@ -21,8 +21,9 @@ in memory, how long its forwards and backwards really take, and how much its fil
   target shifts what depends on it, as it would in the pipeline. Once a step has run with fill they are frozen, so
   fill and no-fill runs see the same peers.
 - BUBBLE actions are real waits handed to the real fill executor (admission, memory cap, grace kill, turns, ...),
-  with the same durations the runtime hands it; ``fill_fraction`` F offers the executor F of each bubble (its usable
-  time, after the plan's safety margin, is F of the bubble).
+  with the same durations the runtime hands it; a fill fraction F offers the executor F of each bubble (its usable
+  time, after the plan's safety margin, is F of the bubble). One rehearsal runs the rank once per fill fraction asked
+  for (and first without fill, to compare), building it once.
 
 Numerics: with the fake backend a collective leaves each tensor as this rank holds it, so under data, tensor or
 context parallelism the values differ from a real run's (the times, shapes and memory do not); at d = t = 1, with the
@@ -59,9 +60,9 @@ class RehearseOptions:
     steps: int = 5
     fill: bool = True
     compare_no_fill: bool = False
-    fill_fraction: float | None = None
-    """Offer the fill executor this fraction of each bubble (None: the bubble as the runtime offers it, the plan's
-    safety margin kept free)."""
+    fill_fractions: tuple[float | None, ...] = (None,)
+    """One run with fill per entry, offering the fill executor that fraction of each bubble (None: the bubble as the
+    runtime offers it, the plan's safety margin kept free)."""
     device: str = "cpu"
     boundary: Path | None = None
     """A launch's recorded boundary tensors (``python -m planner.runtime --record-boundary``): rank file to replay."""
@@ -78,9 +79,11 @@ def check_rehearsal(plan: Plan, options: RehearseOptions) -> None:
     c = plan.config
     if not 0 <= options.rank < c.pp:
         raise UserError(f"--rank {options.rank} is out of range: the plan has {c.pp} pipeline rank(s), 0 to {c.pp - 1}")
-    f = options.fill_fraction
-    if f is not None and not 0 < f <= 1:
-        raise UserError(f"--fill-fraction must lie in (0, 1], got {f:g}")
+    for f in options.fill_fractions:
+        if f is not None and not 0 < f <= 1:
+            raise UserError(f"--fill-fraction must lie in (0, 1], got {f:g}")
+    if not options.fill_fractions:
+        raise UserError("a rehearsal with fill needs at least one fill fraction")
     if options.steps < 2:
         raise UserError(f"--steps must be at least 2 (step 0 runs without fill and measures), got {options.steps}")
     if c.cp > 1:
@@ -215,12 +218,12 @@ class _OfferedShare:
 class Rehearsal(Executor):
     """The runtime's executor for one rank, its peers replayed (see the module's doc)."""
 
-    def __init__(self, *, replay: Replay, recorded: dict[str, torch.Tensor] | None, fill_fraction: float | None,
-                 **kw: Any) -> None:
+    def __init__(self, *, replay: Replay, recorded: dict[str, torch.Tensor] | None, **kw: Any) -> None:
         super().__init__(**kw)
         from .fill_executor import ExecutorOptions
 
-        self.replay, self.recorded_in, self.fill_fraction = replay, recorded, fill_fraction
+        self.replay, self.recorded_in = replay, recorded
+        self.fill_fraction: float | None = None  # this run's share of each bubble offered to the fill executor
         self.fill_options = ExecutorOptions(replicas=1)  # this rank's fill runs on this one device
         self.held = _Hold(self.cuda)
         self._made: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
@@ -324,23 +327,23 @@ def rehearse(plan_path: str | Path, options: RehearseOptions, log: Any = print) 
         run_opts = RunOptions(steps=options.steps, fill=options.fill, seed=options.seed, optimizer=options.optimizer,
                               lr=options.lr, device=device,
                               fill_grace_s=GRACE_S if options.fill_grace_s is None else options.fill_grace_s)
-        ex = prepare(plan, mf, run_opts, executor=Rehearsal, replay=Replay(plan, options.rank), recorded=recorded,
-                     fill_fraction=options.fill_fraction)
+        ex = prepare(plan, mf, run_opts, executor=Rehearsal, replay=Replay(plan, options.rank), recorded=recorded)
         runs = []
-        for fill in ([False, True] if options.compare_no_fill else [options.fill]):
-            ex.options = replace(run_opts, fill=fill)
+        fills = [(True, f) for f in options.fill_fractions] if options.fill else [(False, None)]
+        for fill, fraction in ([(False, None)] if options.compare_no_fill else []) + fills:
+            ex.options, ex.fill_fraction = replace(run_opts, fill=fill), fraction
             ex.fill, ex.measured, ex.bubble_samples, ex.trace = NullFill(), {}, {}, []
             ex.replay.frozen = fill and options.compare_no_fill  # the peers the run without fill saw
-            label = "with fill" if fill else "without fill"
+            label = _label(fill, fraction)
             record = ex.run(log=lambda text, label=label: log(f"rank {options.rank} ({label}): {text}"))
-            runs.append((fill, record, ex.trace))
+            runs.append((fill, fraction, record, ex.trace))
         if options.dump is not None:
             ex.dump(options.dump)
     finally:
         dist.destroy_process_group()
     report = _report(plan, options, runs, device, ex.replay)
     entries = []
-    for fill, record, _ in runs:
+    for fill, _, record, _ in runs:
         steps = [{k: v for k, v in s.items() if k != "reserved_bytes"} for s in record["steps"]]
         entries.append({"plan": str(checked.path), "plan_key": run_key(plan), "config": plan.config.model_dump(),
                         "world": c.world, "device": device, "steps": options.steps, "fill": fill,
@@ -349,7 +352,8 @@ def rehearse(plan_path: str | Path, options: RehearseOptions, log: Any = print) 
                         "loss": [s["loss"] for s in steps if s["loss"] is not None],
                         "predicted_iteration_s": plan.predictions.iteration_s,
                         "ranks": [{**record, "steps": steps}]})
-    report["metrics"] = MetricsDocument.model_validate({"runs": entries[::-1]})  # the fill run first: validate's
+    entries.sort(key=lambda e: not e["fill"])  # a run with fill first: the one `planner validate` reads
+    report["metrics"] = MetricsDocument.model_validate({"runs": entries})
     return report
 
 
@@ -379,14 +383,16 @@ def _stats(xs: list[float]) -> dict[str, float | None]:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
-def _report(plan: Plan, options: RehearseOptions, runs: list[tuple[bool, dict, list]], device: str,
+def _label(fill: bool, fraction: float | None) -> str:
+    return "without fill" if not fill else "with fill" if fraction is None else f"with fill, {fraction:.0%} offered"
+
+
+def _report(plan: Plan, options: RehearseOptions, runs: list[tuple[bool, float | None, dict, list]], device: str,
             replay: Replay) -> dict[str, Any]:
     """Predicted against measured, per action kind and stage, per bubble, peak memory; the runs compared. `replay`:
     the one the rank ran against (its planned timeline is the plan's; its arrivals and end, what the rank saw)."""
     c = plan.config
-    fill_run = next(((rec, trace) for fill, rec, trace in runs if fill), None)
-    base_run = next(((rec, trace) for fill, rec, trace in runs if not fill), None)
-    rec, trace = fill_run or base_run
+    rec, trace = next(((rec, trace) for fill, _, rec, trace in runs if fill), runs[0][2:])
     later = trace[1:] or trace
     actions = []
     for i, act in enumerate(trace[0]):
@@ -422,23 +428,24 @@ def _report(plan: Plan, options: RehearseOptions, runs: list[tuple[bool, dict, l
     report: dict[str, Any] = {
         "plan": str(plan.source.model_file), "rank": options.rank, "device": device, "torch": torch.__version__,
         "cuda": torch.version.cuda if device.startswith("cuda") else None, "steps": options.steps,
-        "fill_fraction": options.fill_fraction, "config": plan.config.model_dump(),
+        "config": plan.config.model_dump(),
         "actions": actions, "action_kinds": kinds, "bubbles": bubbles,
         "memory": {"predicted_bytes": mem.total - mem.reserve, "capacity_bytes": mem.capacity,
                    "allocated_peak_bytes": max(peaks) if peaks else None,
                    "reserved_peak_bytes": max(reserved) if reserved else None},
         "iteration": {"predicted_s": plan.predictions.iteration_s, "replayed_s": replay.end_s},
-        "runs": {}}
-    for fill, record, trace in runs:
+        "runs": []}
+    base = None
+    for fill, fraction, record, trace in runs:
         times = [s["iteration_s"] for s in record["steps"][1:]]
-        report["runs"]["with_fill" if fill else "without_fill"] = {
-            "step_s": _stats(times), "loss": [s["loss"] for s in record["steps"]],
+        step_s = _stats(times)
+        base = step_s["median"] if not fill and base is None else base
+        report["runs"].append({
+            "label": _label(fill, fraction), "fill": fill, "fill_fraction": fraction, "step_s": step_s,
+            "slowdown": step_s["median"] / base - 1 if fill and base and step_s["median"] is not None else None,
+            "loss": [s["loss"] for s in record["steps"]],
             "in_plan_order": all([x["action"] for x in step] == plan.actions[options.rank] for step in trace),
-            "fill": _fill_work(plan, options.rank, record, times)}
-    both = report["runs"]
-    if "with_fill" in both and "without_fill" in both:
-        w, wo = both["with_fill"]["step_s"]["median"], both["without_fill"]["step_s"]["median"]
-        report["slowdown"] = w / wo - 1 if w and wo else None
+            "fill_work": _fill_work(plan, options.rank, record, times)})
     return report
 
 
