@@ -84,7 +84,7 @@ def main() -> None:
                 "--batch", "1", "--measure", "-o", str(cal), "--target-out", str(tmp / "local-cpu.yaml"))
         for phase in ("before", "after"):
             if phase == "after":
-                planner("calibrate", "x", "--from-run", str(tmp / "1f1b-metrics.json"), "--plan",
+                planner("calibrate", "--from-run", str(tmp / "1f1b-metrics.json"), "--plan",
                         str(tmp / "1f1b.json"), "-o", str(cal))
             for case in CASES:
                 r = measure(plan(case, tmp, cal), args.steps, fill=False)

@@ -33,6 +33,7 @@ PRESETS: dict[str, tuple[int, int, int]] = {
 DEFAULT_PRESET = "18b"
 VOCAB = 51200
 SEQ = 2048
+INIT_STD = 0.02  # Megatron-LM's --init-method-std default, GPT-2's initializer_range
 
 
 class Attention(nn.Module):
@@ -109,15 +110,33 @@ class Head(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, *, layers: int, hidden: int, heads: int, seq: int, vocab: int,
-                 dropout: float = 0.0, flash: bool = False) -> None:
+                 dropout: float = 0.0, flash: bool = False, init: str = "megatron", init_std: float = INIT_STD) -> None:
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden {hidden} is not divisible by heads {heads}")
+        if init not in ("megatron", "pytorch"):
+            raise ValueError(f"init takes megatron or pytorch, got {init!r}")
         self.embedding = Embedding(vocab, seq, hidden, dropout)
         self.layers = nn.ModuleList(Block(hidden, heads, dropout, flash) for _ in range(layers))
         self.head = Head(hidden, self.embedding.tok)
         causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)
         self.register_buffer("mask", causal, persistent=False)
+        if init == "megatron":
+            self._init_weights(layers, init_std)
+
+    def _init_weights(self, layers: int, std: float) -> None:
+        """Megatron-LM's (and GPT-2's) initialization: N(0, std) for the embeddings and the linear layers, zero
+        biases, and the two projections that end a residual branch (attention's proj, the MLP's fc2) at
+        std / sqrt(2 layers) (Megatron's output_layer_init_method, GPT-2's c_proj). PyTorch's defaults (N(0, 1)
+        embeddings, which the tied head reuses) would start the loss far above ln(vocab)."""
+        scaled = std / math.sqrt(2 * max(layers, 1))
+        for name, m in self.named_modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, scaled if name.endswith(("attn.proj", "mlp.fc2")) else std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, 0.0, std)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embedding(tokens)
@@ -142,10 +161,14 @@ def _config(preset: str | None, layers, hidden, heads, seq, vocab) -> dict[str, 
 
 
 def build_model(preset: str | None = None, layers=None, hidden=None, heads=None, seq=None,
-                vocab=None, dropout: float = 0.1, flash: bool = False) -> nn.Module:
+                vocab=None, dropout: float = 0.1, flash: bool = False, init: str = "megatron",
+                init_std: float = INIT_STD) -> nn.Module:
     """Megatron's GPT trains with dropout 0.1; pass dropout=0 for bit-exact pipeline tests. flash=True runs
-    attention as one fused kernel (F.scaled_dot_product_attention, causal), as Megatron-Core does today."""
-    return GPT(**_config(preset, layers, hidden, heads, seq, vocab), dropout=float(dropout), flash=bool(flash))
+    attention as one fused kernel (F.scaled_dot_product_attention, causal), as Megatron-Core does today.
+    init: megatron (GPT._init_weights, with init_std as Megatron's --init-method-std) or pytorch (the layers' own
+    defaults, this file's init before issue 51: tests calibrated on its larger activations keep it)."""
+    return GPT(**_config(preset, layers, hidden, heads, seq, vocab), dropout=float(dropout), flash=bool(flash),
+               init=str(init), init_std=float(init_std))
 
 
 def example_inputs(batch_size: int, preset: str | None = None, layers=None, hidden=None,

@@ -16,16 +16,40 @@ class TraceFailure(UserError):
     """torch.fx could not trace the model."""
 
 
+SHOWN_PROBLEMS = 5  # problems a file's one message names; more are counted
+
+
 def invalid_file(kind: str, path: object, exc: Exception) -> UserError:
-    """One sentence for a pydantic ValidationError: the first bad field, its problem, how many in all."""
-    errors = exc.errors()  # type: ignore[attr-defined]
-    err = errors[0]
-    where = ".".join(str(x) for x in err["loc"]) or "(top level)"
-    more = f" ({len(errors)} problems in all)" if len(errors) > 1 else ""
-    msg = str(err["msg"]).removeprefix("Value error, ")
-    if not err["loc"]:  # a rule between fields (a model validator): its sentence says which
-        return UserError(f"{kind} {path} is inconsistent: {msg}{more}")
-    return UserError(f"{kind} {path}: field {where}: {msg}{more}")
+    """One sentence for a pydantic ValidationError: every bad field (up to SHOWN_PROBLEMS, then how many in all),
+    each with its problem; an unknown field next to a missing one it is close to (a typo) is named with the
+    spelling it was meant to have, and that missing field is not counted again."""
+    import difflib
+
+    errors = list(exc.errors())  # type: ignore[attr-defined]
+    missing = [(tuple(e["loc"][:-1]), str(e["loc"][-1])) for e in errors if e["type"] == "missing" and e["loc"]]
+    meant: dict[int, str] = {}  # index of an unknown field's error -> the missing field it is a typo of
+    for i, e in enumerate(errors):
+        if e["type"] == "extra_forbidden" and e["loc"]:
+            parent = tuple(e["loc"][:-1])
+            near = difflib.get_close_matches(str(e["loc"][-1]), [n for p, n in missing if p == parent], n=1)
+            if near:
+                meant[i] = near[0]
+                missing.remove((parent, near[0]))
+    explained = {(tuple(errors[i]["loc"][:-1]), name) for i, name in meant.items()}
+    problems = []
+    for i, e in enumerate(errors):
+        where = ".".join(str(x) for x in e["loc"])
+        if e["type"] == "missing" and e["loc"] and (tuple(e["loc"][:-1]), str(e["loc"][-1])) in explained:
+            continue
+        if e["type"] == "extra_forbidden":
+            problems.append(f"unknown field {where}" + (f" (did you mean {meant[i]}?)" if i in meant else ""))
+        else:
+            msg = str(e["msg"]).removeprefix("Value error, ")
+            problems.append(f"field {where}: {msg}" if where else msg)
+    more = f" ({len(problems)} problems in all)" if len(problems) > SHOWN_PROBLEMS else ""
+    if len(problems) == 1 and not errors[0]["loc"]:  # a rule between fields (a model validator): its sentence
+        return UserError(f"{kind} {path} is inconsistent: {problems[0]}")  # says which
+    return UserError(f"{kind} {path}: {'; '.join(problems[:SHOWN_PROBLEMS])}{more}")
 
 
 def load_document(path: object, kind: str, schema: str, model: type, *, missing: str, other_schema: str):

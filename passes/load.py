@@ -78,6 +78,11 @@ def user_frame(exc: BaseException, path: Path) -> str:
 def load_model_file(path: str | Path, kwargs: dict[str, Any] | None = None) -> ModelFile:
     """Import `path` as a module and check it defines what fxplanner needs. Never executes plans."""
     path = Path(path)
+    if path.is_dir():
+        py = sorted(p.name for p in path.glob("*.py"))
+        has = f" (in it: {', '.join(py[:3])}{', …' if len(py) > 3 else ''})" if py else ""
+        raise ModelFileError(f"model file {path} is a directory; pass a model file, one .py file that defines "
+                             f"build_model() and example_inputs(){has}")
     if not path.is_file():
         raise ModelFileError(f"model file {path} does not exist; pass the path of a .py file that "
                              "defines build_model() and example_inputs()")

@@ -78,7 +78,8 @@ torchtitan runs any of the plan's schedules from the CSV of its actions the expo
 
 def engine_pins(pins: Pins, hw: Hardware) -> Pins:
     """The pins for what the plan's engine runs: fxplanner's runtime runs neither FP8 nor expert parallelism (asking
-    for them is refused in one sentence naming the engines that do); Megatron-Core runs Transformer Engine's FP8
+    for them is refused in one sentence naming the engines that do; expert parallelism by make_plan, once it knows
+    whether the model has experts at all); Megatron-Core runs Transformer Engine's FP8
     recipes and its two pipeline schedules (with bf16, gradients accumulated and reduced in fp32), torchtitan torchao's
     float8. --fp8 auto becomes the engine's default recipe for the GPU, and a recipe the GPU cannot run is refused.
     Experts padded to a capacity are Megatron-Core's (the others route dropless)."""
@@ -89,14 +90,11 @@ def engine_pins(pins: Pins, hw: Hardware) -> Pins:
         if pins.fp8:
             raise UserError("FP8 runs in Megatron-Core (Transformer Engine's recipes) or torchtitan (torchao's float8), "
                             "not in the fxplanner runtime: add --engine megatron or --engine torchtitan")
-        if (pins.ep or 1) > 1:
-            raise UserError(f"expert parallelism (--ep {pins.ep}) runs in Megatron-Core or torchtitan, not in the "
-                            "fxplanner runtime: add --engine megatron or --engine torchtitan")
         if pins.zero == 3:
             raise UserError("parameters sharded over the data-parallel ranks (--zero 3, FSDP) run in Megatron-Core "
                             "(Megatron-FSDP) or torchtitan, not in the fxplanner runtime, which runs up to --zero 2: "
                             "add --engine megatron or --engine torchtitan")
-        return replace(pins, ep=1)
+        return replace(pins, ep=1) if (pins.ep or 1) == 1 else pins  # more: refused once the model is known
     if pins.engine == "megatron":
         if pins.moe_capacity and pins.moe_dispatcher == "deepep":  # megatron-core TransformerConfig refuses it
             raise UserError("Megatron-Core's flex dispatcher with DeepEP does not pad experts to a capacity "
@@ -172,6 +170,13 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
                         "plan them without --engine (or the main job alone with it)")
     profile, _ = analyze(model, model_args, leaves=leaves, dtype=pins.precision, engine=pins.engine,
                          progress=progress)
+    if (pins.ep or 1) > 1:  # (after the model: a dense one is told so first, whatever the engine)
+        if not any(u.experts for u in profile.units):
+            raise UserError(f"--ep {pins.ep} divides the experts of mixture-of-experts layers over expert-parallel "
+                            f"ranks, but {model} builds a dense model (no MoE layers): drop --ep")
+        if pins.engine == "fxplanner":
+            raise UserError(f"expert parallelism (--ep {pins.ep}) runs in Megatron-Core or torchtitan, not in the "
+                            "fxplanner runtime: add --engine megatron or --engine torchtitan")
     if pins.layout and (stages := layout_stages(pins.layout)):  # a layout the model cannot take: one sentence now
         layout_bounds(pins.layout, [u.kind for u in profile.units], stages)
     if pins.engine in ENGINE_KERNELS:  # the units are priced as the engine's fused kernels: nothing more to fuse; an

@@ -111,28 +111,50 @@ def _binned(sim: SimResult, p: int, bins: int, filled: dict[tuple[int, int], flo
 def draw_plan(plan: Plan, path: str, max_labels: int = 200) -> str:
     """Draw the plan's iteration to `path`; returns what the chart had to aggregate or widen (also written on
     it), or ''."""
-    import matplotlib.pyplot as plt
-
     import io
 
+    fmt = image_format(path)
     fig, note = figure(plan, max_labels)
+    import matplotlib.pyplot as plt
+
     buf = io.BytesIO()
-    fig.savefig(buf, dpi=130, format=Path(path).suffix.lstrip(".").lower() or "png")
+    fig.savefig(buf, dpi=130, format=fmt)
     plt.close(fig)
     write_atomic(path, buf.getvalue(), "chart")
     return note
 
 
-def figure(plan: Plan, max_labels: int = 200):
-    """(matplotlib figure, note): the chart of `draw_plan`, not yet saved."""
+def _matplotlib():
+    """matplotlib on its file-only backend, or the install hint as a one-sentence error."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Patch
+        import matplotlib.pyplot  # noqa: F401
     except ImportError:
         raise UserError("charts need matplotlib: pip install 'fxplanner[charts]'") from None
+    return matplotlib
+
+
+def image_format(path: str) -> str:
+    """The image format `path`'s suffix names (png when it has none), refused before any drawing when matplotlib
+    cannot write it."""
+    _matplotlib()
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    fmt = Path(path).suffix.lstrip(".").lower() or "png"
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if fmt not in kinds:
+        raise UserError(f"cannot write chart {path}: matplotlib writes images ending in "
+                        f"{', '.join('.' + k for k in sorted(kinds))}, not .{fmt}")
+    return fmt
+
+
+def figure(plan: Plan, max_labels: int = 200):
+    """(matplotlib figure, note): the chart of `draw_plan`, not yet saved."""
+    _matplotlib()
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
     sim = plan_simulation(plan)
     p = plan.config.pp
     fig, ax = plt.subplots(figsize=(14, 0.6 * p + 2.2))

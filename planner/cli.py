@@ -112,7 +112,8 @@ def profile(
     tp: int = typer.Option(1, "--tp", help="tensor-parallel degree to price"),
     model_arg: List[str] = typer.Option([], "--model-arg", help="key=value passed to build_model"),
     leaf: List[str] = typer.Option([], "--leaf", help="module class or name to trace as one node"),
-    dtype: str = typer.Option("bf16", "--dtype", help=f"precision to price: {', '.join(PRECISIONS)}"),
+    dtype: str = typer.Option("bf16", "--dtype", help=f"precision to price: {', '.join(PRECISIONS)} (FP8 GEMMs "
+                              "depend on the engine's recipe: `planner plan --dtype fp8` prices them)"),
     measure: bool = typer.Option(False, "--measure", help="also time each unit on this machine"),
     repeats: int = typer.Option(5, help="timed repetitions per unit with --measure"),
     as_json: bool = typer.Option(False, "--json", help="machine-readable output"),
@@ -131,6 +132,10 @@ def profile(
     with user_errors():
         if batch < 1:
             raise UserError(f"--batch must be positive, got {batch}")
+        if dtype not in PRECISIONS:
+            raise UserError(f"--dtype must be one of {', '.join(PRECISIONS)}, got {dtype!r}" + (
+                "; FP8 GEMMs depend on the engine's recipe: `planner plan --dtype fp8` prices them"
+                if dtype == "fp8" else ""))
         kwargs = parse_model_args(model_arg)
         tg = get_target(target)
         cfg = ParallelConfig(tp=tp, pp=1, dp=1, b=batch, m=1, precision=dtype)

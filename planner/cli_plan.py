@@ -17,7 +17,7 @@ from targets.builtin import DEFAULT_TARGET
 from .cli import GiB, TARGET_HELP, _ms, _si, app, err, out, print_json, user_errors
 from .fill.assign import PACKERS
 from .fill.physics import TIMESLICE_S
-from .plan import Plan, load_plan, save_plan
+from .plan import ConfigModel, Plan, load_plan, save_plan
 from .schedules import SCHEDULES
 
 
@@ -163,15 +163,68 @@ def plan(
         out.print(f"  ... ({len(plan_.launch.commands)} nodes; --node-rank 0..{len(plan_.launch.commands) - 1})")
 
 
+# Hugging Face model types (and wrapper class names) of encoder-decoder models: they train on their decoder's tokens,
+# and the plan records only the first input's length (the encoder's), so `plan` counts them in samples
+ENCODER_DECODER = frozenset({"t5", "mt5", "umt5", "longt5", "switch_transformers", "bart", "mbart", "plbart", "pegasus",
+                             "pegasus_x", "bigbird_pegasus", "marian", "blenderbot", "blenderbot-small", "led",
+                             "m2m_100", "nllb-moe", "fsmt", "prophetnet", "whisper", "encoder-decoder"})
+
+
+def _rate(x: float) -> str:
+    """A throughput: whole units with thousands separators from 100 up, three significant digits below."""
+    return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
+
+
+def _model_tflops(p: Plan, config: ConfigModel, mfu: float) -> Optional[float]:
+    """Model TFLOP/s per GPU as PaLM and Megatron count them (MFU x the dense peak MFU is measured against)."""
+    from targets.specs import GPUSpec, TargetError
+
+    try:
+        return mfu * GPUSpec(**p.source.gpu).peak(config.to_config().peak_dtype) / 1e12
+    except (TargetError, TypeError, ValueError):
+        return None
+
+
+def runners_up(p: Plan) -> list:
+    """The plan's alternatives, fastest first."""
+    return sorted(p.alternatives, key=lambda a: a.iteration_s)
+
+
+def tokens_per_gpu(p: Plan) -> Optional[float]:
+    """Tokens/s per GPU as Megatron and NeMo report it (global batch x sequence / iteration / GPUs), or None where
+    the plan does not know the tokens the model trains on (no token-id input, or an encoder-decoder)."""
+    if not p.predictions.tokens_per_s or str(p.source.model_shape.get("family", "")) in ENCODER_DECODER:
+        return None
+    return p.predictions.tokens_per_s / p.source.gpus
+
+
 def print_summary(p: Plan) -> None:
     pr, s = p.predictions, p.source
-    out.print(f"[bold]{Path(s.model_file).name}[/] on {s.gpus} x {s.target}, global batch {s.global_batch}",
+    c = p.config
+    precision = c.precision + (f" with FP8 GEMMs ({c.fp8})" if c.fp8 else "")
+    seq = s.model_shape.get("seq") or (round(pr.tokens_per_s / pr.samples_per_s) if pr.tokens_per_s else None)
+    encdec = str(s.model_shape.get("family", "")) in ENCODER_DECODER
+    shape = (f" x sequence {seq}{' (the encoder input)' if encdec else ''}" if seq else "")
+    out.print(f"[bold]{Path(s.model_file).name}[/] on {s.gpus} x {s.target}, global batch {s.global_batch}{shape}, "
+              f"precision {precision}", highlight=False)
+    out.print(f"chosen: [bold green]{c.to_config()}[/]", highlight=False)
+    per_gpu = tokens_per_gpu(p)
+    if per_gpu is not None:
+        rate = f"{_rate(pr.tokens_per_s)} tokens/s, {_rate(per_gpu)} tokens/s/GPU"
+    elif encdec:
+        rate = f"{_rate(pr.samples_per_s)} samples/s (encoder-decoder: the plan does not know its decoder's tokens)"
+    else:
+        rate = f"{_rate(pr.samples_per_s)} samples/s"
+    out.print(f"predicted: iteration {_ms(pr.iteration_s)}, {rate}, bubble fraction {pr.bubble_fraction:.1%}",
               highlight=False)
-    out.print(f"chosen: [bold green]{p.config.to_config()}[/]", highlight=False)
-    rate = f"{pr.tokens_per_s:,.0f} tokens/s" if pr.tokens_per_s else f"{pr.samples_per_s:,.1f} samples/s"
-    out.print(f"predicted: MFU {pr.mfu:.1%} (PaLM), HFU {pr.hfu:.1%}, iteration {_ms(pr.iteration_s)}, {rate}, "
-              f"bubble fraction {pr.bubble_fraction:.1%} ({pr.hardware_tflops_per_gpu:.1f} TFLOP/s/GPU executed; "
-              f"{pr.tflops_per_gpu:.1f} by thesis eq. 4.2)", highlight=False)
+    model = _model_tflops(p, c, pr.mfu)
+    peak = c.to_config().peak_dtype
+    out.print(f"  MFU {pr.mfu:.1%} (PaLM)" + (f" = {model:.1f} model TFLOP/s/GPU" if model is not None else "")
+              + f" (PaLM / Megatron: 3 x the forward's matmuls, attention in full, over the {peak} peak)",
+              highlight=False)
+    why = ": half the scores MFU counts, hence below MFU" if pr.hfu < pr.mfu else ""
+    out.print(f"  HFU {pr.hfu:.1%} = {pr.hardware_tflops_per_gpu:.1f} TFLOP/s/GPU executed (recomputation as "
+              f"planned, causal attention as run{why})", highlight=False)
     mem = Table(title="memory per pipeline rank (GiB)")
     for col in ("rank", "weights", "grads", "optimizer", "activations", "reserve", "total", "capacity"):
         mem.add_column(col, justify="right")
@@ -181,12 +234,14 @@ def print_summary(p: Plan) -> None:
                                                               m.reserve, m.total, m.capacity)))
     out.print(mem)
     if p.alternatives:
-        alt = Table(title="runners-up")
-        for col in ("configuration", "TFLOP/s/GPU", "MFU", "iteration", "peak GiB", "simulated"):
+        alt = Table(title="runners-up, fastest first (MFU and model TFLOP/s/GPU as above)")
+        for col in ("configuration", "iteration", "MFU", "model TFLOP/s/GPU", "peak GiB", "simulated"):
             alt.add_column(col)
-        for a in p.alternatives[:5]:
-            alt.add_row(str(a.config.to_config()), f"{a.tflops_per_gpu:.1f}", f"{a.mfu:.1%}", _ms(a.iteration_s),
-                        f"{a.peak_memory / GiB:.1f}", "yes" if a.simulated else "analytic")
+        for a in runners_up(p)[:5]:
+            model = _model_tflops(p, a.config, a.mfu)
+            alt.add_row(str(a.config.to_config()), _ms(a.iteration_s), f"{a.mfu:.1%}",
+                        "-" if model is None else f"{model:.1f}", f"{a.peak_memory / GiB:.1f}",
+                        "yes" if a.simulated else "analytic")
         out.print(alt)
     if p.fill is not None:
         _print_fill(p)
@@ -264,8 +319,10 @@ def _print_fill(p: Plan) -> None:
 
 @app.command()
 def show(plan_file: str = typer.Argument("plan.json"),
-         as_json: bool = typer.Option(False, "--json", help="print the validated plan as JSON")) -> None:
-    """Print a plan's summary, its schedule grid and its bubble table."""
+         as_json: bool = typer.Option(False, "--json", help="print the validated plan as JSON"),
+         full: bool = typer.Option(False, "--full", help="print every step of every rank, however wide (for "
+                                   "`less -S`); by default each row fits the terminal")) -> None:
+    """Print a plan's summary, its schedule grid and its bubbles per pipeline rank."""
     from .plan import plan_schedule
     from .schedule import grid
 
@@ -279,29 +336,81 @@ def show(plan_file: str = typer.Argument("plan.json"),
             sched = plan_schedule(p)
         except ValueError as exc:
             raise UserError(f"plan {plan_file}: its action lists do not parse: {exc}") from None
-    text = grid(sched)
-    lines = text.splitlines()
-    out.print("schedule (rank x step):", highlight=False)
-    for line in lines[:GRID_RANKS]:
-        cut = f" … ({len(line) - GRID_WIDTH} more characters)" if len(line) > GRID_WIDTH else ""
-        out.print(line[:GRID_WIDTH] + cut, highlight=False, soft_wrap=True)
-    if len(lines) > GRID_RANKS:
-        out.print(f"… {len(lines) - GRID_RANKS} more ranks (`planner chart` draws them all)", highlight=False)
-    shown = p.bubbles[:BUBBLE_ROWS]
-    bub = Table(title=f"bubbles ({len(p.bubbles)}; showing {len(shown)})" if len(shown) < len(p.bubbles)
-                else f"bubbles ({len(p.bubbles)})")
-    for col in ("rank", "id", "start", "duration", "kind", "free GiB"):
+    filled = {(c.rank, c.bubble_id) for c in p.fill.chunks} if p.fill is not None else set()
+    lines = grid(sched).splitlines()
+    out.print("schedule (rank x step" + ("; BUBBLEn* runs fill" if filled else "") + "):", highlight=False)
+    cut = 0
+    for line in lines if full else lines[:GRID_RANKS]:
+        text, left_out = grid_row(line, filled, None if full else out.width)
+        cut = max(cut, left_out)
+        out.print(text, highlight=False, markup=False, soft_wrap=True)
+    if not full and len(lines) > GRID_RANKS:
+        out.print(f"… {len(lines) - GRID_RANKS} more ranks", highlight=False)
+    if cut or (not full and len(lines) > GRID_RANKS):
+        out.print(f"(cut to {out.width} columns: `planner show {plan_file} --full | less -S` prints every step of "
+                  f"every rank, `planner chart {plan_file}` draws them)", highlight=False, markup=False)
+    rows = bubble_summary(p)
+    bub = Table(title=f"bubbles per pipeline rank, one iteration ({len(p.bubbles)} in all)")
+    cols = ["rank", "A", "B", "C", "bubbles", "total", "largest", "of iteration"] + (["fill uses"] if filled else [])
+    for col in cols:
         bub.add_column(col, justify="right")
-    for b in shown:
-        bub.add_row(str(b.rank), str(b.id), _ms(b.start_s), _ms(b.duration_s), b.kind, f"{b.free_bytes / GiB:.1f}")
-    if len(shown) < len(p.bubbles):
-        bub.add_row("…", f"{len(p.bubbles) - len(shown)} more", "", "", "", "")
+    for row in rows if len(rows) <= 16 else rows[:8] + rows[-8:]:
+        cells = [str(row["rank"]), *(str(row[k]) for k in "ABC"), str(row["bubbles"]), _ms(row["total_s"]),
+                 _ms(row["largest_s"]), f"{row['total_s'] / p.predictions.iteration_s:.1%}"]
+        if filled:
+            cells.append(f"{row['fill_s'] / row['total_s']:.0%}" if row["total_s"] else "-")
+        bub.add_row(*cells)
+    if len(rows) > 16:
+        bub.caption = f"ranks 8-{len(rows) - 9} left out"
     out.print(bub)
     out.print("bubble kinds (FreeRide): A = fill/drain at the start or end of the iteration, B = before a "
-              "backward (waiting for a gradient), C = before a forward (waiting for an activation)", highlight=False)
+              "backward (waiting for a gradient), C = before a forward (waiting for an activation)"
+              + ("; fill uses: the share of the rank's bubble time its fill runs in (of jobs taking turns, the "
+                 "busiest)" if filled else "") + f"; `planner show {plan_file} --json` lists each bubble",
+              highlight=False, markup=False)
 
 
-GRID_RANKS, GRID_WIDTH, BUBBLE_ROWS = 16, 400, 60  # what `show` prints before it says "… more"
+GRID_RANKS = 16  # what `show` prints before it says "… more ranks"
+
+
+def grid_row(line: str, filled: set = frozenset(), width: Optional[int] = None) -> tuple[str, int]:
+    """One rank's row of `schedule.grid`, its filled bubbles starred, cut to `width` columns by leaving out the
+    middle steps (so the warm-up and the drain both show); returns the row and how many steps it left out."""
+    head, _, body = line.partition("|")
+    rank = int(head.split()[1])
+    cells = body.split()
+    size = max((len(c) for c in cells), default=1) + 1  # the grid pads each cell to its widest one
+    cells = [c + "*" if c.startswith("BUBBLE") and (rank, int(c[6:])) in filled else c for c in cells]
+    size += 1 if filled else 0
+    fmt = lambda cs: "".join(" " + c.ljust(size - 1) for c in cs).rstrip()  # noqa: E731
+    room = None if width is None else width - len(head) - 1
+    if room is None or len(cells) * size <= room:
+        return f"{head}|{fmt(cells)}", 0
+    wide = len(f"  … {len(cells)} steps …  ")  # the gap names how many steps it stands for
+    keep = max((room - wide) // size, 2)
+    first, last = (keep + 1) // 2, keep // 2
+    gap = f"… {len(cells) - first - last} steps …".center(wide)
+    return f"{head}|{fmt(cells[:first])}{gap}{fmt(cells[len(cells) - last:])}", len(cells) - first - last
+
+
+def bubble_summary(p: Plan) -> list[dict]:
+    """Per pipeline rank: bubbles by kind, how many, their total and largest duration, and the time the fill uses
+    (of jobs taking turns on the rank, the busiest; a pair's jobs together)."""
+    rows = []
+    for rank in range(p.config.pp):
+        mine = [b for b in p.bubbles if b.rank == rank]
+        used = 0.0
+        if p.fill is not None:
+            groups = [set(pair.jobs) for pair in p.fill.pairs if pair.rank == rank]
+            for c in p.fill.chunks:
+                if c.rank == rank and not any(c.job in g for g in groups):
+                    groups.append({c.job})
+            used = max((sum(c.expected_s for c in p.fill.chunks if c.rank == rank and c.job in g) for g in groups),
+                       default=0.0)
+        rows.append({"rank": rank, **{k: sum(b.kind == k for b in mine) for k in "ABC"}, "bubbles": len(mine),
+                     "total_s": sum(b.duration_s for b in mine),
+                     "largest_s": max((b.duration_s for b in mine), default=0.0), "fill_s": used})
+    return rows
 
 
 @app.command()

@@ -5,6 +5,7 @@ from dataclasses import replace
 from typing import Optional
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from passes.errors import UserError, write_atomic
@@ -12,6 +13,11 @@ from passes.errors import UserError, write_atomic
 from .cli import _ms, app, err, out, status, user_errors
 
 GiB = 2**30
+
+
+def _echo(line: str) -> None:
+    """A rank's log line as it came: its "[rank 0]" prefix is text, not rich markup."""
+    err.print(line, highlight=False, markup=False)
 
 
 def _fmt(what: str, x: float | None) -> str:
@@ -44,7 +50,7 @@ def validate(
         else:
             if steps < 2:
                 raise UserError(f"--steps must be at least 2 (step 0 is warm-up), got {steps}")
-            run = launch_local(plan_file, steps=steps, fill=not no_fill, on_line=lambda line: err.print(line, highlight=False))
+            run = launch_local(plan_file, steps=steps, fill=not no_fill, on_line=_echo)
             if run.returncode != 0 or run.metrics is None:
                 raise UserError(f"the run failed (exit code {run.returncode}); see the rank logs above")
             doc = run.metrics
@@ -65,7 +71,7 @@ def validate(
                           "-" if e is None else f"{e:+.1%}")
         out.print(table)
     for line in result.mismatches:
-        out.print(f"[red]mismatch:[/] {line}", highlight=False)
+        out.print(f"[red]mismatch:[/] {escape(line)}", highlight=False)
     it = result.iteration
     out.print(f"iteration (slowest rank): predicted {_ms(it.predicted)}, measured {_ms(it.measured)}, "
               f"error {it.error:+.1%}; written {output}", highlight=False)
@@ -120,7 +126,7 @@ def characterize(
         if not match:
             raise UserError(f"the plan has no bubble {bubble} on pipeline rank {rank}; `planner show {plan_file}` lists them")
         run = launch_local(plan_file, steps=2, fill=False, extra=["--characterize", f"{rank}:{bubble}"],
-                           on_line=lambda line: err.print(line, highlight=False))
+                           on_line=_echo)
         if run.returncode != 0 or run.metrics is None:
             raise UserError(f"the run failed (exit code {run.returncode}); see the rank logs above")
         entry = run.metrics.runs[0]

@@ -84,7 +84,8 @@ class Pins:
             if name not in SCHEDULES:
                 raise UserError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {name!r}")
         if self.precision not in PRECISIONS:
-            raise UserError(f"--dtype must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+            raise UserError(f"--dtype must be one of {', '.join(PRECISIONS)}, or fp8 (bf16 with the linear layers' "
+                            f"GEMMs in FP8, as --fp8 auto), got {self.precision!r}")
         if self.engine not in ENGINES:
             raise UserError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.fp8 and self.fp8 != "auto" and self.fp8 not in FP8_RECIPES:
@@ -428,7 +429,40 @@ def _fallbacks(c: ParallelConfig, pins: Pins) -> Iterator[ParallelConfig]:
         yield from (c.fallback(zero=z) for z in range(2, 3 if pins.engine == "fxplanner" else 4))
 
 
+def _pins_arithmetic(n_gpus: int, global_batch: int, pins: Pins, gpus: bool = True) -> str | None:
+    """Where the pinned degrees' products cannot add up, that arithmetic in one sentence: t*p*d*cp GPUs against
+    --gpus (unless not `gpus`), and d*b samples a step against the global batch (each data-parallel rank runs whole
+    microbatches). Either excludes every configuration, whatever else was rejected."""
+    import math
+
+    flags = {"tp": "--tp", "pp": "--pp", "dp": "--dp", "cp": "--cp"}
+    pinned = [(flags[k], getattr(pins, k)) for k in flags if getattr(pins, k) is not None]
+    product = math.prod(v for _, v in pinned)
+    named = " x ".join(f"{f} {v}" for f, v in pinned)
+    fixed = {k for k in flags if getattr(pins, k) is not None}
+    if gpus and fixed >= {"tp", "pp", "dp"} and product != n_gpus and (
+            product > n_gpus or n_gpus % product or "cp" in fixed):  # (no cp pinned: it may take what is left)
+        return f"{named} is {product} GPUs, not {n_gpus}: t*p*d*cp must be the GPU count (--gpus)"
+    if gpus and pinned and n_gpus % product:
+        return (f"{named} {'is' if len(pinned) > 1 else 'needs'} {product} GPUs, which does not divide {n_gpus}: "
+                "t*p*d*cp must be the GPU count (--gpus), the search choosing what is not pinned")
+    if pins.b is None:
+        return None
+    d = pins.dp if pins.dp is not None else n_gpus // product if fixed == {"tp", "pp", "cp"} else None
+    if d is not None and global_batch % (d * pins.b):
+        by = f"--dp {pins.dp}" if pins.dp is not None else f"d={d} (the GPUs the pinned degrees leave)"
+        return (f"{by} x --microbatch {pins.b} is {d * pins.b} samples a step, which does not divide the global batch "
+                f"of {global_batch}: d*b must divide it (each data-parallel rank runs whole microbatches)")
+    if d is None and not n_gpus % product and all(global_batch % (k * pins.b) for k in divisors(n_gpus // product)):
+        return (f"--microbatch {pins.b} times no data-parallel degree these {n_gpus} GPUs allow divides the global "
+                f"batch of {global_batch}: d*b must divide it (each data-parallel rank runs whole microbatches)")
+    return None
+
+
 def _no_candidates_message(ev: Evaluator, pins: Pins, rejected: Counter) -> str:
+    # (the GPU count's only where nothing else was rejected: a pinned t's own reason, its heads, says more)
+    if (arithmetic := _pins_arithmetic(ev.n_gpus, ev.global_batch, pins, gpus=not rejected)) is not None:
+        return arithmetic
     why = "; ".join(f"{k}: {v}" for k, v in rejected.items()) or "the pins exclude every configuration"
     if "global batch not divisible by d" in rejected and len(rejected) == 1:
         return (f"global batch {ev.global_batch} is not divisible by d*b for any data-parallel degree d "

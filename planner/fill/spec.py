@@ -125,4 +125,8 @@ def load_fill_spec(path: str | Path) -> FillSpec:
     for job in spec.jobs:
         model = Path(job.model)
         job.model = str(model if model.is_absolute() else (path.parent / model).resolve())
+        if not Path(job.model).is_file():  # named now, with its job, before the main model is traced
+            what = "is a directory, not a .py model file" if Path(job.model).is_dir() else "does not exist"
+            rel = "" if model.is_absolute() else f" (relative to the fill file's folder: {job.model})"
+            raise UserError(f"fill file {path}: job {job.name!r}: model file {model}{rel} {what}")
     return spec

@@ -392,7 +392,7 @@ def _report(plan: Plan, options: RehearseOptions, runs: list[tuple[bool, float |
     """Predicted against measured, per action kind and stage, per bubble, peak memory; the runs compared. `replay`:
     the one the rank ran against (its planned timeline is the plan's; its arrivals and end, what the rank saw)."""
     c = plan.config
-    rec, trace = next(((rec, trace) for fill, _, rec, trace in runs if fill), runs[0][2:])
+    rec, trace = runs[0][2:]  # the run without fill when there is one: the rank's own times and bubbles
     later = trace[1:] or trace
     actions = []
     for i, act in enumerate(trace[0]):
@@ -423,8 +423,9 @@ def _report(plan: Plan, options: RehearseOptions, runs: list[tuple[bool, float |
         bubbles.append({"id": b.id, "kind": b.kind, "predicted_start_s": b.start_s, "predicted_s": b.duration_s,
                         "measured_s": statistics.median(seen) if seen else None})
     mem = plan.predictions.memory[options.rank]
-    peaks = [s["peak_memory_bytes"] for s in rec["steps"] if s["peak_memory_bytes"] is not None]
-    reserved = [s["reserved_bytes"] for s in rec["steps"] if s.get("reserved_bytes") is not None]
+    every = [s for _, _, record, _ in runs for s in record["steps"]]
+    peaks = [s["peak_memory_bytes"] for s in every if s["peak_memory_bytes"] is not None]
+    reserved = [s["reserved_bytes"] for s in every if s.get("reserved_bytes") is not None]
     report: dict[str, Any] = {
         "plan": str(plan.source.model_file), "rank": options.rank, "device": device, "torch": torch.__version__,
         "cuda": torch.version.cuda if device.startswith("cuda") else None, "steps": options.steps,

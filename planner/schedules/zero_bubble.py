@@ -119,7 +119,8 @@ def _zbh1_pending(p: int, v: int, m: int, rank: int) -> float:
 
 
 def _pipelined(name: str, p: int) -> str | None:
-    return None if p > 1 else f"{name} fills pipeline bubbles: it needs p > 1"
+    # a zero-bubble schedule removes the pipeline's bubbles (its W steps run where 1F1B would wait): none at p = 1
+    return None if p > 1 else f"{name} needs p > 1: it removes pipeline bubbles, and one stage has none"
 
 
 def _zbv_check(p: int, v: int, m: int) -> str | None:

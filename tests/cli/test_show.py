@@ -3,7 +3,10 @@ from __future__ import annotations
 
 from typer.testing import CliRunner
 
-from planner.cli import app
+from planner.cli import _ms, app, out
+from planner.cli_plan import bubble_summary
+from planner.plan import load_plan, plan_schedule
+from planner.schedule import _GRID_OPS
 from tests.conftest import EXAMPLES
 
 
@@ -15,10 +18,38 @@ def test_show_says_what_it_cuts_and_explains_bubble_kinds(tmp_path):
     assert made.exit_code == 0, made.stdout
     res = runner.invoke(app, ["show", str(path)], env={"COLUMNS": "200"})
     assert res.exit_code == 0, res.stdout
-    assert "more characters)" in res.stdout  # the schedule grid is wider than what is printed
-    assert "more" in res.stdout.split("bubbles (")[1]  # the bubble table says how many rows it left out
-    assert "showing 60" in res.stdout
     assert "A = fill/drain" in res.stdout and "B = before a backward" in res.stdout
+    # issue 51: each grid row fits the console, its middle left out, so that both the warm-up and the drain show
+    plan = load_plan(path)
+    rows = [line for line in res.stdout.splitlines() if line.startswith("rank ")]
+    assert len(rows) == plan.config.pp and all(len(r) <= out.width for r in rows)
+    assert all(" steps … " in r for r in rows)
+    assert "--full | less -S` prints every step of every rank" in " ".join(res.stdout.split())
+    for rank, row in enumerate(rows):
+        cells = [str(a) for a in plan_schedule(plan).ranks[rank] if a.op in _GRID_OPS]
+        assert row.split("|")[1].split()[0] == cells[0] and row.split()[-1] == cells[-1]  # the drain's last step
+    # a summary per pipeline rank instead of rank 0's first 60 bubbles
+    assert_bubble_summary(res.stdout, plan)
+    full = runner.invoke(app, ["show", str(path), "--full"])
+    assert full.exit_code == 0 and "steps …" not in full.stdout and "cut to" not in full.stdout
+    wide = [line for line in full.stdout.splitlines() if line.startswith("rank ")]
+    assert [r.split("|")[1].split() for r in wide] == \
+        [[str(a) for a in acts if a.op in _GRID_OPS] for acts in plan_schedule(plan).ranks]
+
+
+def assert_bubble_summary(stdout: str, plan) -> None:
+    """The per-rank bubble table's figures are the plan's bubbles'."""
+    lines = stdout.split("bubbles per pipeline rank")[1].splitlines()
+    rows = ([c.strip() for c in line.strip("│").split("│")] for line in lines if line.startswith("│"))
+    table = {int(cells[0]): cells for cells in rows if cells[0].isdigit()}
+    for row in bubble_summary(plan):
+        mine = [b for b in plan.bubbles if b.rank == row["rank"]]
+        assert row["bubbles"] == len(mine) and row["total_s"] == sum(b.duration_s for b in mine)
+        assert row["largest_s"] == max(b.duration_s for b in mine)
+        assert [row[k] for k in "ABC"] == [sum(b.kind == k for b in mine) for k in "ABC"]
+        cells = table[row["rank"]]
+        assert cells[1:5] == [str(row["A"]), str(row["B"]), str(row["C"]), str(len(mine))]
+        assert cells[5:7] == [_ms(row["total_s"]), _ms(row["largest_s"])]
 
 
 def test_launch_without_local_writes_the_launch_script(tmp_path):
@@ -58,6 +89,48 @@ def test_every_fill_job_is_accounted_for(tmp_path):
         assert f"not chosen {name}: it fits" in " ".join(res.stdout.split())
     bound = [j for j in fill.jobs if j.notes]  # the example's small jobs wait for their host (fill/physics.py)
     assert bound and all(f"note {j.name}: the host issues" in " ".join(res.stdout.split()) for j in bound)
+    # `show` stars the bubbles fill runs in and says how much of each rank's bubble time it uses (issue 51)
+    shown = CliRunner().invoke(app, ["show", str(path)])
+    assert shown.exit_code == 0, shown.stdout
+    plan = load_plan(path)
+    assert "BUBBLEn* runs fill" in shown.stdout
+    for c in fill.chunks:
+        row = next(line for line in shown.stdout.splitlines() if line.startswith(f"rank {c.rank} "))
+        assert f"BUBBLE{c.bubble_id}*" in row or "steps …" in row
+    assert_bubble_summary(shown.stdout, plan)
+    table = shown.stdout.split("bubbles per pipeline rank")[1].splitlines()
+    for row in bubble_summary(plan):
+        if any(pair.rank == row["rank"] for pair in fill.pairs):
+            continue  # a pair's jobs run together: their shares add up
+        jobs = {c.job for c in fill.chunks if c.rank == row["rank"]}  # one at a time: the busiest
+        used = max((sum(c.expected_s for c in fill.chunks if c.rank == row["rank"] and c.job == j) for j in jobs),
+                   default=0.0)
+        assert used > 0 and row["fill_s"] == used
+        line = next(line for line in table if line.startswith(f"│ {row['rank']:>4} │"))
+        assert line.rstrip(" │").endswith(f"{used / row['total_s']:.0%}")
+
+
+def test_validate_keeps_the_rank_prefix_of_the_log_lines(tmp_path, monkeypatch):
+    """Issue 51: rich took "[rank 0]" for markup and printed nothing of it."""
+    import types
+
+    import planner.runtime
+
+    path = tmp_path / "plan.json"
+    made = CliRunner().invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "2", "--model-arg", "preset=tiny",
+                                    "-o", str(path)])
+    assert made.exit_code == 0, made.stdout
+
+    def fake(plan_file, *, on_line, **_):
+        on_line("[rank 0] plan.json: step 1: loss 4.85 [bold]x[/bold]")
+        on_line("[rank 1] plan.json: step 1: loss 4.85")
+        return types.SimpleNamespace(returncode=1, metrics=None)
+
+    monkeypatch.setattr(planner.runtime, "launch_local", fake)
+    res = CliRunner().invoke(app, ["validate", str(path), "-o", str(tmp_path / "v.json")])
+    assert res.exit_code != 0 and "the run failed" in res.output
+    assert "[rank 0] plan.json: step 1: loss 4.85 [bold]x[/bold]" in res.output
+    assert "[rank 1] plan.json: step 1: loss 4.85" in res.output
 
 
 def test_the_example_pairs_two_training_jobs_on_one_rank_and_says_so(tmp_path):
@@ -107,19 +180,22 @@ def test_profile_says_how_many_units_it_left_out_and_prints_all_on_request():
     assert full.exit_code == 0 and all(f"layers.{i} " in full.stdout for i in range(48))
 
 
-def test_cpsat_fill_has_one_time_limit_and_reports_its_gap(tmp_path):
+def test_cpsat_fill_has_one_time_limit_and_reports_its_gap(tmp_path, monkeypatch):
     """Where chunk boundaries cost nothing (the planner's model) greedy is proven optimal: CP-SAT is not run, and the
-    report says so instead of a time limit it never reached."""
+    report says so instead of a time limit it never reached. (Asserted by what ran, not by the wall clock: a busy
+    machine makes any time bound flaky.)"""
     import json
-    import time
 
+    from planner.fill import packing
+
+    solves = []
+    monkeypatch.setattr(packing, "_solve_cpsat", lambda *a, **k: solves.append(1) or (None, "UNKNOWN"))
     path = tmp_path / "plan.json"
     jobs = str(EXAMPLES / "fill" / "jobs.yaml")
-    start = time.perf_counter()
     made = CliRunner().invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "64", "--fill", jobs, "--fill-solver",
                                     "cpsat", "--fill-time-limit", "30", "-o", str(path)])
     assert made.exit_code == 0, made.stdout
-    assert time.perf_counter() - start < 30  # no CP-SAT solve waited out its limit
+    assert not solves  # no CP-SAT solve was started, so none could wait out its limit
     solver = json.loads(path.read_text())["fill"]["predictions"]["solver"]
     honest = "greedy (proven optimal: chunk boundaries cost nothing here; CP-SAT not needed)"
     assert solver == honest

@@ -22,7 +22,12 @@ SKIPNET = Path(__file__).resolve().parent / "skipnet.py"
 
 
 def gpt_args(layers: int = 4) -> dict[str, Any]:
-    return {"preset": "tiny", "layers": layers, "dropout": 0}
+    """GPT tiny under PyTorch's default init (gpt.py's before issue 51), on which these tests' tolerances were set:
+    its larger activations and gradients make fp16 at a 2^16 loss scale overflow, bf16's rounding show in the loss,
+    and keep Adam out of its epsilon regime, where float noise in a near-zero gradient becomes a visible step (under
+    Megatron's N(0, 0.02) init a parameter or two drift 2e-5 from the single process's, bf16 and fp32 losses 1e-5
+    apart). What is compared, the runtime against one process, does not depend on the init."""
+    return {"preset": "tiny", "layers": layers, "dropout": 0, "init": "pytorch"}
 
 
 def plan_file(path: Path, model: Path, model_args: dict[str, Any], *, gpus: int, global_batch: int,

@@ -69,26 +69,27 @@ def _ours(marker: str) -> list[int]:
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc")
 def test_ctrl_c_stops_the_launch_and_every_rank_cleanly(small_plan: Path, tmp_path: Path) -> None:
     """SIGINT to `planner launch --local` while its ranks train: one line, exit code 130, no traceback, no process
-    of the launch left, its temporary folder removed."""
-    import glob
+    of the launch left, its temporary folder removed. The launch gets a TMPDIR of its own, so that only the folder it
+    made is looked at (other launches on the machine make and remove theirs meanwhile)."""
     import signal
     import subprocess
     import sys
-    import tempfile
     import time
 
     from planner.runtime import child_env
 
     plan = tmp_path / "interrupted.json"
     plan.write_text(small_plan.read_text())
-    before = set(glob.glob(str(Path(tempfile.gettempdir()) / "fxp-launch-*")))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
     proc = subprocess.Popen([sys.executable, "-c", "from planner.cli import main; main()", "launch", str(plan),
                              "--local", "--steps", "100000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=child_env(), cwd=tmp_path)
+                            text=True, env={**child_env(), "TMPDIR": str(tmp)}, cwd=tmp_path)
     try:
         for line in proc.stdout:  # the ranks are training
             if "step 2: loss" in line:
                 break
+        made = list(tmp.glob("fxp-launch-*"))
         proc.send_signal(signal.SIGINT)
         out, errors = proc.communicate(timeout=60)
     finally:
@@ -99,4 +100,4 @@ def test_ctrl_c_stops_the_launch_and_every_rank_cleanly(small_plan: Path, tmp_pa
     while _ours(str(plan)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert _ours(str(plan)) == []
-    assert set(glob.glob(str(Path(tempfile.gettempdir()) / "fxp-launch-*"))) <= before
+    assert len(made) == 1 and not made[0].exists(), made  # the launch's own folder, there while it ran, is gone
