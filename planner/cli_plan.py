@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn
@@ -15,10 +15,12 @@ from passes.errors import UserError
 from targets.builtin import DEFAULT_TARGET
 
 from .cli import GiB, TARGET_HELP, _ms, _si, app, err, out, print_json, user_errors
-from .fill.assign import PACKERS
+from .options import PACKER_NAMES as PACKERS  # (.fill.assign.PACKERS' names: it imports torch)
 from .fill.physics import TIMESLICE_S
-from .plan import ConfigModel, Plan, load_plan, save_plan
 from .schedules import SCHEDULES
+
+if TYPE_CHECKING:  # (pydantic: imported where a command needs it, not for --help)
+    from .plan import ConfigModel, Plan
 
 
 def _choices(registry: dict) -> str:
@@ -151,6 +153,12 @@ def plan(
     print_summary(plan_)
     for note in plan_.source.notes:
         out.print(f"note: {note}", highlight=False)
+    from .runtime import UNLAUNCHABLE
+
+    if any(n.startswith(UNLAUNCHABLE) for n in plan_.source.notes):  # (the note above says why): no commands
+        out.print(f"plan written to [bold]{output}[/]; it cannot be launched until the model file defines what the "
+                  "runtime calls (see the note above), then re-plan", highlight=False)
+        return
     if plan_.source.engine != "fxplanner":  # the export's script, the same on every node
         out.print(f"plan written to [bold]{output}[/] for {plan_.source.engine}; launch on each of the "
                   f"{plan_.launch.nnodes} nodes with:", highlight=False)
@@ -323,7 +331,7 @@ def show(plan_file: str = typer.Argument("plan.json"),
          full: bool = typer.Option(False, "--full", help="print every step of every rank, however wide (for "
                                    "`less -S`); by default each row fits the terminal")) -> None:
     """Print a plan's summary, its schedule grid and its bubbles per pipeline rank."""
-    from .plan import plan_schedule
+    from .plan import load_plan, plan_schedule
     from .schedule import grid
 
     with user_errors():
@@ -418,6 +426,7 @@ def chart(plan_file: str = typer.Argument("plan.json"),
           output: str = typer.Option("schedule.png", "-o", "--output", help="image file to write")) -> None:
     """Draw the Gantt chart of one iteration per pipeline rank, bubbles labelled."""
     from .chart import draw_plan
+    from .plan import load_plan
 
     with user_errors():
         note = draw_plan(load_plan(plan_file), output)

@@ -37,6 +37,9 @@ __all__ = ["CheckedPlan", "LocalRun", "check_plan", "load_runtime_model_file", "
            "local_overload",
            "child_env", "summarize", "mean_iteration_s", "METRICS_SCHEMA"]
 
+UNLAUNCHABLE = "the plan cannot be launched"
+"""How a plan's note (passes.pipeline) begins where its model file lacks what the runtime calls."""
+
 METRICS_SCHEMA = "fxplanner.metrics/v1"
 """Schema string of the metrics document (planner.metrics.MetricsDocument)."""
 
@@ -88,6 +91,10 @@ def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
         raise UserError(f"plan {path} runs its linear layers' GEMMs in FP8 ({c.fp8}), which this runtime does not run; "
                         "export it with `planner export --to megatron` (Transformer Engine recipes) or re-plan without "
                         "--fp8")
+    unlaunchable = next((n for n in plan.source.notes if n.startswith(UNLAUNCHABLE)), None)
+    if unlaunchable is not None:  # passes.pipeline's note: the model file gives the runtime no data or no loss
+        raise UserError(f"{unlaunchable[len(UNLAUNCHABLE):].lstrip(': ')}: define what is missing and re-plan "
+                        f"(plan {path} cannot be launched)")
     need = c.world
     if need != world_size:
         raise UserError(f"plan {path} needs tp*cp*pp*dp = {c.tp}*{c.cp}*{c.pp}*{c.dp} = {need} processes, but this "

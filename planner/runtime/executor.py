@@ -343,10 +343,9 @@ class Executor:
             st.out_acts[(k, mb)] = [s.detach() if isinstance(s, torch.Tensor) else s for s in sends]
 
     def _loss(self, output: Any, targets: Any) -> torch.Tensor:
-        """The model file's loss, in fp32 whatever the precision (not ModelFile.call: no model kwargs). An
-        exported graph returns its outputs flattened: a single one (a ModelOutput's logits) is passed alone."""
-        if isinstance(output, (tuple, list)) and len(output) == 1:
-            output = output[0]
+        """The model file's loss of what the model returns (a transformers ModelOutput as it is: the last stage
+        rebuilds it from the exported graph's leaves), in fp32 whatever the precision (not ModelFile.call: no model
+        kwargs)."""
         output = torch.utils._pytree.tree_map(
             lambda x: x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x, output)
         return self.mf.module.loss_fn(output, targets)

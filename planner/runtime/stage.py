@@ -100,6 +100,9 @@ class SplitModel:
     """Canonical parameter name -> pipeline ranks whose stages use it."""
     recompute: str = "none"
     """The plan's recomputation mode, as the checkpointed pieces run it."""
+    out_spec: Any = None
+    """How the model's output is structured where the graph returns it flattened (torch.export), else None: the last
+    stage hands loss_fn what the model returns (a ModelOutput with its .logits), not its leaves."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -195,28 +198,44 @@ def _programs(split: fx.GraphModule, pieces: list[Piece], plan: Plan) -> list[St
             for s in range(n_stages)]
 
 
-def _trace_split(model: nn.Module, plan: Plan, model_file: ModelFile) -> tuple[fx.GraphModule, list[Piece]]:
+def _trace_split(model: nn.Module, plan: Plan, model_file: ModelFile) -> tuple[fx.GraphModule, list[Piece], Any]:
     """The model's graph split by the plan's partition: a symbolic_trace graph where the model traces (module
     calls stay modules, which tensor parallelism rewrites), else the torch.export graph the plan was made from
     (every Hugging Face model; its weights are read as attributes)."""
+    def exported() -> fx.GraphModule:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        return export_graph(model, model_file.inputs(max(2, plan.config.microbatch), device))  # batch dim from 2
+
     try:
         gm = trace_model(model, plan.source.leaves, stack_traces=True)
+        try:
+            part_of, pieces = _pieces(gm, model, plan)
+        except UserError:  # cut into other units than the export graph the plan was made from (nn.Transformer's
+            if plan.source.frontend != "export":  # layers are one module call each here): split that graph instead
+                raise
+            gm = exported()
+            part_of, pieces = _pieces(gm, model, plan)
     except TraceFailure:
         if plan.source.frontend != "export":
             raise
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        gm = export_graph(model, model_file.inputs(max(2, plan.config.microbatch), device))  # batch dim from 2
-
-    part_of, pieces = _pieces(gm, model, plan)
+        gm = exported()
+        part_of, pieces = _pieces(gm, model, plan)
     if {pc.stage for pc in pieces} != set(range(len(plan.partition))):
         raise UserError(f"the plan has {len(plan.partition)} stages but its partition places nodes on stages "
                         f"{sorted({pc.stage for pc in pieces})}")
-    return split_by(gm, model, part_of.__getitem__), pieces
+    return split_by(gm, model, part_of.__getitem__), pieces, _out_spec(gm)
+
+
+def _out_spec(gm: fx.GraphModule) -> Any:
+    """The pytree structure of what the model returns, where the graph returns it flattened (torch.export's: a
+    transformers ModelOutput, a tuple), else None."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    return getattr(info, "out_spec", None)
 
 
 def build_split(model: nn.Module, plan: Plan, model_file: ModelFile) -> SplitModel:
     """Trace ``model`` (real weights) and split it by the plan's partition."""
-    split, pieces = _trace_split(model, plan, model_file)
+    split, pieces, out_spec = _trace_split(model, plan, model_file)
     programs = _programs(split, pieces, plan)
     canonical = {}
     for name, param in model.named_parameters():  # dedup: a tied weight keeps its first name
@@ -226,7 +245,7 @@ def build_split(model: nn.Module, plan: Plan, model_file: ModelFile) -> SplitMod
         for param in _program_params(split, prog):
             holders.setdefault(canonical[id(param)], set()).add(prog.rank)
     return SplitModel(split=split, pieces=pieces, programs=programs, canonical=canonical, holders=holders,
-                      recompute=plan.config.recompute)
+                      recompute=plan.config.recompute, out_spec=out_spec)
 
 
 def _program_params(split: fx.GraphModule, prog: StageProgram) -> list[nn.Parameter]:
@@ -262,7 +281,7 @@ def boundary_specs(model_file: ModelFile, plan: Plan, inner: dict[str, dict[str,
     if split is None:
         meta = to_precision(model_file.build("meta", torch.float32), dtype)  # boundary tensors take the precision's dtype
         meta.train()
-        split, _ = _trace_split(meta, plan, model_file)
+        split, _, _ = _trace_split(meta, plan, model_file)
     inputs, _ = model_file.call("sample_batch", plan.config.microbatch, 0)
     if cp is not None:
         cp.apply(split)
@@ -332,6 +351,7 @@ class StageModule(nn.Module):
         """(parameter, r): its gradient is a partial sum over each r consecutive tensor-parallel ranks (applied to
         this rank's part of the sequence under SP: r = t; a kv head replicated on r ranks)."""
         self.recompute = split.recompute if self._checkpointed else "none"
+        self._out_spec = split.out_spec if self.program.last else None
 
     def run(self, received: dict[str, Any], data: Sequence[Any]) -> tuple[list[Any], Any]:
         """Evaluate the stage: returns (values to send, model output or None)."""
@@ -343,6 +363,9 @@ class StageModule(nn.Module):
             env[node.name] = self._eval(node, env, data)
         sends = [env[name] for name in self.program.send]
         out = fx.node.map_arg(self._output.args[0], lambda n: env[n.name]) if self.program.last else None
+        spec = self._out_spec
+        if spec is not None and isinstance(out, (tuple, list)) and len(out) == spec.num_leaves:
+            out = torch.utils._pytree.tree_unflatten(list(out), spec)  # what the model returns
         return sends, out
 
     def _eval(self, node: fx.Node, env: dict[str, Any], data: Sequence[Any]) -> Any:
