@@ -92,7 +92,7 @@ def _print(rank: int, r: dict) -> None:
         w = run["fill_work"]
         fill = "" if w is None else (
             f", fill {w['units_per_step']:.1f} units/step (planned {w['planned_units_per_step']}), "
-            f"{_tf(w['tflops'])} TFLOP/s (plan {w['planned_tflops']:.2f}/GPU), {w['kills']} kill(s), "
+            f"{_tf(w['tflops'])} TFLOP/s (plan {_tf(w['planned_tflops'])}/GPU), {w['kills']} kill(s), "
             f"{w['errors']} error(s)")
         slow = "" if run["slowdown"] is None else f", slowdown {run['slowdown']:+.2%}"
         print(f"  {run['label']:>28}: step {_ms(run['step_s']['median'])} [{_ms(run['step_s']['min'])}, "
@@ -100,7 +100,7 @@ def _print(rank: int, r: dict) -> None:
 
 
 def _tf(x: float | None) -> str:
-    return "-" if x is None else f"{x:.2f}"
+    return "-" if x is None else f"{x:.3g}"
 
 
 def main(argv: list[str] | None = None) -> int:

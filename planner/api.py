@@ -1,11 +1,12 @@
 """Library entry points the CLI calls: profile a model file, make a plan."""
 from __future__ import annotations
 
-import math
+import gc
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from costmodels.calibration import Calibration, apply_calibration
 from costmodels.compute import MEGATRON_MOE_HOST_S, moe_host_wait_s, unit_time
@@ -32,32 +33,17 @@ from .fill.profiles import profile_job, shared_profile
 from .fill.section import fill_section
 from .fill.spec import FillSpec
 from .schedules import SCHEDULES
+from .options import check_cluster, check_fill_time_limit, check_fill_value, check_main_slack, parse_model_args
 from .search import NoFeasibleConfig, Pins, SearchResult, search
 from .simulate import SimResult, with_bubbles
 
-__all__ = ["parse_model_args", "profile_rows", "make_plan", "check_fill_value"]
+__all__ = ["parse_model_args", "profile_rows", "make_plan", "check_fill_value", "PHASES"]
 
-
-def parse_model_args(items: list[str]) -> dict[str, Any]:
-    """['layers=4', 'preset=1t', 'dropout=0.0'] -> typed kwargs (int, float, bool or str)."""
-    out: dict[str, Any] = {}
-    for item in items:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise UserError(f"--model-arg {item!r} is not key=value (e.g. --model-arg layers=24)")
-        out[key.strip()] = _typed(raw.strip())
-    return out
-
-
-def _typed(raw: str) -> Any:
-    if raw.lower() in ("true", "false"):
-        return raw.lower() == "true"
-    for cast in (int, float):
-        try:
-            return cast(raw)
-        except ValueError:
-            pass
-    return raw
+PHASES = ("tracing", "pricing", "searching", "simulating", "packing the fill", "checking the runtime")
+"""What make_plan's `progress` is told, in this order: each phase's name, alone or followed by ": " and what in it
+(a pass's name; CP-SAT's solves). "packing the fill" only with fill jobs; "checking the runtime" only where the
+fxplanner runtime would split a model of a file it can train."""
+TRACE_PASSES = ("load", "build", "capture")  # passes.pipeline.PASSES that trace the model; the rest price it
 
 
 def profile_rows(profile: ModelProfile, hw: Hardware, cfg: ParallelConfig) -> list[dict[str, Any]]:
@@ -158,10 +144,15 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
               search_progress: Callable[[int, int], None] | None = None, fill_value: float = 0.0) -> tuple[Plan, SearchResult]:
     """`fill_value`: what one recovered fill GPU-second is worth against one main-job GPU-second (0: the fastest
     main job wins and fill only breaks ties); `main_slack`: how much slower than the fastest a main configuration
-    may be and still be considered (planner/fill/joint.py)."""
+    may be and still be considered (planner/fill/joint.py). `progress`: told each phase (PHASES) as it starts;
+    `search_progress`: (configurations taken from the search's queue, configurations queued so far)."""
     args = dict(locals())  # to plan again without sequence parallelism the runtime cannot run
     check_fill_value(fill_value)
+    check_main_slack(main_slack)
+    if fill is not None:  # (before the model is traced)
+        check_fill_time_limit(fill_time_limit_s)
     hw = Hardware(target=get_target(target, gpus_per_node))
+    check_cluster(gpus, hw.cluster.gpus_per_node)  # (before the model is traced)
     if calibration is not None:
         hw = apply_calibration(calibration, hw)
     pins = engine_pins(pins, hw)
@@ -169,7 +160,8 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
         raise UserError(f"fill jobs run in the pipeline bubbles of the fxplanner runtime, not in {pins.engine}: "
                         "plan them without --engine (or the main job alone with it)")
     profile, _ = analyze(model, model_args, leaves=leaves, dtype=pins.precision, engine=pins.engine,
-                         progress=progress)
+                         progress=(lambda name: progress(f"{'tracing' if name in TRACE_PASSES else 'pricing'}: {name}"))
+                         if progress else None)
     if (pins.ep or 1) > 1:  # (after the model: a dense one is told so first, whatever the engine)
         if not any(u.experts for u in profile.units):
             raise UserError(f"--ep {pins.ep} divides the experts of mixture-of-experts layers over expert-parallel "
@@ -185,21 +177,25 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     ev = Evaluator(units=profile.units, hw=hw, global_batch=global_batch, n_gpus=gpus,
                    tokens_per_sample=profile.tokens_per_sample, layout=pins.layout or "")
     start = time.perf_counter()
-    if main_slack < 0:
-        raise UserError(f"--main-slack must be >= 0, got {main_slack}")
     wide = fill is not None and main_slack > 0
-    result = search(ev, pins, top=8 if wide else 6, simulate_top=8 if wide else 3, progress=search_progress)
+    if progress:
+        progress("searching")
+    with _gc_frozen():
+        result = search(ev, pins, top=8 if wide else 6, simulate_top=8 if wide else 3, progress=search_progress,
+                        simulating=(lambda: progress("simulating")) if progress else None)
     best, sim, joint = result.best, result.simulation, None
     if fill is not None:
         if progress:
-            progress("fill")
-        alone = {j.name: profile_job(j, hw, pins.precision, host=fill.gpu_sharing != "none") for j in fill.jobs}
+            progress("packing the fill")
+        alone = {}
+        for j in fill.jobs:  # (each job's model traced and priced)
+            if progress:
+                progress(f"packing the fill: profiling job {j.name}")
+            alone[j.name] = profile_job(j, hw, pins.precision, host=fill.gpu_sharing != "none")
         jobs = {name: [shared_profile(p, fill.gpu_sharing) for p in profs] for name, profs in alone.items()}
-        if fill_time_limit_s <= 0:
-            raise UserError(f"--fill-time-limit must be positive, got {fill_time_limit_s}")
-        with cpsat_budget(fill_time_limit_s, progress=(lambda n, s: progress(f"fill: CP-SAT solve {n} ({s:.1f} s of "
-                                                                             f"{fill_time_limit_s:g})")) if progress
-                          else None) as budget:
+        with cpsat_budget(fill_time_limit_s, progress=(lambda n, s: progress(
+                f"packing the fill: CP-SAT solve {n} ({s:.1f} s of {fill_time_limit_s:g})")) if progress
+                          else None) as budget, _gc_frozen():
             joint = _choose_fill(ev, pins, result, jobs, main_slack=main_slack, offload=offload,
                                  safety_margin=fill.safety_margin, solver=fill_solver, fill_value=fill_value,
                                  policy=fill.policy,
@@ -227,7 +223,7 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     if any(u.experts for u in profile.units):
         plan.search.rejected["expert parallelism, which the fxplanner runtime does not run (--engine megatron or "
                              "torchtitan plans it)"] = 1
-    refusal = _runtime_refusal(model, model_args, plan)  # (sentence, op and source line) or None
+    refusal = _runtime_refusal(model, model_args, plan, progress)  # (sentence, op and source line) or None
     if refusal and plan.config.sp and pins.sp is None:  # sequence parallelism was the search's choice: without it
         plan, result = make_plan(**{**args, "pins": replace(pins, sp=False)})
         plan.search.rejected[f"sequence parallelism, which the runtime cannot run for this model ({refusal[1]})"] = 1
@@ -241,7 +237,23 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     return plan, result
 
 
-def _runtime_refusal(model: str, model_args: dict[str, Any] | None, plan: Plan) -> tuple[str, str] | None:
+@contextmanager
+def _gc_frozen() -> Iterator[None]:
+    """The objects alive now (torch's, the model's and its graphs: ~0.5M) kept out of the cyclic GC's passes while
+    the search makes its ~1M small ones, and put back after: of Llama-3-405B's search on 1024 GPUs, 1.7 s of 8.8 were
+    full collections walking them, 0.6 s with them frozen (nothing in them is garbage the search could free)."""
+    if gc.get_freeze_count():  # frozen already, by a caller
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
+def _runtime_refusal(model: str, model_args: dict[str, Any] | None, plan: Plan,
+                     progress: Callable[[str], None] | None = None) -> tuple[str, str] | None:
     """What the fxplanner runtime would refuse the plan's tensor-parallel split with (checked on meta tensors), or
     None. Only for a model the runtime can train (its file defines sample_batch and loss_fn)."""
     c = plan.config
@@ -250,15 +262,11 @@ def _runtime_refusal(model: str, model_args: dict[str, Any] | None, plan: Plan) 
     mf = load_model_file(model, model_args or {})
     if not (mf.has("sample_batch") and mf.has("loss_fn")):
         return None
+    if progress:
+        progress("checking the runtime")
     from .runtime.stage import tensor_parallel_refusal
 
     return tensor_parallel_refusal(plan, mf)
-
-
-def check_fill_value(fill_value: float) -> None:
-    if not (math.isfinite(fill_value) and fill_value >= 0):
-        raise UserError(f"--fill-value must be a finite number >= 0 (the worth of a recovered fill GPU-second "
-                        f"against a main-job one), got {fill_value:g}")
 
 
 def _choose_fill(ev: Evaluator, pins: Pins, result: SearchResult, jobs: dict, *, main_slack: float, offload: str,
@@ -324,7 +332,7 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
                             activation_bytes=best.activation_bytes[j],
                             weight_bytes=best.weight_bytes[j] if best.weight_bytes else 0.0,
                             tensor_parallel=dict(pair for u in units for pair in u.tp_layout) if c.tp > 1 else {}))
-    sched = with_bubbles(c.schedule_kind.generate(c.pp, c.m, c.v), sim)
+    sched = with_bubbles(ev.schedule(c), sim)
     mem = [RankMemory(rank=i, weights=m.weights, grads=m.grads, optimizer=m.optimizer, activations=m.activations,
                       reserve=m.reserve, total=m.total, capacity=ev.capacity) for i, m in enumerate(best.rank_memory)]
     tokens = profile.tokens_per_sample

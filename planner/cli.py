@@ -120,16 +120,12 @@ def profile(
     all_rows: bool = typer.Option(False, "--all", help="print every unit (by default 40 rows at most)"),
 ) -> None:
     """Trace MODEL on meta tensors and price every unit on the target."""
-    from passes.pipeline import analyze
     from targets.registry import get_target
 
-    from costmodels.hardware import Hardware
-
-    from .api import parse_model_args, profile_rows
     from .config import ParallelConfig
-    from .search import tp_reason
+    from .options import parse_model_args
 
-    with user_errors():
+    with user_errors():  # the arguments are checked before torch is imported (seconds)
         if batch < 1:
             raise UserError(f"--batch must be positive, got {batch}")
         if dtype not in PRECISIONS:
@@ -139,7 +135,14 @@ def profile(
         kwargs = parse_model_args(model_arg)
         tg = get_target(target)
         cfg = ParallelConfig(tp=tp, pp=1, dp=1, b=batch, m=1, precision=dtype)
-        with status(not as_json, "tracing") as st:
+        with status(not as_json, "loading torch and the cost models") as st:
+            from passes.pipeline import analyze
+
+            from costmodels.hardware import Hardware
+
+            from .api import profile_rows
+            from .search import tp_reason
+
             prof, _ = analyze(model, kwargs, leaves=tuple(leaf), dtype=dtype,
                               progress=(lambda name: st.update(f"pass: {name}")) if st else None)
         why = tp_reason(tp, {(u.heads, u.kv_heads) for u in prof.units})

@@ -25,7 +25,9 @@ def export(
                               "--titan-config is then the model flavor"),
     check: bool = typer.Option(False, "--check", help="load the result with the engine's own config code "
                                "(needs `pip install -e .[engines]`) and compare its parallel degrees with the plan; "
-                               "for torchtitan also load the schedule CSV in torch's pipeline runtime"),
+                               "for torchtitan also load the schedule CSV in torch's pipeline runtime; for Megatron-LM "
+                               "also run its validate_args checks on the arguments and the environment the script "
+                               "sets"),
 ) -> None:
     """Write PLAN as a torchtitan job (its command line) or Megatron-LM pretrain_gpt.py arguments."""
     from .export import ENGINES, check_megatron, check_torchtitan, to_megatron, to_torchtitan
@@ -58,7 +60,8 @@ def export(
             err.print(f"[yellow]not expressed[/] {u}", highlight=False)
         if check:
             try:
-                seen = check_torchtitan(ex, plan.source.gpus, plan) if to == "torchtitan" else check_megatron(ex)
+                seen = (check_torchtitan(ex, plan.source.gpus, plan) if to == "torchtitan"
+                        else check_megatron(ex, plan.source.gpus))
             except ImportError as e:
                 raise UserError(f"--check needs the engines extra ({e.name} is not installed): "
                                 "pip install -e '.[engines]'") from None

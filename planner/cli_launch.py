@@ -39,12 +39,26 @@ def launch(
     with user_errors():
         plan = load_plan(plan_file)
         if not local:
+            engine = plan.source.engine
+            if engine != "fxplanner":  # the engine's own job, as `planner export` writes it: the same on every node
+                from .api import engine_launch
+
+                cmds = engine_launch(plan, plan_file).commands
+                out.print(f"this plan runs in {engine}: on each of its {len(cmds)} node(s) write its {engine} "
+                          "configuration and run it (RDZV_ENDPOINT=host:port of node 0; torchrun's rendezvous numbers "
+                          "the nodes); nothing was written now:", highlight=False)
+                for cmd in cmds:
+                    out.print(f"  {cmd}", highlight=False, soft_wrap=True)
+                return
             script = Path(plan_file).with_name("launch.sh")
-            script.write_text(plan.launch.script)
-            script.chmod(0o755)
-            out.print(f"multi-node runs start on each node with the plan's commands, or `{script} NODE_RANK` "
-                      f"(written now; RDZV_ENDPOINT=host:port of node 0); add --local to run every rank here:",
-                      highlight=False)
+            if script.exists() and script.read_text() != plan.launch.script:  # never overwrite another file silently
+                how = f"({script} exists and is not this plan's script: left as it is)"
+            else:
+                script.write_text(plan.launch.script)
+                script.chmod(0o755)
+                how = f"or `{script} NODE_RANK` (written now)"
+            out.print(f"multi-node runs start on each node with the plan's commands {how}; RDZV_ENDPOINT=host:port "
+                      "of node 0; add --local to run every rank here:", highlight=False)
             for cmd in plan.launch.commands:
                 out.print(f"  {cmd}", highlight=False, soft_wrap=True)
             return
@@ -203,11 +217,11 @@ def _print_rehearsal(r: dict, report_file: str, metrics: str) -> None:
             line += f", main-job slowdown {run['slowdown']:+.2%}"
         fill = run["fill_work"]
         if fill:
-            tflops = "-" if fill["tflops"] is None else f"{fill['tflops']:.3f}"
+            tflops = "-" if fill["tflops"] is None else f"{fill['tflops']:.3g}"
             line += (f"; fill {fill['units_per_step']:.1f} units/step (planned {fill['planned_units_per_step']}), "
                      f"{fill['work_s_per_step'] * 1e3:.2f} ms of planned work/step "
                      f"(planned {fill['planned_work_s_per_step'] * 1e3:.2f} ms), {tflops} TFLOP/s recovered "
-                     f"(plan: {fill['planned_tflops']:.3f} TFLOP/s/GPU), {fill['overruns']} overrun(s), "
+                     f"(plan: {fill['planned_tflops']:.3g} TFLOP/s/GPU), {fill['overruns']} overrun(s), "
                      f"{fill['kills']} kill(s), {fill['errors']} error(s)")
         out.print(line, highlight=False)
     out.print(f"written {report_file} and {metrics} (`planner validate PLAN --metrics {metrics}`)", highlight=False)

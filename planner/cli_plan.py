@@ -5,7 +5,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, List, Optional
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from costmodels.fp8 import FP8_RECIPES
@@ -106,13 +106,13 @@ def plan(
 ) -> None:
     """Choose the whole PTD-P configuration for MODEL on N GPUs (and the fill of its bubbles)."""
     from costmodels.calibration import load_calibration
-
-    from .api import check_fill_value, make_plan, parse_model_args
-    from .search import Pins
+    from targets.registry import get_target
 
     from .fill.spec import load_fill_spec
+    from .options import (Pins, check_cluster, check_fill_time_limit, check_fill_value, check_main_slack,
+                          parse_model_args)
 
-    with user_errors():
+    with user_errors():  # the arguments are checked before torch is imported (seconds): an error answers at once
         if offload not in ("auto", "on", "off"):
             raise UserError(f"--offload takes auto, on or off, got {offload!r}")
         if fill_solver not in PACKERS:
@@ -134,19 +134,32 @@ def plan(
                     allow_cross_node_tp=allow_cross_node_tp)
         if global_batch < 1:
             raise UserError(f"--global-batch must be positive, got {global_batch}")
-        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                      console=err, transient=True, disable=as_json) as bar:
-            task = bar.add_task("tracing", total=None)
+        check_main_slack(main_slack)
+        if spec is not None:
+            check_fill_time_limit(fill_time_limit)
+        model_args = parse_model_args(model_arg)
+        check_cluster(gpus, get_target(target, gpus_per_node).cluster.gpus_per_node)
+        # what it is doing, on stderr while it works (nothing with --json, nor where stderr is no terminal)
+        with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=err,
+                      transient=True, disable=as_json) as bar:
+            task = bar.add_task("loading torch and the cost models", total=None)
+
+            def searching(i: int, n: int) -> None:
+                bar.update(task, description=f"searching: {i:,}/{n:,} configurations")
+
+            from .api import make_plan
+            from .plan import save_plan
+
             plan_, _ = make_plan(model, gpus=gpus, global_batch=global_batch, target=target,
-                                 gpus_per_node=gpus_per_node, model_args=parse_model_args(model_arg), pins=pins,
+                                 gpus_per_node=gpus_per_node, model_args=model_args, pins=pins,
                                  leaves=tuple(leaf), plan_path=output, fill=spec,
                                  main_slack=main_slack, fill_value=fill_value, offload=offload,
                                  fill_solver=fill_solver,
                                  fill_time_limit_s=fill_time_limit, calibration=cal,
-                                 progress=lambda name: bar.update(task, description=f"pass: {name}"),
-                                 search_progress=lambda i, n: bar.update(task, description="searching",
-                                                                         completed=i, total=n))
-        save_plan(plan_, output)
+                                 progress=lambda phase: bar.update(task, description=phase),
+                                 search_progress=searching)
+            bar.update(task, description=f"writing {output}")
+            save_plan(plan_, output)
     if as_json:
         print_json(plan_.model_dump_json(by_alias=True, indent=2))
         return

@@ -27,6 +27,7 @@ from .config import ParallelConfig
 from .layout import EVEN, layout_bounds
 from .partition import (NoFeasiblePartition, PartitionInput, chunk_shares, partition, rank_load, rebalance,
                         recomputed)
+from .schedule import Schedule
 from .simulate import SimCosts, SimResult, simulate
 
 __all__ = ["Evaluation", "Evaluator", "Rejected"]
@@ -620,9 +621,17 @@ class Evaluator:
             opt.append(2 * c.optimizer_owned(total, local) * num.bytes_per_param() / hbm)
         return tuple(ar), tuple(opt)
 
+    def schedule(self, c: ParallelConfig) -> Schedule:
+        """c's schedule (its kind's program at c's p, m and v), generated once per shape: the search simulates
+        configurations of one shape (t, d, recomputation, ... apart) again and again, and the plan takes the best's."""
+        key = ("schedule", c.schedule_kind.name, c.pp, c.m, c.v)
+        if key not in self._cache:
+            self._cache[key] = c.schedule_kind.generate(c.pp, c.m, c.v)
+        return self._cache[key]
+
     def simulate_config(self, ev: Evaluation) -> tuple[Evaluation, SimResult]:
         c = ev.config
-        result = simulate(c.schedule_kind.generate(c.pp, c.m, c.v), ev.sim_costs(self.capacity))
+        result = simulate(self.schedule(c), ev.sim_costs(self.capacity))
         out = self._finish(c, ev.bounds, ev.forward_s, ev.backward_s, ev.activation_bytes, list(ev.rank_memory),
                            ev.p2p_s, ev.allreduce_s, ev.optimizer_s, ev.tp_comm_s, result.iteration_s,
                            result.bubble_fraction, ev.weight_s, ev.weight_bytes)

@@ -31,7 +31,7 @@ from .schedules import get_schedule
 from .schedules.interleaved import group_size
 
 __all__ = ["Export", "ENGINES", "layout", "placement", "schedule_rows", "to_megatron", "to_torchtitan",
-           "check_megatron", "check_torchtitan", "check_schedule_csv"]
+           "check_megatron", "check_megatron_args", "check_torchtitan", "check_schedule_csv"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -41,6 +41,8 @@ class Export:
     unexpressed: list[str] = field(default_factory=list)  # what the plan says and the engine cannot
     text: str = ""
     files: dict[str, str] = field(default_factory=dict)  # path as argv names it -> text: what the job reads beside it
+    # environment the script sets before the engine starts (None: the script unsets the variable)
+    env: dict[str, str | None] = field(default_factory=dict)
 
 
 _BLOCK = re.compile(r"\.(\d+)$")
@@ -315,7 +317,12 @@ def to_megatron(plan: Plan) -> Export:
         argv.append("--use-distributed-optimizer")
     if c.zero >= 2:  # Megatron-FSDP: the gradients (and under ZeRO-3 the parameters) sharded too
         argv += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
-                 "optim_grads" if c.zero == 2 else "optim_grads_params"]
+                 "optim_grads" if c.zero == 2 else "optim_grads_params",
+                 "--ckpt-format", "fsdp_dtensor"]  # the only checkpoint format Megatron-LM runs Megatron-FSDP with
+        if c.tp > 1 or c.cp > 1:
+            unexpressed.append("tensor or context parallelism beside Megatron-FSDP: before Blackwell they want "
+                               "CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron-FSDP forbids; the script unsets it and "
+                               "Megatron-LM warns that the two lose performance together")
     if c.grad_fp32:
         argv.append("--accumulate-allreduce-grads-in-fp32")
     elif c.precision == "bf16":  # Megatron reduces bf16 training's gradients in fp32 unless told otherwise
@@ -377,9 +384,23 @@ def to_megatron(plan: Plan) -> Export:
                            "your model's --num-layers/--hidden-size/... arguments")
     launch = (f"torchrun --nnodes {plan.launch.nnodes} --nproc-per-node {plan.launch.nproc_per_node} "
               "--rdzv-backend c10d --rdzv-endpoint ${RDZV_ENDPOINT:-localhost:29500} pretrain_gpt.py")
-    return Export(engine="megatron", argv=argv, unexpressed=unexpressed,
-                  text=_script(plan, "Megatron-LM", launch, argv, unexpressed,
+    env = _megatron_env(argv)
+    return Export(engine="megatron", argv=argv, unexpressed=unexpressed, env=env,
+                  text=_script(plan, "Megatron-LM", launch, argv, unexpressed, env=env,
                                tail="  # data, tokenizer, optimizer and checkpoint arguments: your own"))
+
+
+def _megatron_env(argv: list[str]) -> dict[str, str | None]:
+    """CUDA_DEVICE_MAX_CONNECTIONS as Megatron-LM's validate_args (core_v0.16.1) wants it for these arguments: not 1
+    under Megatron-FSDP, 1 with tensor or context parallelism (asserted before Blackwell, harmless on it) unless
+    MoE expert-parallel overlap is on (then Megatron only warns, and the variable is left as it is)."""
+    a = megatron_args(argv)
+    if a.get("use_megatron_fsdp"):
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": None}
+    if (int(a.get("tensor_model_parallel_size", 1)) > 1 or int(a.get("context_parallel_size", 1)) > 1) \
+            and not a.get("overlap_moe_expert_parallel_comm"):
+        return {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    return {}
 
 
 def _megatron_model_details(shape: dict, argv: list[str]) -> tuple[list[str], list[str]]:
@@ -413,8 +434,9 @@ def _megatron_model_details(shape: dict, argv: list[str]) -> tuple[list[str], li
 
 
 def _script(plan: Plan, engine: str, launch: str, argv: list[str], unexpressed: list[str], tail: str = "",
-            raw: dict[str, str] | None = None) -> str:
-    """The launch script; `raw` writes some arguments as shell words of their own (unquoted)."""
+            raw: dict[str, str] | None = None, env: dict[str, str | None] | None = None) -> str:
+    """The launch script; `raw` writes some arguments as shell words of their own (unquoted); `env` is exported
+    (None: unset) before the launch."""
     raw = raw or {}
     c = plan.config
     head = ["#!/usr/bin/env bash", f"# {engine} configuration of an fxplanner plan ({plan.source.model_file}, "
@@ -431,7 +453,8 @@ def _script(plan: Plan, engine: str, launch: str, argv: list[str], unexpressed: 
         i = j
     last = [pairs.pop()] if pairs and pairs[-1].startswith("activation-checkpoint:") else []  # tyro: subcommand last
     body = " \\\n  ".join([launch, *pairs, '"$@"', *last]) + (f"\n{tail}" if tail else "")
-    return "\n".join(head) + "\nset -euo pipefail\n" + body + "\n"
+    setenv = "".join(f"unset {k}\n" if v is None else f"export {k}={shlex.quote(v)}\n" for k, v in (env or {}).items())
+    return "\n".join(head) + "\nset -euo pipefail\n" + setenv + body + "\n"
 
 
 ENGINES = {"torchtitan": to_torchtitan, "megatron": to_megatron}
@@ -558,13 +581,133 @@ def megatron_args(argv: list[str]) -> dict[str, object]:
     return out
 
 
-def check_megatron(ex: Export) -> dict[str, object]:
-    """Build megatron-core's TransformerConfig (a ModelParallelConfig) and DistributedDataParallelConfig from the
-    export, as Megatron-LM's core_transformer_config_from_args does; their checks run in __post_init__."""
+MEGATRON_LM = "core_v0.16.1"  # the Megatron-LM release check_megatron_args follows (that of megatron-core 0.16.1)
+
+
+def check_megatron_args(argv: list[str], env: dict[str, str | None] | None = None, world: int | None = None) -> None:
+    """The checks Megatron-LM's validate_args (megatron/training/arguments.py at tag core_v0.16.1; line numbers
+    below are that file's) makes on what the export can write, before it builds any config. `env`: the environment
+    the job starts with (a None value: unset; a variable not named: unset); `world`: the number of ranks, for the
+    checks on the data-parallel size. The GPU-dependent check is made as on Hopper and earlier (Megatron drops it from
+    Blackwell on). A violation is a ValueError of one sentence naming the rule."""
+    a, env = megatron_args(argv), env or {}
+    num = lambda k, d=None: int(a[k]) if k in a else d  # noqa: E731
+
+    def rule(ok: object, what: str) -> None:
+        if not ok:
+            raise ValueError(f"Megatron-LM's validate_args ({MEGATRON_LM}) requires that {what}")
+
+    tp, pp, cp = (num("tensor_model_parallel_size", 1), num("pipeline_model_parallel_size", 1),
+                  num("context_parallel_size", 1))
+    fsdp, dist_opt = bool(a.get("use_megatron_fsdp")), bool(a.get("use_distributed_optimizer"))
+    connections = env.get("CUDA_DEVICE_MAX_CONNECTIONS")
+    # L317: world size divisible by t*p*cp; L328: data-parallel size = world // (t*p*cp)
+    if world is not None:
+        rule(world % (tp * pp * cp) == 0, f"the world size ({world}) is divisible by tensor x pipeline x context "
+             f"parallel size ({tp} x {pp} x {cp})")
+    # L495-500: --micro-batch-size given and positive; --global-batch-size positive
+    rule(num("micro_batch_size", 0) > 0, "--micro-batch-size is given and positive")
+    rule(num("global_batch_size", 1) > 0, "--global-batch-size is positive")
+    # megatron-core 0.16.1 num_microbatches_calculator (Megatron-LM's initialization, right after validate_args):
+    # the global batch is a whole number of micro-batch x data-parallel-size batches
+    if world is not None and world % (tp * pp * cp) == 0 and "global_batch_size" in a:
+        dp = world // (tp * pp * cp)
+        rule(num("global_batch_size") % (num("micro_batch_size") * dp) == 0,
+             f"--global-batch-size ({num('global_batch_size')}) is divisible by --micro-batch-size x data-parallel "
+             f"size ({num('micro_batch_size')} x {dp})")
+    # L502-513: at most one way of stating virtual pipeline stages
+    ways = [k for k in ("num_layers_per_virtual_pipeline_stage", "num_virtual_stages_per_pipeline_rank",
+                        "pipeline_model_parallel_layout") if k in a]
+    rule(len(ways) <= 1, "at most one of --num-layers-per-virtual-pipeline-stage, --num-virtual-stages-per-pipeline-"
+         f"rank and --pipeline-model-parallel-layout is given (got {', '.join(ways)})")
+    layers = num("num_layers")
+    if layers is not None:  # L537-541, L564-568: the embedding and the loss may count as layers of the split
+        layers += sum(bool(a.get(f"account_for_{k}_in_pipeline_split")) for k in ("embedding", "loss"))
+    vp = None
+    uneven = "decoder_first_pipeline_num_layers" in a or "decoder_last_pipeline_num_layers" in a
+    if "pipeline_model_parallel_layout" in a:  # L516-525: the layout's stages are a multiple of p
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+        stages = PipelineParallelLayerLayout.get_num_stages_from_str(a["pipeline_model_parallel_layout"])
+        rule(stages % pp == 0, f"the stages of --pipeline-model-parallel-layout ({stages}) are a multiple of "
+             f"--pipeline-model-parallel-size ({pp})")
+        vp = stages // pp
+    elif "num_layers_per_virtual_pipeline_stage" in a and layers is not None:  # L528-551
+        per = num("num_layers_per_virtual_pipeline_stage")
+        rule(layers % pp == 0, f"--num-layers ({layers}) is divisible by --pipeline-model-parallel-size ({pp})")
+        rule((layers // pp) % per == 0, f"the layers per pipeline stage ({layers // pp}) are divisible by "
+             f"--num-layers-per-virtual-pipeline-stage ({per})")
+        vp = layers // pp // per
+    elif "num_virtual_stages_per_pipeline_rank" in a:
+        vp = num("num_virtual_stages_per_pipeline_rank")
+    elif layers is not None and not uneven:  # L552-571: without virtual stages the layers split evenly over p
+        rule(layers % pp == 0, f"--num-layers ({layers}) is divisible by --pipeline-model-parallel-size ({pp}) "
+             "(no layout or uneven first/last stage is given)")
+    if vp is not None and vp > 1:  # L573-583: interleaving needs p > 1 with p2p overlap (the default), else p > 2
+        overlap_p2p = not a.get("no_overlap_p2p_communication")
+        rule(pp > (1 if overlap_p2p else 2), f"the interleaved schedule runs with --pipeline-model-parallel-size > "
+             f"{1 if overlap_p2p else 2}{'' if overlap_p2p else ' under --no-overlap-p2p-communication'} (got {pp})")
+    if a.get("overlap_param_gather"):  # L597-603
+        rule(dist_opt or fsdp, "--overlap-param-gather runs with --use-distributed-optimizer or --use-megatron-fsdp")
+        rule(a.get("overlap_grad_reduce"), "--overlap-param-gather runs with --overlap-grad-reduce")
+    if a.get("fp8_param_gather"):  # L655-657 (training, not inference)
+        rule(dist_opt or fsdp or a.get("use_torch_fsdp2"), "--fp8-param-gather runs with --use-distributed-optimizer, "
+             "--use-torch-fsdp2 or --use-megatron-fsdp")
+        # L1331 passes it to TransformerConfig as fp8_param, whose __post_init__ (megatron-core 0.16.1) needs fp8
+        rule(a.get("fp8_format"), "--fp8-param-gather runs with --fp8-format (TransformerConfig's fp8_param needs fp8)")
+    ckpt = a.get("ckpt_format", "torch_dist")  # training_config.CheckpointConfig.ckpt_format's default
+    if fsdp:  # L687-691
+        rule(connections != "1", "Megatron-FSDP (--use-megatron-fsdp) runs without CUDA_DEVICE_MAX_CONNECTIONS=1")
+        rule(ckpt == "fsdp_dtensor", f"--use-megatron-fsdp runs with --ckpt-format fsdp_dtensor (got {ckpt})")
+    if ckpt == "fsdp_dtensor":  # L1049-1050
+        rule(fsdp, "--ckpt-format fsdp_dtensor runs with --use-megatron-fsdp")
+    rule(not (a.get("fp16") and a.get("bf16")), "at most one of --fp16 and --bf16 is given")  # L703, L712
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings"):  # L795-799
+        rule(key in a, f"--{key.replace('_', '-')} is given")
+    if "kv_channels" not in a:  # L813-815
+        rule(num("hidden_size") % num("num_attention_heads") == 0, f"--hidden-size ({num('hidden_size')}) is "
+             f"divisible by --num-attention-heads ({num('num_attention_heads')}) when --kv-channels is not given")
+    seq = num("seq_length")
+    if seq is not None and cp > 1:  # L817-820
+        rule(seq % (2 * cp) == 0, f"--seq-length ({seq}) is a multiple of 2 x --context-parallel-size ({cp})")
+    if seq is not None:  # L829-832
+        rule(num("max_position_embeddings") >= seq, f"--max-position-embeddings ({num('max_position_embeddings')}) "
+             f"is at least --seq-length ({seq})")
+    if a.get("recompute_granularity") == "selective":  # L899-902
+        rule("recompute_method" not in a, "--recompute-granularity selective runs without --recompute-method")
+    sp = bool(a.get("sequence_parallel"))
+    if tp == 1:  # L904-913: Megatron turns sequence parallelism off (with a warning), so the job would not run it
+        rule(not sp, "--sequence-parallel runs with --tensor-model-parallel-size > 1 (Megatron turns it off at 1)")
+    if a.get("tp_comm_overlap"):  # L915-916
+        rule(sp, "--tp-comm-overlap runs with --sequence-parallel")
+    # L924-953, before Blackwell: t or cp > 1 asserts CUDA_DEVICE_MAX_CONNECTIONS=1, except beside FSDP or MoE
+    # expert-parallel overlap (there Megatron only warns)
+    if (tp > 1 or cp > 1) and not (fsdp or a.get("use_torch_fsdp2") or a.get("overlap_moe_expert_parallel_comm")):
+        rule(connections == "1", "tensor or context parallelism runs with CUDA_DEVICE_MAX_CONNECTIONS=1 (asserted on "
+             f"Hopper and earlier; the job has {'it unset' if connections is None else repr(connections)})")
+    ep = num("expert_model_parallel_size", 1)
+    if ep > 1:  # L1024-1028
+        experts = num("num_experts")
+        rule(experts and experts % ep == 0, f"--num-experts ({experts}) is a multiple of "
+             f"--expert-model-parallel-size ({ep})")
+    if a.get("delay_wgrad_compute"):  # L1209-1211
+        rule(a.get("transformer_impl", "transformer_engine") == "transformer_engine",
+             "--delay-wgrad-compute runs with --transformer-impl transformer_engine")
+    if num("mtp_num_layers"):  # L1229-1234
+        rule(a.get("position_embedding_type", "learned_absolute") in ("rope", "none"),
+             "--mtp-num-layers runs with --position-embedding-type rope or none")
+
+
+def check_megatron(ex: Export, world: int | None = None) -> dict[str, object]:
+    """Run Megatron-LM's validate_args checks on the export (`check_megatron_args`, with the environment its script
+    sets and, given, the world size), then build megatron-core's TransformerConfig (a ModelParallelConfig) and
+    DistributedDataParallelConfig from it, as Megatron-LM's core_transformer_config_from_args does; their checks run
+    in __post_init__."""
     import warnings
 
     import torch
 
+    check_megatron_args(ex.argv, ex.env, world)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from megatron.core.distributed import DistributedDataParallelConfig

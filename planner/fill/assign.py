@@ -139,7 +139,14 @@ class FillAssignment:
             return 0.0
         total = 0.0
         for r in range(len(self.per_rank)):
-            turns = [t for t in self.turns if t.rank == r and t.end_s > t.start_s]
+            # a pair's two turns are one packing that runs until the longer ends (its value is both jobs'): once
+            longest: dict[str, Turn] = {}
+            for t in self.turns:
+                if t.rank == r and t.end_s > t.start_s:
+                    k = t.fill.packed_as if t.fill.pair is not None else t.job
+                    if k not in longest or t.end_s - t.start_s > longest[k].end_s - longest[k].start_s:
+                        longest[k] = t
+            turns = list(longest.values())
             busy = sum(t.end_s - t.start_s for t in turns)
             if busy > 0:
                 total += sum(value(t.fill) * (t.end_s - t.start_s) for t in turns) / busy
@@ -152,8 +159,12 @@ def load_grouping(profile: FillProfile, hw: Hardware):
 
 
 def plan_cycles(plan) -> list[list[BubbleSlot]]:
-    """Per pipeline rank of a plan, its bubbles (duration and free bytes) in one iteration."""
-    return [[BubbleSlot(id=b.id, duration_s=b.duration_s, free_bytes=b.free_bytes) for b in plan.bubbles
+    """Per pipeline rank of a plan, its bubbles (duration and free bytes) in one iteration; where the plan offloads the
+    main job's optimizer state for the bubbles (PipeFill 4.2), its bytes are free in them too, as the planner packed."""
+    fp = plan.fill.predictions if plan.fill is not None else None
+    extra = fp.offload_bytes if fp is not None and fp.offload_optimizer else []
+    return [[BubbleSlot(id=b.id, duration_s=b.duration_s,
+                        free_bytes=b.free_bytes + (extra[r] if r < len(extra) else 0)) for b in plan.bubbles
              if b.rank == r] for r in range(plan.config.pp)]
 
 

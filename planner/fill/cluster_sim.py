@@ -84,6 +84,8 @@ class ExecutedChunk:
     flops: float
     bubble_s: float
     """Duration of the bubble it ran in."""
+    overhead_s: float = 0.0
+    """Part of busy_s that does no work (launch, load, state swap)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,6 +176,13 @@ class SimReport:
     gpus_worth: float
     """Dedicated GPU-seconds of fill work done / horizon, scaled to C GPUs."""
     cost: CostReport | None
+    busy_tflops_per_gpu: float = 0.0
+    """Fill TFLOP/s per GPU while each rank has fill work (from a job's submission to its completion), averaged over
+    the ranks (a rank without any counts 0): the plan's figure (FillPredictions.fill_tflops_per_gpu), where
+    fill_tflops_per_gpu also counts the time a rank waits for arrivals or has finished its jobs."""
+    busy_bubble_time_used: float = 0.0
+    """Bubble time the chunks' work occupies (their overheads left out) while each rank has fill work, over all
+    bubble time, weighted the same way: the plan's FillPredictions.bubble_time_used."""
 
     @property
     def finished(self) -> tuple[JobOutcome, ...]:
@@ -251,7 +260,7 @@ def run_job(job: TraceJob, rank_index: int, rank: Rank, start_s: float, work: fl
             return out, None
         out.append(ExecutedChunk(job=job.name, rank=rank_index, cycle=cycle, slot=c.slot,
                                  start_s=begin, busy_s=busy, work=done, flops=c.flops * frac,
-                                 bubble_s=rank.slots[c.slot].duration_s))
+                                 bubble_s=rank.slots[c.slot].duration_s, overhead_s=c.overhead_s))
         left -= done
         if left <= tol:
             return out, begin + busy
@@ -285,6 +294,8 @@ class _Loop:
     chunks: list[ExecutedChunk]
     started: dict[str, tuple[int, float]]
     completed: dict[str, float]
+    busy: list[float]
+    """Per rank, seconds from each job's submission to its completion (or the horizon)."""
 
     def state(self, now: float) -> SchedulerState:
         return SchedulerState(now_s=now, executors=tuple(
@@ -310,6 +321,7 @@ class _Loop:
         self.started[job.name] = (r, chunks[0].start_s if chunks else now)
         e.running, e.assigned_s = job.name, e.assigned_s + info.proc_times[r]
         e.busy_until = self.horizon if end is None else end
+        self.busy[r] += e.busy_until - now
         if end is not None:
             self.completed[job.name] = end
             heapq.heappush(events, (end, 0, info.index, r))
@@ -365,7 +377,7 @@ def simulate(
     horizon = math.inf if horizon_s is None else horizon_s
     loop = _Loop(jobs=list(jobs), infos=infos, allowed=allowed, ranks=ranks, score=score,
                  horizon=horizon, execs=[_Exec() for _ in ranks], pending=[], chunks=[],
-                 started={}, completed={})
+                 started={}, completed={}, busy=[0.0] * len(ranks))
     loop.run(placeable)
     if horizon_s is None:
         horizon = max([*loop.completed.values(), 0.0])
@@ -414,6 +426,7 @@ def _report(policy: str, jobs: Sequence[TraceJob], ranks: Sequence[Rank], loop: 
     ratio = sum(r.bubble_s for r in ranks) / sum(r.period_s for r in ranks)
     gpus = len(ranks) * gpus_per_rank
     flops = math.fsum(c.flops for c in loop.chunks)
+    busy_flops, busy_used = _while_busy(ranks, loop)
     cost = None if prices is None or horizon <= 0 else cost_savings(
         main_gpus=gpus, main_time_s=horizon, side_dedicated_gpu_s=dedicated_done * gpus_per_rank,
         prices=prices)
@@ -427,5 +440,18 @@ def _report(policy: str, jobs: Sequence[TraceJob], ranks: Sequence[Rank], loop: 
         fill_tflops_per_gpu=flops / (len(ranks) * horizon) / 1e12 if horizon > 0 else 0.0,
         relative_perf=perf, gpus_saved=gpus_saved(gpus, ratio, perf),
         gpus_worth=dedicated_done * gpus_per_rank / horizon if horizon > 0 else 0.0,
-        cost=cost,
+        cost=cost, busy_tflops_per_gpu=busy_flops / 1e12, busy_bubble_time_used=busy_used,
     )
+
+
+def _while_busy(ranks: Sequence[Rank], loop: _Loop) -> tuple[float, float]:
+    """(FLOP/s per GPU, share of bubble time worked) while each rank has fill work, averaged over the ranks as the
+    planner averages its steady rates (planner/fill/assign.py FillAssignment.per_cycle)."""
+    flops, work = [0.0] * len(ranks), [0.0] * len(ranks)
+    for c in loop.chunks:
+        flops[c.rank] += c.flops
+        work[c.rank] += c.busy_s - c.overhead_s
+    rate = [f / b if b > 0 else 0.0 for f, b in zip(flops, loop.busy)]
+    used = [w / b if b > 0 else 0.0 for w, b in zip(work, loop.busy)]
+    bubble = math.fsum(r.bubble_s / r.period_s for r in ranks)
+    return math.fsum(rate) / len(ranks), math.fsum(used) / bubble if bubble > 0 else 0.0

@@ -96,12 +96,23 @@ def recovered_gpu_s_per_s(fa: FillAssignment, iteration_s: float) -> float:
     over the pipeline ranks (FillAssignment.per_cycle)."""
     if iteration_s <= 0:
         return 0.0
+    placed = {(rf.rank, rf.profile.job): rf.profile for q in fa.per_rank for rf in q}
+
+    def rate(prof) -> float:
+        return prof.flops_per_iteration / prof.dedicated_s if prof.dedicated_s > 0 and prof.flops_per_iteration > 0 else 0.0
 
     def dedicated_s(rf) -> float:
-        prof = rf.profile
-        if prof.dedicated_s <= 0 or prof.flops_per_iteration <= 0:
-            return 0.0
-        return rf.packing.flops_per_cycle / (prof.flops_per_iteration / prof.dedicated_s)
+        if rf.pair is None:
+            r = rate(rf.profile)
+            return rf.packing.flops_per_cycle / r if r else 0.0
+        # a pair's packing runs both jobs' units (waterwave.pair_units names them "0:..." and "1:..."): each job's
+        # share of its FLOPs at that job's own rate
+        total, out = sum(u.flops for u in rf.pair.units), 0.0
+        for j, name in enumerate(rf.pair.jobs):
+            r = rate(placed[(rf.rank, name)]) if (rf.rank, name) in placed else 0.0
+            mine = sum(u.flops for u in rf.pair.units if u.name.startswith(f"{j}:"))
+            out += rf.packing.flops_per_cycle * mine / total / r if r and total else 0.0
+        return out
 
     return fa.per_cycle(dedicated_s) / iteration_s
 

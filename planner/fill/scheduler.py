@@ -199,9 +199,10 @@ class Unplaceable:
     """A job no rank can run, and why."""
 
     job: str
-    reason: Literal["memory", "time"]
+    reason: Literal["memory", "time", "unplaceable", "not chosen"]
     """'memory': no bubble has enough free memory; 'time': memory fits but no bubble is long
-    enough for the job's packing to complete any work."""
+    enough for the job's packing to complete any work; 'unplaceable' and 'not chosen': the planner's placement
+    (planner/fill/assign.py) found no bubble for it, or none beside the jobs already on the ranks it fits."""
     detail: str
 
 

@@ -9,7 +9,7 @@ from typer.testing import CliRunner
 
 from planner.api import make_plan
 from planner.cli import app
-from planner.export import check_megatron, check_torchtitan, layout, to_megatron, to_torchtitan
+from planner.export import check_megatron, check_megatron_args, check_torchtitan, layout, to_megatron, to_torchtitan
 from planner.plan import save_plan
 from planner.search import Pins
 from tests.conftest import EXAMPLES
@@ -218,3 +218,92 @@ def test_megatron_builds_multi_token_prediction_with_the_loss():
     titan = next(u for u in to_torchtitan(plan, module="llama3", config="llama3_debugmodel").unexpressed
                  if "multi-token" in u)
     assert "1 multi-token-prediction layer" in titan
+
+
+@pytest.fixture(scope="module")
+def megatron_plans():
+    """examples/gpt.py on 64 H100 as the megatron engine plans it (Megatron-FSDP, ZeRO-3), and with tensor and sequence
+    parallelism under a sharded optimizer (ZeRO-1) and under Megatron-FSDP."""
+    plan = lambda **pins: _plan("gpt.py", 64, 512, engine="megatron", **pins)  # noqa: E731
+    return {"free": plan(), "tp_sp": plan(tp=4, sp=True, zero=1), "tp_sp_fsdp": plan(tp=8, sp=True, zero=3)}
+
+
+@needs_megatron
+@pytest.mark.parametrize("name", ["free", "tp_sp", "tp_sp_fsdp"])
+def test_megatron_engine_plans_pass_megatron_lms_validate_args(megatron_plans, name, tmp_path):
+    """Issue 51: Megatron-FSDP runs with --ckpt-format fsdp_dtensor and CUDA_DEVICE_MAX_CONNECTIONS not 1; tensor (or
+    context) parallelism without it with CUDA_DEVICE_MAX_CONNECTIONS=1; `planner export --check` runs those rules."""
+    plan = megatron_plans[name]
+    c = plan.config
+    assert c.zero == 3 or name == "tp_sp"  # the megatron engine's own choice shards parameters too
+    assert (c.tp > 1 and c.sp) or name == "free"
+    ex = to_megatron(plan)
+    check_megatron_args(ex.argv, ex.env, plan.source.gpus)
+    assert check_megatron(ex, plan.source.gpus)["sp"] == c.sp
+    head, _, launch = ex.text.partition("torchrun ")
+    if c.zero == 3:
+        assert "--use-megatron-fsdp" in ex.argv and ex.argv[ex.argv.index("--ckpt-format") + 1] == "fsdp_dtensor"
+        assert ex.env == {"CUDA_DEVICE_MAX_CONNECTIONS": None} and "\nunset CUDA_DEVICE_MAX_CONNECTIONS\n" in head
+    else:
+        assert "--ckpt-format" not in ex.argv
+        assert ex.env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"} and "\nexport CUDA_DEVICE_MAX_CONNECTIONS=1\n" in head
+    path = tmp_path / "plan.json"
+    save_plan(plan, path)
+    res = CliRunner().invoke(app, ["export", str(path), "--to", "megatron", "--check"])
+    assert res.exit_code == 0 and "megatron reads: " in res.stdout, res.output
+
+
+def _without(argv: list[str], *flags: str) -> list[str]:
+    """argv less each flag and its values."""
+    out, skip = [], False
+    for a in argv:
+        if a.startswith("--"):
+            skip = a in flags
+        if not skip:
+            out.append(a)
+    return out
+
+
+@pytest.mark.parametrize("break_it, rule", [
+    (lambda argv, env: (_without(argv, "--ckpt-format"), env),
+     "--use-megatron-fsdp runs with --ckpt-format fsdp_dtensor (got torch_dist)"),
+    (lambda argv, env: (argv, {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}),
+     "Megatron-FSDP (--use-megatron-fsdp) runs without CUDA_DEVICE_MAX_CONNECTIONS=1"),
+    (lambda argv, env: (_without(argv, "--use-megatron-fsdp", "--data-parallel-sharding-strategy"), env),
+     "--ckpt-format fsdp_dtensor runs with --use-megatron-fsdp"),
+    (lambda argv, env: (_without(argv, "--overlap-grad-reduce"), env),
+     "--overlap-param-gather runs with --overlap-grad-reduce"),
+    (lambda argv, env: (_without(argv, "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--ckpt-format",
+                                 "--use-distributed-optimizer"), {}),
+     "--overlap-param-gather runs with --use-distributed-optimizer or --use-megatron-fsdp"),
+    (lambda argv, env: (_without(argv, "--use-megatron-fsdp", "--data-parallel-sharding-strategy", "--ckpt-format"),
+                        {}),
+     "tensor or context parallelism runs with CUDA_DEVICE_MAX_CONNECTIONS=1"),
+    (lambda argv, env: (argv + ["--tensor-model-parallel-size", "1", "--micro-batch-size", "1"], env),
+     "--sequence-parallel runs with --tensor-model-parallel-size > 1"),
+    (lambda argv, env: (_without(argv, "--sequence-parallel") + ["--tp-comm-overlap"], env),
+     "--tp-comm-overlap runs with --sequence-parallel"),
+    (lambda argv, env: (argv + ["--global-batch-size", "500"], env),
+     "--global-batch-size (500) is divisible by --micro-batch-size x data-parallel size"),
+    (lambda argv, env: (argv + ["--pipeline-model-parallel-size", "3"], env),
+     "the world size (64) is divisible by tensor x pipeline x context parallel size (8 x 3 x 1)"),
+    (lambda argv, env: (argv + ["--pipeline-model-parallel-size", "2", "--num-layers", "39", "--micro-batch-size",
+                                "1"], env),
+     "--num-layers (39) is divisible by --pipeline-model-parallel-size (2)"),
+    (lambda argv, env: (argv + ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "10",
+                                "--no-overlap-p2p-communication", "--micro-batch-size", "1"], env),
+     "the interleaved schedule runs with --pipeline-model-parallel-size > 2"),
+    (lambda argv, env: (argv + ["--fp8-param-gather"], env), "--fp8-param-gather runs with --fp8-format"),
+    (lambda argv, env: (argv + ["--seq-length", "4096"], env),
+     "--max-position-embeddings (2048) is at least --seq-length (4096)"),
+])
+def test_a_hand_broken_megatron_argument_list_fails_with_the_rule_it_breaks(megatron_plans, break_it, rule):
+    """Each of Megatron-LM's validate_args rules the export must meet, broken by hand, is refused in one sentence
+    naming the rule (the export of the same plan passes: the test above)."""
+    ex = to_megatron(megatron_plans["tp_sp_fsdp"])
+    argv, env = break_it(list(ex.argv), dict(ex.env))
+    with pytest.raises(ValueError) as e:
+        check_megatron_args(argv, env, 64)
+    msg = str(e.value)
+    assert msg.startswith("Megatron-LM's validate_args (core_v0.16.1) requires that ") and rule in msg, msg
+    assert ". " not in msg and "\n" not in msg  # one sentence
