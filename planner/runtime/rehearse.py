@@ -323,14 +323,21 @@ def rehearse(plan_path: str | Path, options: RehearseOptions, log: Any = print) 
 
     me = global_rank(options.rank, 0, 0, dp_size=c.dp, tp_size=c.tp, cp=0, cp_size=c.cp)
     dist.init_process_group("fake", store=FakeStore(), rank=me, world_size=c.world)
+    threads = torch.get_num_threads()
+    if not device.startswith("cuda") and c.world > 1:
+        torch.set_num_threads(1)  # one thread, as torchrun runs each rank of a CPU launch (OMP_NUM_THREADS=1)
     try:
         run_opts = RunOptions(steps=options.steps, fill=options.fill, seed=options.seed, optimizer=options.optimizer,
                               lr=options.lr, device=device,
                               fill_grace_s=GRACE_S if options.fill_grace_s is None else options.fill_grace_s)
         ex = prepare(plan, mf, run_opts, executor=Rehearsal, replay=Replay(plan, options.rank), recorded=recorded)
         runs = []
-        fills = [(True, f) for f in options.fill_fractions] if options.fill else [(False, None)]
-        for fill, fraction in ([(False, None)] if options.compare_no_fill else []) + fills:
+        filled = options.fill and plan.fill is not None and any(ch.rank == options.rank for ch in plan.fill.chunks)
+        if options.fill and not filled:
+            log(f"rank {options.rank} runs no fill in this plan (no fill chunk is placed in its bubbles): one run "
+                "without fill")
+        fills = [(True, f) for f in options.fill_fractions] if filled else [(False, None)]
+        for fill, fraction in ([(False, None)] if options.compare_no_fill and filled else []) + fills:
             ex.options, ex.fill_fraction = replace(run_opts, fill=fill), fraction
             ex.fill, ex.measured, ex.bubble_samples, ex.trace = NullFill(), {}, {}, []
             ex.replay.frozen = fill and options.compare_no_fill  # the peers the run without fill saw
@@ -341,6 +348,7 @@ def rehearse(plan_path: str | Path, options: RehearseOptions, log: Any = print) 
             ex.dump(options.dump)
     finally:
         dist.destroy_process_group()
+        torch.set_num_threads(threads)
     report = _report(plan, options, runs, device, ex.replay)
     entries = []
     for fill, _, record, _ in runs:

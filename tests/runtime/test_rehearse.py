@@ -74,8 +74,9 @@ def test_rank_runs_its_actions_in_order_with_fill_inside_its_bubbles(filled) -> 
     steps = 0
     for occ in rep.bubbles:  # fill starts only inside the bubbles the main job signalled, and only the planned ones
         assert bool(occ.jobs) == (occ.bubble_id in planned) and occ.main_end is not None
-        for s in occ.steps:  # (when it ends is the executor's grace kill's, tested in test_fill_e2e: on a loaded
-            assert occ.main_begin <= s.start <= occ.main_end, (occ.bubble_id, s)  # 2-core machine not to the ms)
+        for s in occ.steps:  # (within the grace the executor gives a bubble's end signal; when a step ends is its
+            # grace kill's, tested in test_fill_e2e: on a loaded 2-core machine not to the millisecond)
+            assert occ.main_begin <= s.start <= occ.main_end + rep.grace_s, (occ.bubble_id, s)
         steps += len(occ.steps)
     assert steps > 0
     # what `planner validate` reads: this rank's rows, predicted against measured
@@ -96,16 +97,7 @@ def test_stage_computes_what_a_launch_computes(tmp_path) -> None:
                     cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     launched = load_metrics(tmp_path / "m.json").runs[0]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as torchrun runs each rank (OMP_NUM_THREADS=1): the same reduction order in each op
-    try:
-        _rehearse_and_compare(path, tmp_path, launched)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _rehearse_and_compare(path: Path, tmp_path: Path, launched) -> None:
-    for rank in (1, 3):
+    for rank in (1, 3):  # (a CPU rehearsal runs one thread, as torchrun runs each rank: the same reductions)
         dump = tmp_path / f"rehearsed{rank}.pt"
         report = rehearse(path, RehearseOptions(rank=rank, steps=2, fill=False, dump=dump,
                                                 boundary=tmp_path / "rec" / "0" / f"rank{rank}.pt"), log=lambda _: None)
