@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from passes.errors import UserError
 
+from ..chart import plan_simulation
 from ..plan import Plan
 from ..schedule import Action, Op
 from .executor import Executor, NullFill, RunOptions, _Step
@@ -98,13 +99,10 @@ class Replay:
     after the step's start), when the step ends, what each collective takes."""
 
     def __init__(self, plan: Plan, rank: int) -> None:
-        from ..chart import plan_simulation
-
         self.plan, self.rank = plan, rank
         self.stages = [s for s in plan.partition if s.rank == rank]
-        self.samples: dict[tuple[int, int], list[float]] = {}  # (stage, 0 forward / 1 backward) -> per microbatch
+        self.samples: dict[tuple[int, Op], list[tuple[bool, float]]] = {}  # (stage, F/B/I/W) -> (first step?, s)
         self.frozen = False
-        self.simulate = plan_simulation
         self.planned = self._timeline(plan_simulation(plan))
         self.arrivals, self.end_s = self._arrivals(plan)
         self.planned_arrivals = self.arrivals
@@ -121,7 +119,7 @@ class Replay:
 
     def _arrivals(self, plan: Plan) -> tuple[dict[tuple[Op, int, int], float], float]:
         """(RECV_F or RECV_B, stage, mb) -> when the plan's simulation has it arrive; and the step's end."""
-        sim = self.simulate(plan)
+        sim = plan_simulation(plan)
         p2p, rank_of = plan.predictions.p2p_s, {s.stage: s.rank for s in plan.partition}
         ends: dict[tuple[Op, int, int], float] = {}
         for timeline in sim.timelines:
@@ -151,16 +149,17 @@ class Replay:
         for x in trace:
             a = Action.parse(x["action"])
             if a.op in _COMPUTE:
-                self.samples.setdefault((a.stage, a.op is not Op.F), []).append((first, x["end_s"] - x["start_s"]))
+                self.samples.setdefault((a.stage, a.op), []).append((first, x["end_s"] - x["start_s"]))
         parts = []
         for s in self.plan.partition:
-            f, b = self.samples.get((s.stage, 0)), self.samples.get((s.stage, 1))
-            if s.rank == self.rank and f and b:
-                fwd, bwd = _median_after_first(f), _median_after_first(b)
-                if s.backward_s and any(Action.parse(x["action"]).op is Op.W for x in trace):
-                    bwd *= 2  # I and W were sampled apart: the backward is their sum (I + W, in the plan's proportion)
-                s = s.model_copy(update={"forward_s": fwd, "backward_s": bwd,
-                                         "weight_s": bwd * s.weight_s / s.backward_s if s.backward_s else 0.0})
+            got = {op: _median_after_first(self.samples[(s.stage, op)]) for op in _COMPUTE
+                   if (s.stage, op) in self.samples}
+            if s.rank == self.rank and Op.F in got and (Op.B in got or Op.I in got):
+                if Op.B in got:  # a whole backward: its weight-gradient part in the plan's proportion
+                    bwd, weight = got[Op.B], got[Op.B] * s.weight_s / s.backward_s if s.backward_s else 0.0
+                else:  # split into I and W
+                    bwd, weight = got[Op.I] + got.get(Op.W, 0.0), got.get(Op.W, 0.0)
+                s = s.model_copy(update={"forward_s": got[Op.F], "backward_s": bwd, "weight_s": weight})
             parts.append(s)
         self.arrivals, self.end_s = self._arrivals(self.plan.model_copy(update={"partition": parts}))
 
