@@ -194,7 +194,7 @@ def _runtime_note(model: torch.nn.Module) -> list[str]:
         trace_model(model)
     except TraceFailure as exc:
         return [f"the fxplanner runtime runs this model from its torch.export graph (torch.fx.symbolic_trace fails "
-                f"here: {str(exc).split(';')[0]}); biased linears and sequence parallelism are not split there yet"]
+                f"here: {str(exc).split(';')[0]})"]
     return []
 
 

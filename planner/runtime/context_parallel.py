@@ -14,8 +14,8 @@ rewritten, guided by the shapes of a meta pass over the whole sequence:
   local tokens in an elementwise op keeps this rank's positions (``index_select``; its gradient is
   scattered back, and summed over the group with the others);
 - attention (a fused ``scaled_dot_product_attention``, or the written-out Q Kᵀ → mask → softmax → · V)
-  becomes ``ContextParallelAttention``: keys and values are all-gathered over the group and each rank's
-  queries attend under the causal mask of their global positions.
+  becomes ``ContextParallelAttention``: ring attention (below), each rank's queries attending under the causal
+  mask of their global positions.
 
 An op on the local tokens that these rules do not place (a product over the sequence, a slice along it)
 is refused with a clear message, never run wrongly. Attention is assumed causal (a decoder LM, as

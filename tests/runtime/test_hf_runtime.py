@@ -19,7 +19,7 @@ TINY = {"layers": 2, "hidden_size": 64, "intermediate_size": 128, "num_attention
 B, STEPS, LR = 4, 2, 1e-3
 CASES = {"p2": dict(tp=1, pp=2, dp=1, b=1, schedule="1f1b"), "d2": dict(tp=1, pp=1, dp=2, b=2, schedule="1f1b"),
          "t2": dict(tp=2, pp=1, dp=1, b=2, schedule="1f1b"),  # grouped-query attention: 4 heads, 2 kv heads
-         # context parallelism: RoPE's cos/sin and the causal mask are computed whole, attention all-gathers K, V
+         # context parallelism: RoPE's cos/sin and the causal mask are computed whole, attention is ring attention
          "cp2": dict(tp=1, pp=1, dp=1, cp=2, b=2, schedule="1f1b"),
          # one kv head for two tensor-parallel ranks: each holds it whole, their gradients summed
          "t2_mqa": dict(tp=2, pp=1, dp=1, b=2, schedule="1f1b"),
