@@ -8,7 +8,7 @@ depends on the schedule kind (planner.schedules).
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -21,9 +21,8 @@ from .recompute import RECOMPUTE, weight_grad_bytes
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
-__all__ = ["StageMemory", "activation_bytes", "expert_count", "fp8_weight_bytes", "held_bytes", "in_flight_bytes",
-           "param_count", "rank_param_count",
-           "stage_memory", "static_bytes"]
+__all__ = ["StageMemory", "UnitBytes", "activation_bytes", "expert_count", "fp8_weight_bytes", "held_bytes",
+           "in_flight_bytes", "param_count", "rank_param_count", "stage_memory", "static_bytes", "unit_bytes"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -56,13 +55,13 @@ def expert_count(unit: Unit, cfg: ParallelConfig) -> float:
     return unit.moe.params / cfg.ep
 
 
-def rank_param_count(units: list[Unit], cfg: ParallelConfig) -> float:
+def rank_param_count(units: list[Unit], cfg: ParallelConfig, counts: Sequence[float] | None = None) -> float:
     """Parameters one tensor-parallel rank holds of `units` (the stages of one pipeline rank): a weight tied
     between the embedding and the LM head is held once. (Repeated blocks may be priced from one traced
-    block and share its weight names: blocks are never deduplicated.)"""
+    block and share its weight names: blocks are never deduplicated.) `counts`: each unit's param_count, if known."""
     total, seen = 0.0, set()
-    for u in units:
-        total += param_count(u, cfg)
+    for k, u in enumerate(units):
+        total += param_count(u, cfg) if counts is None else counts[k]
         if u.kind == "block":
             continue
         for part, div in ((u.sharded, cfg.tp), (u.replicated, 1)):
@@ -117,27 +116,70 @@ def static_bytes(unit: Unit, cfg: ParallelConfig) -> float:
             + cfg.kept(params, experts, 1) * num.optimizer_bytes + fp8_weight_bytes(unit, cfg))
 
 
-def in_flight_bytes(units: list[Unit], cfg: ParallelConfig) -> tuple[float, float]:
+def in_flight_bytes(units: list[Unit], cfg: ParallelConfig, table: UnitBytes | None = None) -> tuple[float, float]:
     """(weights, gradients) a rank holds whole beyond its shards while it computes: under ZeRO-3 the unit being run
     and the next one, prefetched (the two largest of the rank's), under ZeRO-2 and -3 one unit's gradient until
-    its reduce-scatter (the largest); torch FSDP2 and Megatron-FSDP gather and reduce unit by unit so."""
+    its reduce-scatter (the largest); torch FSDP2 and Megatron-FSDP gather and reduce unit by unit so. `table`:
+    UnitBytes of `units` under cfg (unit k at position k), if known."""
+    if table is None:
+        return _in_flight([param_count(u, cfg) for u in units], [expert_count(u, cfg) for u in units], cfg)
+    return _in_flight(table.params, table.experts, cfg)
+
+
+def _in_flight(params: Sequence[float], experts: Sequence[float], cfg: ParallelConfig) -> tuple[float, float]:
+    """in_flight_bytes from each unit's param_count and expert_count."""
     num = cfg.numerics
-    full = sorted((param_count(u, cfg) - cfg.kept(param_count(u, cfg), expert_count(u, cfg), 3) for u in units),
-                  reverse=True)
-    grads = max((param_count(u, cfg) for u in units), default=0.0) if cfg.zero >= 2 else 0.0
+    full = sorted((n - cfg.kept(n, e, 3) for n, e in zip(params, experts)), reverse=True)
+    grads = max(params, default=0.0) if cfg.zero >= 2 else 0.0
     return sum(full[:2]) * num.weight_bytes, grads * num.grad_bytes
 
 
+@dataclass(frozen=True, slots=True)
+class UnitBytes:
+    """What stage_memory reads of each unit under one configuration, one entry per unit: for a search that prices
+    every rank of thousands of configurations from the few distinct units a model repeats."""
+
+    params: tuple[float, ...]  # param_count
+    experts: tuple[float, ...]  # expert_count
+    fp8: tuple[float, ...]  # fp8_weight_bytes
+    acts: tuple[float, ...]  # activation_bytes under the configuration
+    full_acts: tuple[float, ...]  # activation_bytes recomputing the unit in full (what partial recomputation redoes)
+    held: tuple[float, ...]  # held_bytes
+    plain: tuple[float, ...]  # RECOMPUTE["none"].kept_bytes (the working set of a unit being recomputed)
+    static: tuple[float, ...]  # static_bytes
+
+
+def unit_bytes(units: Sequence[Unit], cfg: ParallelConfig) -> UnitBytes:
+    """UnitBytes of `units` under cfg."""
+    full, plain = cfg.fallback(recompute="full"), RECOMPUTE["none"].kept_bytes
+    return UnitBytes(params=tuple(param_count(u, cfg) for u in units),
+                     experts=tuple(expert_count(u, cfg) for u in units),
+                     fp8=tuple(fp8_weight_bytes(u, cfg) for u in units),
+                     acts=tuple(activation_bytes(u, cfg) for u in units),
+                     full_acts=tuple(activation_bytes(u, full) for u in units),
+                     held=tuple(held_bytes(u, cfg) for u in units),
+                     plain=tuple(plain(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units),
+                     static=tuple(static_bytes(u, cfg) for u in units))
+
+
 def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int,
-                 full: Collection[int] = (), chunks: Sequence[int] = ()) -> StageMemory:
+                 full: Collection[int] = (), chunks: Sequence[int] = (), table: UnitBytes | None = None,
+                 at: Sequence[int] = ()) -> StageMemory:
     """Peak memory of pipeline rank `rank` holding `units` (all its model chunks, `chunks` units in each, in stage
     order); under partial recomputation the units whose index is in `full` are recomputed in full, the others keep
-    everything. Without `chunks` every chunk is taken to hold the rank's average microbatches in flight."""
+    everything. Without `chunks` every chunk is taken to hold the rank's average microbatches in flight. `table`:
+    UnitBytes under cfg, unit k of `units` at position at[k] of it (known already: the same numbers)."""
     num = cfg.numerics
-    params = rank_param_count(units, cfg)
     mode = cfg.recompute_mode
-    redo = replace(cfg, recompute="full", recompute_layers=0) if full else cfg
-    per_unit = [activation_bytes(u, redo if u.index in full else cfg) for u in units]
+    if table is None:
+        counts = [param_count(u, cfg) for u in units]
+        redo = cfg.fallback(recompute="full") if full else cfg
+        per_unit = [activation_bytes(u, redo if u.index in full else cfg) for u in units]
+    else:
+        counts = [table.params[i] for i in at]
+        per_unit = [table.full_acts[i] if u.index in full else table.acts[i] for u, i in zip(units, at)] if full \
+            else [table.acts[i] for i in at]
+    params = rank_param_count(units, cfg, counts)
     if len(chunks) == cfg.v and sum(chunks) == len(units):
         ends = [0, *accumulate(chunks)]
         per_chunk = [sum(per_unit[a:b]) for a, b in zip(ends, ends[1:])]
@@ -145,13 +187,22 @@ def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int
     else:
         acts = sum(per_unit) * cfg.inflight(rank)
     if pending := cfg.w_pending(rank):  # split backward: what the weight gradients still owed keep
-        acts += sum(held_bytes(u, cfg) for u in units) * pending
+        acts += sum(held_bytes(u, cfg) for u in units) * pending if table is None else \
+            sum([table.held[i] for i in at]) * pending
     if mode.working_set:  # the unit being recomputed holds its full activations during its backward
-        plain = RECOMPUTE["none"].kept_bytes
-        acts += max((plain(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units), default=0.0)
-    fp8 = sum(fp8_weight_bytes(u, cfg) for u in units)
-    experts = sum(expert_count(u, cfg) for u in units)
-    gathered, unreduced = in_flight_bytes(units, cfg)
+        if table is None:
+            plain = RECOMPUTE["none"].kept_bytes
+            acts += max((plain(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units), default=0.0)
+        else:
+            acts += max([table.plain[i] for i in at], default=0.0)
+    if table is None:
+        fp8 = sum(fp8_weight_bytes(u, cfg) for u in units)
+        experts_each = [expert_count(u, cfg) for u in units]
+    else:
+        fp8 = sum([table.fp8[i] for i in at])
+        experts_each = [table.experts[i] for i in at]
+    experts = sum(experts_each)
+    gathered, unreduced = _in_flight(counts, experts_each, cfg)
     return StageMemory(weights=cfg.kept(params, experts, 3) * num.weight_bytes + gathered + fp8,
                        grads=cfg.kept(params, experts, 2) * num.grad_bytes + unreduced,
                        optimizer=cfg.kept(params, experts, 1) * num.optimizer_bytes, activations=acts,

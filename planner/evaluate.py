@@ -10,15 +10,15 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import cached_property
 from itertools import accumulate
 
 from costmodels.comm import allreduce_time, exposed_reduction_s, megatron_bucket_params, p2p_time
 from costmodels.compute import unit_time
 from costmodels.hardware import Hardware
-from costmodels.memory import (StageMemory, activation_bytes, expert_count, fp8_weight_bytes, held_bytes,
-                               in_flight_bytes, param_count, stage_memory, static_bytes)
+from costmodels.memory import (StageMemory, UnitBytes, activation_bytes, expert_count, fp8_weight_bytes, held_bytes,
+                               in_flight_bytes, param_count, stage_memory, static_bytes, unit_bytes)
 from costmodels.recompute import recompute_mode
 from passes.errors import UserError
 from passes.units import Unit
@@ -27,8 +27,8 @@ from .config import ParallelConfig
 from .layout import EVEN, layout_bounds
 from .partition import (NoFeasiblePartition, PartitionInput, chunk_shares, partition, rank_load, rebalance,
                         recomputed)
-from .schedule import Schedule
-from .simulate import SimCosts, SimResult, simulate
+from .schedule import Schedule, lower_timed
+from .simulate import SimCosts, SimResult, simulate, simulate_time
 
 __all__ = ["Evaluation", "Evaluator", "Rejected"]
 
@@ -164,6 +164,19 @@ class Evaluator:
             self._cache[key, c.m] = (tuple(f + w / c.m for f, w in zip(costs[0], casts)), *costs[1:])
         return self._cache[key, c.m]
 
+    def unit_bytes(self, c: ParallelConfig) -> UnitBytes:
+        """costmodels.memory.unit_bytes of every unit under c, from the first unit of each kind (Evaluator._twins),
+        cached by c (less its partial recomputation's count, which no unit's own bytes depend on)."""
+        c = c.fallback(recompute=c.recompute) if c.recompute_layers else c
+        key = ("unit bytes", c)
+        if key not in self._cache:
+            kinds = sorted(set(self._twins))
+            rows = unit_bytes([self.units[i] for i in kinds], c)
+            where = [kinds.index(i) for i in self._twins]
+            self._cache[key] = UnitBytes(*(tuple(col[k] for k in where) for col in
+                                           (getattr(rows, f.name) for f in fields(UnitBytes))))
+        return self._cache[key]
+
     def model_flops(self) -> float:
         """Model FLOPs of one iteration for MFU (PaLM, appendix B): 3x the forward matrix products."""
         return sum(u.model_flops(1) for u in self.units) * self.global_batch
@@ -236,7 +249,10 @@ class Evaluator:
         if c.v != 1 or c.pp == 1:
             return (), 0
         static, act, blocks = self._block_bytes(c)
-        return tuple(static + c.inflight(j) * act for j in range(c.pp)), blocks
+        key = ("block need", static, act, blocks, c.schedule, c.pp, c.m)  # (inflight: the schedule's, at p, v, m)
+        if key not in self._cache:
+            self._cache[key] = tuple(static + c.inflight(j) * act for j in range(c.pp)), blocks
+        return self._cache[key]
 
     def least_slowest_stage_s(self, c: ParallelConfig) -> float:
         """One chunk a rank: no partition's slowest stage is faster than the blocks memory makes some rank take. Rank j
@@ -327,12 +343,17 @@ class Evaluator:
         return max(sum(work) / p, max(work))
 
     def _fastest_bounds(self, c: ParallelConfig) -> tuple[int, ...]:
-        """The partition with the fastest slowest stage, memory aside."""
-        fwd, bwd, _, _, _, _ = self.unit_costs(c)
-        n, k = len(fwd), c.stages
-        zeros = (0.0,) * n
-        return partition(PartitionInput(time_s=tuple(f + b for f, b in zip(fwd, bwd)), static_bytes=zeros,
-                                        activation_bytes=zeros, inflight=(0.0,) * k, cap_bytes=(1.0,) * k)).bounds
+        """The partition with the fastest slowest stage, memory aside (cached by what it depends on: the units' times
+        and the stages)."""
+        key = ("fastest", c.unit_key(), c.m, c.stages)
+        if key not in self._cache:
+            fwd, bwd, _, _, _, _ = self.unit_costs(c)
+            n, k = len(fwd), c.stages
+            zeros = (0.0,) * n
+            self._cache[key] = partition(PartitionInput(
+                time_s=tuple(f + b for f, b in zip(fwd, bwd)), static_bytes=zeros, activation_bytes=zeros,
+                inflight=(0.0,) * k, cap_bytes=(1.0,) * k)).bounds
+        return self._cache[key]
 
     def _most_recomputed(self, c: ParallelConfig) -> int:
         """The most blocks per chunk partial recomputation tries: twice a chunk's share (beyond, it is about "full",
@@ -466,7 +487,8 @@ class Evaluator:
             # find after its search: no spread of the blocks fits their ranks
             raise Rejected("memory", "no partition fits", spread)
         k = c.stages
-        static = [static_bytes(u, c) for u in self.units]
+        table = self.unit_bytes(c)
+        static = list(table.static)
         work = max(act, default=0.0) if c.recompute_mode.working_set else 0.0
         place = c.placement
         rank_of, ranks = place.rank_of, [place.stages(r) for r in range(c.pp)]
@@ -475,8 +497,8 @@ class Evaluator:
         most = [[max(x) for x in zip(*pk)] for pk in peaks]
         fl = [most[rank_of[j]][ranks[rank_of[j]].index(j)] for j in range(k)]
         pending = [c.w_pending(rank_of[j]) for j in range(k)]
-        room = self.capacity - self.hw.reserve_bytes - work - sum(in_flight_bytes(self.units, c))  # ZeRO-2/3's whole
-        # units (at most the model's largest)
+        # ZeRO-2/3's whole units (at most the model's largest)
+        room = self.capacity - self.hw.reserve_bytes - work - sum(in_flight_bytes(self.units, c, table))
         caps = tuple(room * fl[j] / sum(most[rank_of[j]]) if fl[j] else room / c.v for j in range(k))
         inp = PartitionInput(time_s=tuple(f + b for f, b in zip(fwd, bwd)), static_bytes=tuple(static),
                              activation_bytes=tuple(act), inflight=tuple(fl), cap_bytes=caps,
@@ -525,10 +547,13 @@ class Evaluator:
         raise Rejected("memory", "no partition fits", max(need, self.capacity * 1.0001))
 
     def _rank_memory(self, c: ParallelConfig, stages: list[range], full: set[int] = frozenset()) -> list[StageMemory]:
-        place = c.placement
-        return [stage_memory([self.units[i] for j in place.stages(r) for i in stages[j]], self.hw, c, r, full,
-                             chunks=[len(stages[j]) for j in place.stages(r)])
-                for r in range(c.pp)]
+        place, table = c.placement, self.unit_bytes(c)
+        mems = []
+        for r in range(c.pp):
+            at = [i for j in place.stages(r) for i in stages[j]]
+            mems.append(stage_memory([self.units[i] for i in at], self.hw, c, r, full,
+                                     chunks=[len(stages[j]) for j in place.stages(r)], table=table, at=at))
+        return mems
 
     def _p2p_s(self, c: ParallelConfig, bounds: tuple[int, ...]) -> float:
         """Largest activation crossing a stage boundary, split over t (scatter/gather, thesis 4.4.1) and over
@@ -629,10 +654,35 @@ class Evaluator:
             self._cache[key] = c.schedule_kind.generate(c.pp, c.m, c.v)
         return self._cache[key]
 
+    def _timed(self, c: ParallelConfig) -> Schedule:
+        """c's schedule, or where it was not generated its timed actions alone (schedule.lower_timed: what
+        simulate_time reads), once per shape."""
+        kind = c.schedule_kind
+        shape = (kind.name, c.pp, c.m, c.v)
+        if ("schedule", *shape) in self._cache:
+            return self._cache["schedule", *shape]
+        if ("timed", *shape) not in self._cache:
+            self._cache["timed", *shape] = lower_timed(kind.name, c.pp, c.m, c.v, kind.compute(c.pp, c.m, c.v))
+        return self._cache["timed", *shape]
+
     def simulate_config(self, ev: Evaluation) -> tuple[Evaluation, SimResult]:
         c = ev.config
         result = simulate(self.schedule(c), ev.sim_costs(self.capacity))
-        out = self._finish(c, ev.bounds, ev.forward_s, ev.backward_s, ev.activation_bytes, list(ev.rank_memory),
-                           ev.p2p_s, ev.allreduce_s, ev.optimizer_s, ev.tp_comm_s, result.iteration_s,
-                           result.bubble_fraction, ev.weight_s, ev.weight_bytes)
-        return out, result
+        return self._simulated(ev, result.iteration_s, result.bubble_fraction), result
+
+    def simulated(self, ev: Evaluation) -> Evaluation:
+        """simulate_config's Evaluation alone (simulate.simulate_time: no timelines), cached by what the simulated
+        times depend on: the schedule's shape and the stages' and ranks' seconds (configurations apart in what only
+        their memory sees, as ZeRO-1 and ZeRO-2 may be, run the same iteration)."""
+        c = ev.config
+        key = ("simulated", c.schedule, c.pp, c.m, c.v, ev.forward_s, ev.backward_s, ev.weight_s, ev.p2p_s,
+               ev.allreduce_s, ev.optimizer_s)
+        costs = ev.sim_costs(self.capacity)  # (checked whether or not the times are new)
+        if key not in self._cache:
+            self._cache[key] = simulate_time(self._timed(c), costs)
+        return self._simulated(ev, *self._cache[key])
+
+    def _simulated(self, ev: Evaluation, iteration_s: float, bubble_fraction: float) -> Evaluation:
+        return self._finish(ev.config, ev.bounds, ev.forward_s, ev.backward_s, ev.activation_bytes,
+                            list(ev.rank_memory), ev.p2p_s, ev.allreduce_s, ev.optimizer_s, ev.tp_comm_s, iteration_s,
+                            bubble_fraction, ev.weight_s, ev.weight_bytes)

@@ -175,36 +175,15 @@ def partition(inp: PartitionInput) -> Partition:
     best = [[INF] * (n + 1) for _ in range(k + 1)]
     choice = [[-1] * (n + 1) for _ in range(k + 1)]
     best[0][0] = 0.0
-    segment = sums = None
-    if _recompute_tables(inp):
-        segment = _segments(inp)
-    else:  # the same loop with its two tests written out (the search's hottest code: no calls)
-        S = _prefix(inp.static_bytes)
-        sums = (S, _prefix(inp.activation_bytes), _prefix(inp.time_s),
-                _prefix(inp.weight_bytes) if inp.weight_bytes else S)
+    # each row's loop with _segments' two tests written out (the search's hottest code: no calls)
+    S = _prefix(inp.static_bytes)
+    sums = (S, _prefix(inp.activation_bytes), _prefix(inp.time_s), _prefix(inp.weight_bytes) if inp.weight_bytes else S)
+    tables = _recompute_tables(inp)
     for j in range(1, k + 1):
-        prev, row, pick = best[j - 1], best[j], choice[j]
-        if sums:
-            _plain_stage(inp, sums, j, n, k, prev, row, pick)
-            continue
-        fits, Tj = segment(j - 1)
-        lo = cross = j - 1  # both only move right as i grows: a longer segment fits from no earlier split, and
-        # its time crosses the rising prev no earlier
-        for i in range(j, n - (k - j) + 1):
-            ok = fits(lo, i)
-            while not ok and lo < i - 1:  # the smallest split whose segment fits
-                lo += 1
-                ok = fits(lo, i)
-            if not ok:
-                continue
-            # among splits s in [lo, i-1]: minimize max(prev[s], T(s, i)); prev rises, segment falls
-            cross = max(cross, lo)
-            while cross < i - 1 and prev[cross] < Tj(cross, i):  # the first s where prev[s] >= the segment
-                cross += 1
-            s, slowest = cross, max(prev[cross], Tj(cross, i))
-            if cross > lo and (before := max(prev[cross - 1], Tj(cross - 1, i))) <= slowest:  # ties: the earlier
-                s, slowest = cross - 1, before
-            row[i], pick[i] = slowest, s
+        if tables is None:
+            _plain_stage(inp, sums, j, n, k, best[j - 1], best[j], choice[j])
+        else:
+            _recompute_stage(inp, sums, tables, j, n, k, best[j - 1], best[j], choice[j])
     if best[k][n] == INF:
         raise NoFeasiblePartition(f"no split of {n} units into {k} stages fits the memory caps")
     bounds = [n]
@@ -217,7 +196,9 @@ def partition(inp: PartitionInput) -> Partition:
 def _plain_stage(inp: PartitionInput, sums: tuple[list[float], ...], j: int, n: int, k: int, prev: list[float],
                  row: list[float], pick: list[int]) -> None:
     """partition's row j without partial recomputation: `_segments`' fits and time inlined, in the same arithmetic
-    (`sums`: the prefix sums of static bytes, activation bytes, time and weight bytes, or static bytes again)."""
+    (`sums`: the prefix sums of static bytes, activation bytes, time and weight bytes, or static bytes again). Both
+    pointers only move right as i grows: a longer segment fits from no earlier split, and its time crosses the rising
+    prev no earlier."""
     S, A, T, W = sums
     w = inp.w_pending[j - 1] if inp.weight_bytes else 0.0
     cap, fl = inp.cap_bytes[j - 1], inp.inflight[j - 1]
@@ -226,19 +207,60 @@ def _plain_stage(inp: PartitionInput, sums: tuple[list[float], ...], j: int, n: 
     for i in range(j, n - (k - j) + 1):
         Si, Wi, Ai, Ti = S[i], W[i], A[i], T[i]
         ok = Si - S[lo] + w * (Wi - W[lo]) + fl * (Ai - A[lo]) <= cap
-        while not ok and lo < i - 1:
+        while not ok and lo < i - 1:  # the smallest split whose segment fits
             lo += 1
             ok = Si - S[lo] + w * (Wi - W[lo]) + fl * (Ai - A[lo]) <= cap
         if not ok:
             continue
+        # among splits s in [lo, i-1]: minimize max(prev[s], T(s, i)); prev rises, segment falls
         if cross < lo:
             cross = lo
-        while cross < i - 1 and prev[cross] < (Ti - T[cross]) * share:
+        while cross < i - 1 and prev[cross] < (Ti - T[cross]) * share:  # the first s where prev[s] >= the segment
             cross += 1
         a, b = prev[cross], (Ti - T[cross]) * share
         s, slowest = cross, (a if a > b else b)
-        if cross > lo:
+        if cross > lo:  # ties: the earlier
             a, b = prev[cross - 1], (Ti - T[cross - 1]) * share
+            if (before := a if a > b else b) <= slowest:
+                s, slowest = cross - 1, before
+        row[i], pick[i] = slowest, s
+
+
+def _recompute_stage(inp: PartitionInput, sums: tuple[list[float], ...],
+                     tables: tuple[list[int], list[float], list[float]], j: int, n: int, k: int, prev: list[float],
+                     row: list[float], pick: list[int]) -> None:
+    """partition's row j under partial recomputation: `_segments`' fits and time (`tables`: _recompute_tables')
+    inlined, in the same arithmetic (as _plain_stage)."""
+    S, A, T, W = sums
+    stop, Rt, Rb = tables
+    w = inp.w_pending[j - 1] if inp.weight_bytes else 0.0
+    cap, fl = inp.cap_bytes[j - 1], inp.inflight[j - 1]
+    share = 1 / inp.time_share[j - 1] if inp.time_share else 1.0
+    lo = cross = j - 1
+    S_lo, A_lo, W_lo, Rb_lo, stop_lo = S[lo], A[lo], W[lo], Rb[lo], stop[lo]
+    for i in range(j, n - (k - j) + 1):
+        Si, Wi, Ai, Ti = S[i], W[i], A[i], T[i]
+        ok = Si - S_lo + w * (Wi - W_lo) + fl * (Ai - A_lo - (Rb[stop_lo if stop_lo < i else i] - Rb_lo)) <= cap
+        while not ok and lo < i - 1:  # the smallest split whose segment fits
+            lo += 1
+            S_lo, A_lo, W_lo, Rb_lo, stop_lo = S[lo], A[lo], W[lo], Rb[lo], stop[lo]
+            ok = Si - S_lo + w * (Wi - W_lo) + fl * (Ai - A_lo - (Rb[stop_lo if stop_lo < i else i] - Rb_lo)) <= cap
+        if not ok:
+            continue
+        # among splits s in [lo, i-1]: minimize max(prev[s], T(s, i)); prev rises, segment falls
+        if cross < lo:
+            cross = lo
+        while cross < i - 1:  # the first s where prev[s] >= the segment
+            e = stop[cross]
+            if not prev[cross] < (Ti - T[cross] + (Rt[e if e < i else i] - Rt[cross])) * share:
+                break
+            cross += 1
+        e = stop[cross]
+        a, b = prev[cross], (Ti - T[cross] + (Rt[e if e < i else i] - Rt[cross])) * share
+        s, slowest = cross, (a if a > b else b)
+        if cross > lo:  # ties: the earlier
+            e = stop[cross - 1]
+            a, b = prev[cross - 1], (Ti - T[cross - 1] + (Rt[e if e < i else i] - Rt[cross - 1])) * share
             if (before := a if a > b else b) <= slowest:
                 s, slowest = cross - 1, before
         row[i], pick[i] = slowest, s

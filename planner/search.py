@@ -306,19 +306,20 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
         raise NoFeasibleConfig(_no_fit_message(ev, leanest, rejected))
     if simulating:
         simulating()
-    simulated = [ev.simulate_config(e) for e in found[:simulate_top]]
+    # simulated times only (Evaluator.simulated); the timelines of the best alone, once it is known
+    simulated = [ev.simulated(e) for e in found[:simulate_top]]
     # the analytic ranking is not the simulated one: simulate every other configuration whose lower bound
     # (Evaluation.lower_bound_s: no simulation of it ends sooner) is below the best simulated time so far
-    best_s = min(x[0].iteration_s for x in simulated)
+    best_s = min(x.iteration_s for x in simulated)
     for e in sorted(found[simulate_top:], key=Evaluation.lower_bound_s):
         if e.lower_bound_s() >= best_s:
             break
-        simulated.append(ev.simulate_config(e))
-        best_s = min(best_s, simulated[-1][0].iteration_s)
-    simulated.sort(key=lambda x: x[0].iteration_s)
-    best, sim = simulated[0]
-    done = {s.config for s, _ in simulated}
-    rest = ([s for s, _ in simulated[1:]] + [e for e in found[:top] if e.config not in done])[:max(top - 1, 0)]
+        simulated.append(ev.simulated(e))
+        best_s = min(best_s, simulated[-1].iteration_s)
+    simulated.sort(key=lambda x: x.iteration_s)
+    best, sim = ev.simulate_config(simulated[0])
+    done = {s.config for s in simulated}
+    rest = (simulated[1:] + [e for e in found[:top] if e.config not in done])[:max(top - 1, 0)]
     return SearchResult(best=best, simulation=sim, runners_up=tuple(rest),
                         evaluated=len(found) + sum(rejected.values()), rejected=dict(rejected))
 

@@ -25,7 +25,7 @@ from typing import ClassVar, Literal
 
 from planner.schedule import Action, Op, Schedule, ScheduleError, _action, gc_paused
 
-__all__ = ["Bubble", "Interval", "SimCosts", "SimResult", "simulate", "with_bubbles"]
+__all__ = ["Bubble", "Interval", "SimCosts", "SimResult", "simulate", "simulate_time", "with_bubbles"]
 
 GAP_EPS_S = 1e-12
 """Idle gaps shorter than this are not bubbles (float noise)."""
@@ -337,6 +337,27 @@ def simulate(schedule: Schedule, costs: SimCosts) -> SimResult:
     _check_costs(schedule, costs)
     with gc_paused():  # >100k small acyclic objects: GC passes would find nothing to free
         return _simulate(schedule, costs)
+
+
+def simulate_time(schedule: Schedule, costs: SimCosts) -> tuple[float, float]:
+    """(iteration_s, bubble_fraction) of `simulate(schedule, costs)`, the same numbers in the same arithmetic, without
+    the timelines, bubbles and memory ledgers it builds (all the search needs of its runners-up, at ~40% of the cost).
+    Only the schedule's timed actions are read (schedule.lower_timed's schedule will do)."""
+    _check_costs(schedule, costs)
+    with gc_paused():
+        records = _execute(schedule, costs)
+    iteration = max((rec[-1][1] for rec in records if rec), default=0.0)
+    gaps = []  # every bubble's duration, rank by rank in time order, as _rank_timeline makes them
+    for rec in records:
+        prev = 0.0
+        for start, end, _ in rec:
+            if start - prev > GAP_EPS_S:
+                gaps.append(start - prev)
+            prev = end
+        if iteration - prev > GAP_EPS_S:
+            gaps.append(iteration - prev)
+    idle = sum(gaps)
+    return iteration, (idle / (schedule.p * iteration) if iteration > 0 else 0.0)
 
 
 def _simulate(schedule: Schedule, costs: SimCosts) -> SimResult:

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from functools import lru_cache
-from itertools import chain, combinations
+from itertools import chain, combinations, product
+from operator import ge
 from typing import Sequence
 
 from planner.schedule import Op, check_shape, one_f_one_b_order, placement_of
@@ -91,8 +92,8 @@ def chunk_peaks(p: int, v: int, m: int, rank: int) -> tuple[tuple[float, ...], .
         if op is _F:
             seen.add(tuple(live))
     top: list[tuple[int, ...]] = []  # the states no other one dominates: in descending order a state's dominators
-    for a in sorted(seen, reverse=True):  # come before it, and one of those kept dominates it too
-        if not any(all(x >= y for x, y in zip(b, a)) for b in top):
+    for a in sorted(seen, reverse=True):  # come before it, and one of those kept dominates it too (the latest kept,
+        if not any(all(map(ge, b, a)) for b in reversed(top)):  # the nearest, tried first)
             top.append(a)
     return tuple(tuple(float(x) for x in a) for a in _maximizers(sorted(top)))
 
@@ -103,27 +104,39 @@ def _maximizers(points: list[tuple[int, ...]]) -> list[tuple[int, ...]]:
     weights, which no mix of others reaches). Of p=16 v=3 m=256's 17 non-dominated states 3 remain; a middle point
     of a run of states is a mix of its sorted neighbours, which are tried first."""
     def under_mix(q: tuple[int, ...], a: tuple[int, ...], b: tuple[int, ...]) -> bool:
-        lo, hi = 0.0, 1.0  # q <= t*a + (1-t)*b for some t in [lo, hi]
+        lo, hi = 0.0, 1.0  # q <= t*a + (1-t)*b for some t in [lo, hi]; lo only rises and hi only falls
         for x, y, z in zip(q, a, b):
             if y > z:
-                lo = max(lo, (x - z) / (y - z))
+                if (t := (x - z) / (y - z)) > lo:
+                    if t > hi:
+                        return False
+                    lo = t
             elif y < z:
-                hi = min(hi, (z - x) / (z - y))
+                if (t := (z - x) / (z - y)) < hi:
+                    if t < lo:
+                        return False
+                    hi = t
             elif x > y:
                 return False
-        return lo <= hi
+        return True
 
     keep = []
+    full = (1 << len(points[0])) - 1 if points else 0
     for i, q in enumerate(points):
-        others = points[:i] + points[i + 1:]
-        # a mix of a and b reaches q only where one of them does in every coordinate: a bit per coordinate, and
-        # only the pairs whose bits cover all are tried
-        reach = [sum(1 << j for j, (x, y) in enumerate(zip(q, a)) if y >= x) for a in others]
-        full = (1 << len(q)) - 1
-        pairs = chain([(points[i - 1], points[i + 1])] if 0 < i < len(points) - 1 else [],
-                      ((others[j], others[k]) for j, k in combinations(range(len(others)), 2)
-                       if reach[j] | reach[k] == full))
-        if not any(under_mix(q, a, b) for a, b in pairs):
+        if 0 < i < len(points) - 1 and under_mix(q, points[i - 1], points[i + 1]):
+            continue
+        # a mix of a and b reaches q only where one of them does in every coordinate: a bit per coordinate, the
+        # others grouped by theirs, and only the pairs whose bits cover all are tried (the earlier point first)
+        groups: dict[int, list[tuple[int, tuple[int, ...]]]] = {}
+        for j, a in enumerate(points):
+            if j != i:
+                groups.setdefault(sum(1 << k for k, y in enumerate(map(ge, a, q)) if y), []).append((j, a))
+        masks = list(groups)
+        pairs = chain.from_iterable(
+            combinations(groups[u], 2) if u == w else
+            ((x, y) if x[0] < y[0] else (y, x) for x, y in product(groups[u], groups[w]))
+            for n, u in enumerate(masks) for w in masks[n:] if u | w == full)
+        if not any(under_mix(q, a, b) for (_, a), (_, b) in pairs):
             keep.append(q)
     return keep
 

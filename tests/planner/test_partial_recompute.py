@@ -89,3 +89,23 @@ def test_exported_as_megatrons_block_method():
     assert ex.argv[ex.argv.index("--recompute-method") + 1] == "block"
     checked = check_megatron(ex)
     assert checked["recompute"] == "full" and checked["recompute_layers"] == ("block", 1)
+
+
+@pytest.mark.parametrize("c", [
+    ParallelConfig(tp=1, pp=2, dp=1, b=1, m=BATCH, v=2, schedule="interleaved", recompute="block", recompute_layers=1),
+    ParallelConfig(tp=1, pp=2, dp=1, b=2, m=BATCH // 2, schedule="zbh1", recompute="block", recompute_layers=2),
+    ParallelConfig(tp=1, pp=4, dp=1, b=1, m=BATCH, recompute="full"),
+    ParallelConfig(tp=1, pp=1, dp=1, b=1, m=BATCH, recompute="selective"),
+])
+def test_rank_memory_from_the_unit_table_is_stage_memory(ev, c):
+    """The evaluator prices each rank from the units' bytes under c worked out once (Evaluator.unit_bytes): exactly
+    what stage_memory works out unit by unit."""
+    from costmodels.memory import stage_memory
+
+    bounds = ev._fastest_bounds(c)
+    stages = [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    full = {i for r in ev._recomputed(c, bounds) for i in r}
+    place = c.placement
+    alone = [stage_memory([ev.units[i] for j in place.stages(r) for i in stages[j]], ev.hw, c, r, full,
+                          chunks=[len(stages[j]) for j in place.stages(r)]) for r in range(c.pp)]
+    assert ev._rank_memory(c, stages, full) == alone

@@ -85,3 +85,64 @@ def test_rebalance_never_makes_a_rank_fuller_or_the_slowest_slower(case):
     assert after[0] <= before[0] + 1e-9 * cap
     if after[0] == pytest.approx(before[0], abs=1e-9 * cap):
         assert after[1:] <= tuple(x + 1e-9 for x in before[1:])
+
+
+@st.composite
+def recomputing(draw):
+    """cases() with partial recomputation (the first `first` of each stage's recomputable units redo their forward)
+    and, half the time, a split backward's weight bytes and time shares."""
+    inp = draw(cases())
+    n, k = len(inp.time_s), len(inp.inflight)
+    floats = st.floats(0.0, 10.0, allow_nan=False)
+    recomputable = tuple(sorted(draw(st.sets(st.integers(0, n - 1), min_size=1))))
+    split = draw(st.booleans())
+    return PartitionInput(time_s=inp.time_s, static_bytes=inp.static_bytes, activation_bytes=inp.activation_bytes,
+                          inflight=inp.inflight, cap_bytes=inp.cap_bytes,
+                          weight_bytes=tuple(draw(st.lists(floats, min_size=n, max_size=n))) if split else (),
+                          w_pending=tuple(draw(st.lists(floats, min_size=k, max_size=k))) if split else (),
+                          time_share=tuple(draw(st.lists(st.floats(0.1, 1.0), min_size=k, max_size=k)))
+                          if split else (),
+                          recompute_first=draw(st.integers(1, 3)), recomputable=recomputable,
+                          recompute_time_s=tuple(draw(st.lists(floats, min_size=n, max_size=n))),
+                          recompute_saves=tuple(min(a, s) for a, s in zip(
+                              inp.activation_bytes, draw(st.lists(floats, min_size=n, max_size=n)))))
+
+
+@settings(max_examples=300, deadline=None)
+@given(recomputing())
+def test_partial_recomputation_rows_are_the_segments_loop(inp):
+    """partition's rows under partial recomputation (_recompute_stage, written out) pick what the loop over
+    _segments' fits and time picks, to the bit."""
+    from planner.partition import INF, _segments
+
+    n, k = len(inp.time_s), len(inp.inflight)
+    best = [[INF] * (n + 1) for _ in range(k + 1)]
+    choice = [[-1] * (n + 1) for _ in range(k + 1)]
+    best[0][0] = 0.0
+    segment = _segments(inp)
+    for j in range(1, k + 1):
+        prev, row, pick = best[j - 1], best[j], choice[j]
+        fits, Tj = segment(j - 1)
+        lo = cross = j - 1
+        for i in range(j, n - (k - j) + 1):
+            ok = fits(lo, i)
+            while not ok and lo < i - 1:
+                lo += 1
+                ok = fits(lo, i)
+            if not ok:
+                continue
+            cross = max(cross, lo)
+            while cross < i - 1 and prev[cross] < Tj(cross, i):
+                cross += 1
+            s, slowest = cross, max(prev[cross], Tj(cross, i))
+            if cross > lo and (before := max(prev[cross - 1], Tj(cross - 1, i))) <= slowest:
+                s, slowest = cross - 1, before
+            row[i], pick[i] = slowest, s
+    if best[k][n] == INF:
+        with pytest.raises(NoFeasiblePartition):
+            partition(inp)
+        return
+    bounds = [n]
+    for j in range(k, 0, -1):
+        bounds.append(choice[j][bounds[-1]])
+    assert partition(inp).bounds == tuple(reversed(bounds))

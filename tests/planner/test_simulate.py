@@ -14,11 +14,12 @@ from planner.schedule import (
     Schedule,
     ScheduleError,
     generate,
+    lower_timed,
     validate,
 )
 from planner.schedules import SCHEDULES
 from tests.planner.kinds import KINDS, gpipe, interleaved, one_f_one_b
-from planner.simulate import SimCosts, SimResult, simulate, with_bubbles
+from planner.simulate import SimCosts, SimResult, simulate, simulate_time, with_bubbles
 
 CAPACITY = 1000
 STATIC = 100
@@ -159,6 +160,17 @@ def test_with_bubbles_validates_and_resimulates_identically(case: tuple[Schedule
     again = simulate(marked, costs)
     assert again == res
     assert with_bubbles(marked, again) == marked
+
+
+@settings(max_examples=100, deadline=None)
+@given(cases())
+def test_simulate_time_is_simulate_without_timelines(case: tuple[Schedule, SimCosts]) -> None:
+    """The search's runners-up are timed without their timelines, on their timed actions alone: the same numbers."""
+    s, costs = case
+    res = simulate(s, costs)
+    kind = SCHEDULES[s.kind]
+    timed = lower_timed(s.kind, s.p, s.m, s.v, kind.compute(s.p, s.m, s.v))
+    assert simulate_time(s, costs) == simulate_time(timed, costs) == (res.iteration_s, res.bubble_fraction)
 
 
 # --- golden formulas ----------------------------------------------------------------------------
