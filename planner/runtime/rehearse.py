@@ -222,6 +222,7 @@ class Rehearsal(Executor):
         from .fill_executor import ExecutorOptions
 
         self.replay, self.recorded_in = replay, recorded
+        self.steps_recorded = 1 + max((int(k.split(":")[0]) for k in recorded or {}), default=0)
         self.fill_fraction: float | None = None  # this run's share of each bubble offered to the fill executor
         self.fill_options = ExecutorOptions(replicas=1)  # this rank's fill runs on this one device
         self.held = _Hold(self.cuda)
@@ -268,10 +269,6 @@ class Rehearsal(Executor):
             self._made[key] = torch.randn(spec.shape, device=self.options.device).to(spec.dtype) \
                 if spec.dtype.is_floating_point else torch.zeros(spec.shape, dtype=spec.dtype, device=self.options.device)
         return self._made[key]
-
-    @property
-    def steps_recorded(self) -> int:
-        return 1 + max((int(k.split(":")[0]) for k in self.recorded_in or {}), default=0)
 
     def _recv_forward(self, st: _Step, k: int, mb: int) -> None:
         self._pending_recv = Action(stage=k, op=Op.RECV_F, mb=mb)
