@@ -41,16 +41,12 @@ from torch import nn
 
 from passes.costs import node_kind
 from passes.errors import UserError
+from passes.sharding import size_args
+from passes.sharding.ops import CP_REDUCTIONS, NO_TENSOR, POSITIONWISE
 
-from .megatron_tp import ELEMENTWISE, NORMS, _size_args, call
+from .megatron_tp import call
 
 __all__ = ["ContextParallel", "ContextParallelAttention", "positions"]
-
-POSITIONWISE = ELEMENTWISE | NORMS | {"pow", "rsqrt", "sqrt", "mean", "sum", "amax", "var", "cos", "sin", "abs",
-                                      "log_softmax", "logical", "where", "layer_norm", "rms_norm", "detach", "half",
-                                      "bfloat16", "alias", "reciprocal", "square", "erf", "log", "cumsum"}
-REDUCTIONS = {"mean", "sum", "amax", "var", "softmax", "log_softmax", "cumsum"}
-NO_TENSOR = {"assert_tensor_metadata", "GuardsFn"}  # checks that return nothing (dtype and device; export's guards)
 
 
 def positions(seq: int, cp: int, rank: int) -> torch.Tensor:
@@ -356,7 +352,7 @@ class _Piece:
                      None)
             if j is None:
                 raise _Unsupported(f"{n.name} merges or splits the sequence dim")
-        args, setter = _size_args(n)
+        args, setter = size_args(n)
         if j >= len(args):
             raise _Unsupported(n.name)
         new = list(args)
@@ -381,7 +377,7 @@ class _Piece:
         if len(dims) != 1:
             raise _Unsupported(f"{n.name}: local operands disagree on the sequence dim")
         od = dims.pop()
-        if kind in REDUCTIONS:
+        if kind in CP_REDUCTIONS:
             along = n.args[1] if len(n.args) > 1 else n.kwargs.get("dim")
             along = [d % len(self.shape(local[0])) for d in (along if isinstance(along, (tuple, list)) else [along])
                      if isinstance(d, int)]

@@ -21,10 +21,9 @@ Under sequence parallelism the values between the split linears hold 1/t of the 
 """
 from __future__ import annotations
 
-import math
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,14 +32,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from passes.costs import node_kind
+from passes.sharding import Div, Refuse, Rows, Split, rule_for, shard_rows
+from passes.sharding.ops import ELEMENTWISE, PER_POSITION, SEQ_POINTWISE
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "Rows", "SeqParallel", "TensorParallelOp", "plan_shards",
            "apply_shards", "gather_rows", "gather_cols", "shard_rows"]
-
-ELEMENTWISE = {"add", "sub", "mul", "truediv", "div", "masked_fill", "softmax", "gelu", "relu", "silu", "dropout",
-               "Dropout", "contiguous", "float", "to", "type_as", "neg", "exp", "tanh", "sigmoid", "clone",
-               "GELU", "ReLU", "SiLU", "Identity"}
-
 
 class _CopyToTP(torch.autograd.Function):
     """Megatron's f: identity forward, all-reduce of the gradient over the tensor-parallel group."""
@@ -117,16 +113,16 @@ class TensorParallelOp(nn.Module):
         return self.fn.apply(x, self.group)
 
 
-def gather_rows(local: torch.Tensor, t: int, groups: int, group: Any, replicas: int = 1) -> torch.Tensor:
-    """The whole tensor from every rank's rows (taken in `groups` strided blocks), in the model's order; rows
-    held by `replicas` consecutive ranks each (kv heads fewer than t) are taken once."""
+def gather_rows(local: torch.Tensor, t: int, rows: Rows, group: Any) -> torch.Tensor:
+    """The whole tensor from every rank's rows (dealt as `rows` says), in the model's order; rows held by
+    `rows.replicas` consecutive ranks each (kv heads fewer than t) are taken once."""
     parts = [torch.empty_like(local) for _ in range(t)]
     dist.all_gather(parts, local.contiguous(), group=group)
-    parts, t = parts[::replicas], t // replicas
+    parts, t = parts[::rows.replicas], t // rows.replicas
     n = local.shape[0] * t
     out = torch.empty((n, *local.shape[1:]), dtype=local.dtype, device=local.device)
     for r, part in enumerate(parts):
-        out[shard_rows(n, t, r, groups)] = part
+        out[shard_rows(n, t, r, rows.groups, rows.segments)] = part
     return out
 
 
@@ -160,12 +156,6 @@ class GlobalShape(nn.Module):
         return torch.Size(shape)
 
 
-def shard_rows(n: int, t: int, rank: int, groups: int) -> torch.Tensor:
-    """Indices of this rank's rows of an output dimension of n laid out as `groups` blocks of heads."""
-    per = n // groups
-    return torch.cat([torch.arange(g * per + rank * per // t, g * per + (rank + 1) * per // t) for g in range(groups)])
-
-
 class _GatheredLinear(torch.autograd.Function):
     """A column-parallel linear on a sequence-parallel input, as Megatron runs it: the input is all-gathered
     along the sequence for the product, only this rank's part is kept for the backward (gathered again
@@ -189,26 +179,17 @@ class _GatheredLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
-@dataclass(slots=True)
-class Rows:
-    """How a column-parallel linear's output rows are dealt: in `groups` strided blocks (a fused q|k|v), each
-    shard held by `replicas` consecutive ranks (grouped-query attention with fewer kv heads than t)."""
-
-    groups: int = 1
-    replicas: int = 1
-
-
 class ColumnParallelLinear(nn.Module):
-    """This rank's rows of a linear (output features split over t / replicas, in `rows.groups` strided blocks)."""
+    """This rank's rows of a linear (output features split over t / replicas, in blocks as `rows` deals them)."""
 
     def __init__(self, linear: nn.Linear, t: int, rank: int, rows: Rows, group: Any,
                  seq_dim: int | None = None) -> None:
         super().__init__()
-        self.t, self.groups, self.replicas, self.group = t, rows.groups, rows.replicas, group
+        self.t, self.rows, self.group = t, rows, group
         self.seq_dim = seq_dim  # the input is split along this dim (sequence parallelism): gathered here
-        rows = shard_rows(linear.out_features, t // rows.replicas, rank // rows.replicas, rows.groups)
-        self.weight = nn.Parameter(linear.weight.detach()[rows].clone())
-        self.bias = nn.Parameter(linear.bias.detach()[rows].clone()) if linear.bias is not None else None
+        mine = shard_rows(linear.out_features, t // rows.replicas, rank // rows.replicas, rows.groups, rows.segments)
+        self.weight = nn.Parameter(linear.weight.detach()[mine].clone())
+        self.bias = nn.Parameter(linear.bias.detach()[mine].clone()) if linear.bias is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.seq_dim is not None:
@@ -217,7 +198,7 @@ class ColumnParallelLinear(nn.Module):
 
     def full(self, local: torch.Tensor) -> torch.Tensor:
         """The whole weight (or bias) from every rank's `local` shard, in the model's row order."""
-        return gather_rows(local, self.t, self.groups, self.group, self.replicas)
+        return gather_rows(local, self.t, self.rows, self.group)
 
 
 class RowParallelLinear(nn.Module):
@@ -242,32 +223,12 @@ class RowParallelLinear(nn.Module):
         return gather_cols(local, self.t, self.group)
 
 
-class _Unsupported(Exception):
-    """An op on a sharded tensor the rules do not know: "node name" or "node name: why"."""
-
-
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """Where the Megatron layout's rules stop: the piece's node and why."""
 
     node: fx.Node | None
     why: str
-
-
-def _size_args(node: fx.Node) -> tuple[list[Any], Callable[[list[Any]], None]]:
-    """The size arguments of a view/reshape and a setter writing them back."""
-    if len(node.args) == 2 and isinstance(node.args[1], (tuple, list)):
-        return list(node.args[1]), lambda new: setattr(node, "args", (node.args[0], tuple(new)))
-    return list(node.args[1:]), lambda new: setattr(node, "args", (node.args[0], *new))
-
-
-class _Div:
-    """A size node to divide by t, inserted when the rewrite is applied."""
-
-    __slots__ = ("arg",)
-
-    def __init__(self, arg: fx.Node) -> None:
-        self.arg = arg
 
 
 def plan_shards(piece: fx.GraphModule, shapes: dict[str, Any], styles: dict[str, str], paths: dict[int, str],
@@ -278,7 +239,7 @@ def plan_shards(piece: fx.GraphModule, shapes: dict[str, Any], styles: dict[str,
     `colwise`. A Refusal where an op on a sharded tensor is not one the rules know. Changes nothing."""
     try:
         return _propagate(piece, shapes, styles, paths, t, heads, colwise, inputs, sp, leaving, weights)
-    except _Unsupported as exc:
+    except Refuse as exc:
         name = str(exc).split(":")[0]
         return Refusal(node=next((n for n in piece.graph.nodes if n.name == name), None), why=str(exc))
 
@@ -328,7 +289,7 @@ def apply_shards(piece: fx.GraphModule, rewrites: list, colwise: dict[str, Rows]
         node, setter, new = entry
         out = []
         for a in (new if isinstance(new, list) else [new]):
-            if isinstance(a, _Div):
+            if isinstance(a, Div):
                 with piece.graph.inserting_before(node):
                     a = piece.graph.call_function(operator.floordiv, (a.arg, t))
             out.append(a)
@@ -416,27 +377,18 @@ def swap(piece: fx.GraphModule, node: fx.Node, module: nn.Module, args: tuple, p
     node.args = args
 
 
-ALONG = {"softmax", "log_softmax", "cumsum", "cumprod", "flip"}
-"""Ops that work along given dims (each slice of the others on its own): a split on another dim passes through."""
-NORMS = {"layer_norm", "LayerNorm", "rms_norm", "RMSNorm", "LlamaRMSNorm", "dropout", "Dropout", "Identity"}
-SEQ_POINTWISE = {"pow", "rsqrt", "mean", "to"}  # a norm written out (exported graphs): per position (mean: of h)
-
-
 def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles: dict[str, str],
                paths: dict[int, str], t: int, heads: set[int], colwise: dict[str, Rows], inputs: list,
                sp: bool = False, leaving: frozenset[int] = frozenset(), weights: dict[str, str] | None = None):
     """Walk the piece in order, tracking which values are split and how: ("tp", dim, linear) between a
     column- and a row-parallel linear, ("seq", dim) in a sequence-parallel region. Returns the rewrites and the
-    state of each output; raises _Unsupported on an op it cannot place."""
+    state of each output; raises Refuse on an op it cannot place."""
     hidden = {shapes[ph][1] for ph, path in (weights or {}).items()  # what the column-parallel linears read
               if styles.get(path) == "colwise" and isinstance(shapes.get(ph), tuple) and len(shapes[ph]) == 2}
-    sharded: dict[str, int] = {}  # node -> its sharded dim (global shape from the meta pass)
-    source: dict[str, str] = {}  # sharded node -> the column-parallel linear it comes from
+    state = Split(shapes, t, heads, colwise)
+    sharded, source, tuples, factor, local, rewrites = (state.sharded, state.source, state.tuples, state.factor,
+                                                        state.local, state.rewrites)
     seq: dict[str, int] = {}  # node -> its sequence dim, split over t (sequence parallelism)
-    tuples: dict[str, int] = {}  # unbind/split result -> sharded dim of its items
-    factor: dict[str, int] = {}  # sharded node -> row groups its source's features were split into before it
-    local: set[str] = set()  # ints read off sharded tensors: already this rank's sizes
-    rewrites: list = []
     graph = piece.graph
     outputs: list = []
     for ph, given in zip((n for n in graph.nodes if n.op == "placeholder"), inputs):
@@ -444,34 +396,12 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
             sharded[ph.name], source[ph.name] = given[1], given[2]
         elif given is not None:
             seq[ph.name] = given[1]
-
-    def shape(n: fx.Node) -> tuple[int, ...]:
-        if not isinstance(shapes.get(n.name), tuple):
-            raise _Unsupported(n.name)
-        return shapes[n.name]
-
-    def divided(arg: Any, node: fx.Node) -> Any:
-        """arg / t: an int, or a node dividing a global size read off a replicated tensor."""
-        if isinstance(arg, int):
-            if arg == -1:
-                return arg
-            if arg % t:
-                raise _Unsupported(f"{node.name}: size {arg} does not divide by {t}")
-            return arg // t
-        if isinstance(arg, fx.Node):
-            return arg if arg.name in local else _Div(arg)
-        raise _Unsupported(node.name)
-
-    def group_of(node: fx.Node, g: int, replicas: int = 1) -> None:
-        src, g = source[node.name], g * factor.get(node.name, 1)
-        rows = colwise.setdefault(src, Rows(g, replicas))
-        if (rows.groups, rows.replicas) != (g, replicas):
-            raise _Unsupported(f"{src}: rows needed in {rows.groups} and {g} groups")
+    shape = state.shape
 
     def seq_dim(n: fx.Node) -> int:
         dims = shape(n)
         if len(dims) < 2 or dims[1] % t:
-            raise _Unsupported(f"{n.name}: no sequence dim to split")
+            raise Refuse(f"{n.name}: no sequence dim to split")
         return 1  # traced models are batch-first: (b, s, ...)
 
     for n in list(graph.nodes):
@@ -479,13 +409,13 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
             continue
         if n.op == "output":
             if any(a.name in tuples for a in n.all_input_nodes):
-                raise _Unsupported("a sharded tuple leaves the piece")
+                raise Refuse("a sharded tuple leaves the piece")
             results = n.args[0] if isinstance(n.args[0], (tuple, list)) else (n.args[0],)
             for k, a in enumerate(results):
                 name = a.name if isinstance(a, fx.Node) else None
                 if name in sharded:
                     if k in leaving:
-                        raise _Unsupported("a tensor-parallel shard leaves the stage")
+                        raise Refuse("a tensor-parallel shard leaves the stage")
                     outputs.append(("tp", sharded[name], source[name]))
                 elif name in seq and k in leaving:
                     rewrites.append(("wrap", n, a, "gather", seq[name]))
@@ -504,7 +434,7 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
         if path in styles:
             if styles[path] == "colwise":
                 if ins:
-                    raise _Unsupported(f"{path} reads a sharded input")
+                    raise Refuse(f"{path} reads a sharded input")
                 dims = [seq[a.name] for a in in_seq]
                 x0 = n.args[0] if isinstance(n.args[0], fx.Node) else None
                 if sp and not in_seq and x0 is not None and len(shape(x0)) == 3 and shape(x0)[1] % t == 0:
@@ -519,7 +449,7 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                 sharded[n.name], source[n.name] = len(shape(n)) - 1, path
             else:
                 if len(ins) != 1 or sharded[ins[0].name] != len(shape(ins[0])) - 1:
-                    raise _Unsupported(f"{path}: its input is not split on the features")
+                    raise Refuse(f"{path}: its input is not split on the features")
                 if sp:  # reduce-scattered along the sequence instead of all-reduced; its bias added to a part
                     seq[n.name] = seq_dim(n)
                     rewrites.append(("row_sp", path, seq[n.name]))
@@ -541,17 +471,18 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                 local.add(n.name)
             elif n.args[0].name in seq:  # the code reads the whole sequence's shape
                 if not (n.target is getattr and n.args[1] == "shape") and kind != "size":
-                    raise _Unsupported(n.name)
+                    raise Refuse(n.name)
                 rewrites.append(("shape", n, seq[n.args[0].name]))
             continue
-        if n.op == "call_function" and n.target is operator.getitem and n.args[0].name in local:
-            local.add(n.name)
+        if n.op == "call_function" and n.all_input_nodes and all(a.name in local for a in n.all_input_nodes) and \
+                (n.target is operator.getitem or kind in ("mul", "add", "sub", "floordiv")):
+            local.add(n.name)  # a size read off a split tensor, or arithmetic of such sizes (kv heads x repeats)
             continue
-        if sp and not in_seq and not ins and (kind in NORMS or kind in SEQ_POINTWISE) and n.all_input_nodes:
+        if sp and not in_seq and not ins and (kind in PER_POSITION or kind in SEQ_POINTWISE) and n.all_input_nodes:
             x0 = n.all_input_nodes[0]  # a norm, or the first op of one written out on the residual stream (export)
             x_shape = shapes.get(x0.name)
             if isinstance(x_shape, tuple) and len(x_shape) == 3 and x_shape[1] % t == 0 and \
-                    (kind in NORMS or x_shape[2] in hidden):
+                    (kind in PER_POSITION or x_shape[2] in hidden):
                 rewrites.append(("wrap", n, x0, "scatter", 1))  # the sequence-parallel region starts here
                 seq[n.name] = 1
                 if module is not None:
@@ -559,12 +490,12 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                 continue
         if in_seq and not ins:
             others = [a for a in n.all_input_nodes if a.name not in seq and isinstance(shapes.get(a.name), tuple)]
-            if kind in NORMS or kind in ELEMENTWISE or kind in SEQ_POINTWISE:
+            if kind in PER_POSITION or kind in ELEMENTWISE or kind in SEQ_POINTWISE:
                 dim = seq[in_seq[0].name]
                 if any(seq[a.name] != dim for a in in_seq) or kind == "mean" and len(n.args) > 1 and \
                         any(d % len(shape(in_seq[0])) == dim for d in (n.args[1] if isinstance(n.args[1], (list, tuple))
                                                                        else [n.args[1]])):
-                    raise _Unsupported(n.name)
+                    raise Refuse(n.name)
                 out = shape(n)
                 for a in others:  # a replicated operand spanning the sequence joins the split
                     o = shapes[a.name]
@@ -591,140 +522,10 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
         if not ins:
             continue
         if in_seq:
-            raise _Unsupported(f"{n.name}: mixes a tensor-parallel shard and a sequence shard")
-        x = ins[0]
-        dim = sharded[x.name]
-        if kind in ("view", "reshape"):
-            i_shape, o_shape, replicas = shape(x), shape(n), 1
-            off = math.prod(i_shape[:dim])
-            j = next((j for j in range(len(o_shape) + 1) if math.prod(o_shape[:j]) == off), None)
-            if j is None or j == len(o_shape):
-                raise _Unsupported(n.name)
-            if o_shape[j] < i_shape[dim]:  # split into (..., heads, head_dim): shard the heads
-                k = next((k for k in range(j, len(o_shape)) if math.prod(o_shape[j:k + 1]) == i_shape[dim]), None)
-                if k is None:
-                    raise _Unsupported(n.name)
-                cands = [d for d in range(j, k + 1) if o_shape[d] in heads] or \
-                        [d for d in range(j, k + 1) if o_shape[d] > 1 and o_shape[d] % t == 0]
-                if not cands:
-                    raise _Unsupported(n.name)
-                j, g = cands[0], math.prod(o_shape[j:cands[0]])
-                replicas = t // o_shape[j] if o_shape[j] < t and t % o_shape[j] == 0 else 1
-                group_of(x, g, replicas)  # fewer kv heads than t: each rank keeps one whole head (replicated)
-            args, setter = _size_args(n)
-            new = list(args)
-            new[j] = 1 if replicas > 1 and args[j] != -1 else divided(args[j], n)
-            rewrites.append((n, setter, new))
-            sharded[n.name] = j
-        elif kind == "permute":
-            dims = [d % len(shape(x)) for d in (n.args[1] if isinstance(n.args[1], (tuple, list)) else n.args[1:])]
-            sharded[n.name] = dims.index(dim)
-        elif kind == "transpose":
-            a, b = (d % len(shape(x)) for d in n.args[1:3])
-            sharded[n.name] = b if dim == a else a if dim == b else dim
-        elif kind in ("slice", "cat", "unsqueeze", "squeeze"):
-            along = n.args[1] if kind in ("slice", "unsqueeze", "squeeze") and len(n.args) > 1 else \
-                n.args[1] if kind == "cat" and len(n.args) > 1 else n.kwargs.get("dim", 0)
-            along = along % (len(shape(n)) if kind == "unsqueeze" else len(shape(x)))
-            if along == dim or kind == "squeeze" and shape(x)[dim] == 1:
-                raise _Unsupported(n.name)
-            sharded[n.name] = dim + (kind == "unsqueeze" and along <= dim) - (kind == "squeeze" and along < dim)
-        elif kind == "unbind":
-            along = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim", 0)) % len(shape(x))
-            if along == dim:
-                raise _Unsupported(n.name)
-            tuples[n.name] = dim - (along < dim)
-        elif kind in ("split", "chunk"):
-            along = (n.args[2] if len(n.args) > 2 else n.kwargs.get("dim", 0)) % len(shape(x))
-            size = n.args[1]
-            if along == dim:
-                if kind == "chunk" or not isinstance(size, (int, fx.Node)):
-                    raise _Unsupported(n.name)
-                whole = shapes.get(size.name) if isinstance(size, fx.Node) else size
-                if not isinstance(whole, int) or whole <= 0:
-                    raise _Unsupported(n.name)
-                group_of(x, shape(x)[dim] // whole)
-                rewrites.append((n, lambda new, n=n: setattr(n, "args", (n.args[0], new, *n.args[2:])),
-                                 divided(size, n)))
-                factor[n.name] = factor.get(x.name, 1) * (shape(x)[dim] // whole)  # q | k | v, each of its heads
-            tuples[n.name] = dim
-        elif kind == "flatten":  # (..., heads, head_dim) merged back into features: the heads dim leads
-            start, end = (_dims(n, 1, 0), _dims(n, 2, -1))
-            start, end = start % len(shape(x)), end % len(shape(x))
-            if start < dim <= end:
-                raise _Unsupported(f"{n.name}: merges a split dim into the one before it")
-            sharded[n.name] = dim if dim <= start else dim - (end - start)
-        elif kind == "repeat_interleave":  # grouped keys/values repeated for the heads: each rank its own heads'
-            along, repeats = _dims(n, 2, None), n.args[1] if len(n.args) > 1 else n.kwargs.get("repeats")
-            if along is None or not isinstance(repeats, int):
-                raise _Unsupported(f"{n.name}: repeats of a flattened or per-element count")
-            replicas = colwise[source[x.name]].replicas if source[x.name] in colwise else 1
-            if along % len(shape(x)) == dim and replicas > 1:  # one whole kv head on each of `replicas` ranks:
-                if repeats % replicas:  # repeated for this rank's heads
-                    raise _Unsupported(f"{n.name}: {repeats} repeats over {replicas} ranks of one kv head")
-                rewrites.append((n, lambda new, n=n: _set_arg(n, 1, "repeats", new), repeats // replicas))
-            sharded[n.name] = dim
-        elif kind in ALONG:  # per slice along dim(s): any but the split one
-            along = _dims(n, 1, -1)
-            along = along if isinstance(along, (tuple, list)) else [along]
-            if any(not isinstance(d, int) or d % len(shape(x)) == dim for d in along):
-                raise _Unsupported(f"{n.name}: {kind} along the split dim")
-            sharded[n.name] = dim
-        elif kind == "getitem" and n.args[0] is x:  # indexing: ints drop dims, full slices keep them, None adds one
-            sharded[n.name] = _indexed_dim(n, dim, len(shape(x)))
-        elif kind in ("matmul", "attention", "ContextParallelAttention") or kind in ELEMENTWISE:
-            rank_ = len(shape(x))
-            for other in n.all_input_nodes:
-                if other in ins or other.name in local or not isinstance(shapes.get(other.name), tuple):
-                    continue
-                o = shapes[other.name]
-                if len(o) >= rank_ - dim and o[len(o) - (rank_ - dim)] == shape(x)[dim] > 1:
-                    raise _Unsupported(f"{n.name}: a replicated operand spans the sharded dim")
-            if kind == "matmul" and len(ins) == 1 and dim >= rank_ - 2:
-                raise _Unsupported(f"{n.name}: product over a sharded dim")
-            sharded[n.name] = dim
-        else:
-            raise _Unsupported(f"{n.name}: {kind}")
-        source.setdefault(n.name, source[x.name])
+            raise Refuse(f"{n.name}: mixes a tensor-parallel shard and a sequence shard")
+        rule = rule_for(kind)
+        if rule is None:
+            raise Refuse(f"{n.name}: {kind}")
+        rule.split(state, n, ins[0], sharded[ins[0].name], kind)
     return rewrites, outputs
 
-
-def _dims(n: fx.Node, i: int, default: Any) -> Any:
-    """Positional argument i of a node (a dim), else its keyword (dim, dims, start_dim, end_dim), else the default."""
-    if len(n.args) > i:
-        return n.args[i]
-    names = {1: ("dim", "dims", "start_dim"), 2: ("dim", "end_dim")}.get(i, ())
-    return next((n.kwargs[k] for k in names if k in n.kwargs), default)
-
-
-def _set_arg(n: fx.Node, i: int, key: str, value: Any) -> None:
-    if len(n.args) > i:
-        n.args = (*n.args[:i], value, *n.args[i + 1:])
-    else:
-        n.kwargs = {**n.kwargs, key: value}
-
-
-def _indexed_dim(n: fx.Node, dim: int, ndim: int) -> int:
-    """Where the split dim `dim` of an `ndim`-dim tensor lands after indexing it with the node's index; raises
-    _Unsupported when the index selects within that dim."""
-    index = n.args[1] if isinstance(n.args[1], tuple) else (n.args[1],)
-    if any(i is Ellipsis for i in index):
-        at = index.index(Ellipsis)
-        fill = ndim - sum(1 for i in index if i is not None and i is not Ellipsis)
-        index = (*index[:at], *([slice(None)] * fill), *index[at + 1:])
-    src, out = 0, 0
-    for i in index:
-        if i is None:
-            out += 1
-            continue
-        if src == dim:
-            if not (isinstance(i, slice) and i == slice(None)):
-                raise _Unsupported(f"{n.name}: indexes the split dim")
-            return out
-        if isinstance(i, int):
-            src += 1
-        elif isinstance(i, slice):
-            src, out = src + 1, out + 1
-        else:
-            raise _Unsupported(f"{n.name}: index {i!r}")
-    return out + (dim - src)

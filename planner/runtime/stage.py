@@ -561,8 +561,8 @@ def _shard_attr(st: StageModule, path: str, style: str, rows: Any, t: int, rank:
             continue
         if style == "colwise":
             r = rows.replicas
-            part = whole.detach()[shard_rows(whole.shape[0], t // r, rank // r, rows.groups)]
-            full = lambda local, r=r: gather_rows(local, t, rows.groups, group, r)  # noqa: E731
+            part = whole.detach()[shard_rows(whole.shape[0], t // r, rank // r, rows.groups, rows.segments)]
+            full = lambda local: gather_rows(local, t, rows, group)  # noqa: E731
         else:
             cols = whole.shape[1] // t
             part = whole.detach()[:, rank * cols:(rank + 1) * cols]

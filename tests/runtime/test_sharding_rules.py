@@ -151,7 +151,8 @@ class Indexed(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.gelu(self.up(x))
-        return self.down(y[self.index])
+        y = y[self.index]
+        return self.down(y.unsqueeze(-1) if self.index[0] is Ellipsis and isinstance(self.index[-1], int) else y)
 
 
 MLP = {"up": "colwise", "down": "rowwise"}
@@ -160,8 +161,20 @@ MLP = {"up": "colwise", "down": "rowwise"}
 def test_indexing_keeps_the_split_unless_it_selects_within_it():
     out, _, _ = place(Indexed((slice(None), 0)), torch.randn(B, S, H), styles=MLP, heads=set())
     assert not isinstance(out, Refusal), out  # the first position's features: still split on them
-    out, _, _ = place(Indexed((Ellipsis, slice(0, H)), down=H), torch.randn(B, S, H), styles=MLP, heads=set())
+    out, _, _ = place(Indexed((Ellipsis, 0), down=1), torch.randn(B, S, H), styles=MLP, heads=set())
     assert isinstance(out, Refusal) and "indexes the split dim" in out.why and out.node.target is operator.getitem
+    out, _, _ = place(Indexed((Ellipsis, slice(0, 3)), down=3), torch.randn(B, S, H), styles=MLP, heads=set())
+    assert isinstance(out, Refusal) and "not a multiple of 2" in out.why, out
+
+
+def test_a_fused_projection_sliced_into_parts_deals_each_part_over_the_ranks():
+    """Phi-3's qkv_proj cut by slices (`qkv[..., :q]`): the projection's rows come in segments at the slices' bounds,
+    each split over the ranks, and each slice takes the rank's part of its segment."""
+    out, colwise, _ = place(Indexed((Ellipsis, slice(0, H)), down=H), torch.randn(B, S, H), styles=MLP, heads=set())
+    assert not isinstance(out, Refusal), out
+    assert colwise == {"up": Rows(segments=(H, H))}
+    (node, setter, new), = [r for r in out[0] if isinstance(r[0], fx.Node)]
+    assert node.target is operator.getitem and new == (Ellipsis, slice(0, H // 2))
 
 
 class Along(Indexed):
@@ -186,7 +199,7 @@ def test_multihead_attention_and_convolutions_are_priced_whole_as_the_runtime_ru
     assert {path for path, _ in block.tp_layout} == {"layers.0.mlp.0", "layers.0.mlp.3"}
     attention = 4 * 64 * 64 + 4 * 64  # in_proj (3h x h) and out_proj (h x h), with biases
     assert block.replicated.params >= attention
-    engine, _ = analyze(STYLES / "vit_mha.py", {}, engine="megatron")
+    engine, _ = analyze(STYLES / "vit_mha.py", {}, kernels="megatron")
     block = next(u for u in engine.units if u.kind == "block")
     assert block.replicated.params < attention
     cnn, _ = analyze(STYLES / "cnn.py", {})
