@@ -30,12 +30,11 @@ from torch import nn
 from .costs import node_kind
 from .meta_keys import COST, MODULE, TP
 from .shapes import tensor_info
+from .sharding.ops import FEATURE_REDUCTIONS, NORMS
 
 __all__ = ["annotate_tp_roles", "activation_input", "linear_shape", "VOCAB_MIN", "Heads"]
 
 VOCAB_MIN = 1024  # an embedding or head at least this wide is split over the vocabulary
-NORMS = {"layer_norm", "rms_norm", "group_norm", "batch_norm", "LayerNorm", "RMSNorm"}
-REDUCTIONS = {"mean", "sum", "var", "std", "var_mean", "norm", "amax", "logsumexp"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +117,7 @@ def _reduces_features(n: fx.Node, gm: fx.GraphModule, widths: set[int]) -> bool:
     if kind in NORMS:
         return True
     info = tensor_info(n.args[0]) if n.args else None
-    if kind not in REDUCTIONS or info is None or not info.shape or not info.shape[-1].is_number:
+    if kind not in FEATURE_REDUCTIONS or info is None or not info.shape or not info.shape[-1].is_number:
         return False
     d = int(info.shape[-1])
     return d in widths or (_in_norm(n, gm) and not all(w % d == 0 and w > d for w in widths))

@@ -6,14 +6,14 @@ that it refuses (a `Refuse` naming the node and why). The op-name sets the prici
 
 The runtime's Megatron layout (planner/runtime/megatron_tp.py) walks each stage's graph with these rules. Adding an
 op is adding its rule to the family's module (or a new module imported below) and a test
-(tests/passes/test_sharding_registry.py).
+(tests/runtime/test_sharding_rules.py; the registry itself: tests/passes/test_sharding_registry.py).
 """
 from __future__ import annotations
 
-from .base import RULES, Div, Refuse, Rows, Rule, Split, register, shard_rows, size_args
+from .base import RULES, Div, Refuse, Rows, Rule, Split, register, shard_rows, size_args, unregister
 from . import heads, pointwise, select, views  # noqa: E402,F401  (each registers its rules)
 
-__all__ = ["RULES", "Div", "Refuse", "Rows", "Rule", "Split", "register", "rule_for", "shard_rows", "size_args"]
+__all__ = ["RULES", "Div", "Refuse", "Rows", "Rule", "Split", "register", "rule_for", "shard_rows", "size_args", "unregister"]
 
 
 def rule_for(kind: str) -> Rule | None:

@@ -6,7 +6,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-__all__ = ["Div", "Refuse", "Rows", "Rule", "Split", "shard_rows"]
+__all__ = ["Div", "Refuse", "Rows", "Rule", "Split", "register", "shard_rows", "unregister"]
 
 
 class Refuse(Exception):
@@ -146,3 +146,9 @@ def register(rule: Rule) -> Rule:
             raise ValueError(f"op kind {kind!r} already has a sharding rule ({RULES[kind].help})")
         RULES[kind] = rule
     return rule
+
+
+def unregister(rule: Rule) -> None:
+    for kind in rule.kinds:
+        if RULES.get(kind) is rule:
+            del RULES[kind]

@@ -204,3 +204,30 @@ def test_multihead_attention_and_convolutions_are_priced_whole_as_the_runtime_ru
     assert block.replicated.params < attention
     cnn, _ = analyze(STYLES / "cnn.py", {})
     assert not any("conv" in path for u in cnn.units for path, _ in u.tp_layout)
+
+
+class Rolled(Indexed):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.roll(F.gelu(self.up(x)), 1, dims=1))  # along the sequence, each rank its features
+
+
+def test_an_op_is_taught_by_registering_its_rule():
+    """Adding an op is one rule in passes/sharding/: `roll` along another dim than the split one."""
+    from passes.sharding import Refuse, Rule, register, unregister
+
+    out, _, _ = place(Rolled(None), torch.randn(B, S, H), styles=MLP, heads=set())
+    assert isinstance(out, Refusal) and out.why.endswith(": roll"), out
+
+    def roll(state, n, x, dim, kind):
+        dims = n.args[2] if len(n.args) > 2 else n.kwargs.get("dims")
+        if dims is None or any(d % len(state.shape(x)) == dim for d in (dims if isinstance(dims, (list, tuple))
+                                                                       else [dims])):
+            raise Refuse(f"{n.name}: rolls the split dim")
+        state.passes(n, x, dim)
+
+    rule = register(Rule(("roll",), roll, "a roll along another dim"))
+    try:
+        out, _, _ = place(Rolled(None), torch.randn(B, S, H), styles=MLP, heads=set())
+        assert not isinstance(out, Refusal), out
+    finally:
+        unregister(rule)
