@@ -488,10 +488,11 @@ def _refusal(stages: list[StageModule], plan: Plan, refused: Any) -> str:
     """Where Megatron's layout does not apply, the sentence refusing the plan, naming the op and its source
     line."""
     op = _refused_op(refused, plan.source.model_file)
-    if any(_key(f"{path}.weight") in st.attr_params for st in stages for path in plan.partition[st.index].tensor_parallel):
+    if any(_key(f"{path}.weight") in st.attr_params for st in stages
+           for path in _linear_styles(plan.partition[st.index].tensor_parallel)):
         return (f"this model runs from its torch.export graph, and it applies an op to a split tensor that the "
                 f"runtime's Megatron layout does not know ({op}; planner/runtime/megatron_tp.py); re-plan with --tp 1 "
-                "to run it here, or export the plan to Megatron-LM or torchtitan (`planner export`)")
+                "to run it here, or with --engine megatron or --engine torchtitan to train it in those engines")
     if plan.config.sp or plan.config.cp > 1:
         what, fix = ("sequence", "--no-sequence-parallel") if plan.config.sp else ("context", "--cp 1")
         return (f"the plan runs {what} parallelism, but this model's graph applies an op to a split tensor that the "
@@ -499,7 +500,7 @@ def _refusal(stages: list[StageModule], plan: Plan, refused: Any) -> str:
                 "to run it here")
     return (f"the plan splits this model over {plan.config.tp} tensor-parallel ranks, but its graph applies an op to a "
             f"split tensor that the runtime's Megatron layout does not know ({op}; planner/runtime/megatron_tp.py); "
-            "re-plan with --tp 1 to run it here, or export the plan to Megatron-LM or torchtitan (`planner export`)")
+            "re-plan with --tp 1 to run it here, or with --engine megatron or --engine torchtitan to train it there")
 
 
 def tensor_parallel_refusal(plan: Plan, model_file: ModelFile) -> tuple[str, str] | None:
