@@ -117,13 +117,14 @@ def runner(batched: bool, job: str, seconds: float, start, out) -> None:
     times alone, taken before the start) back to back within BATCH_WORK_S, one synchronize a batch
     (fill_task._timed_steps), each unit timed by CUDA events."""
     from planner.fill.physics import BATCH_WORK_S, batched as is_batched
-    from planner.runtime.fill_executor import TaskSpec
+    from planner.plan import FillJob
+    from planner.runtime.fill_executor import TaskOptions
     from planner.runtime.fill_task import UnitRunner, _timed_steps
 
     model, margs, kind, batch = RUNNER_JOBS[job]
-    r = UnitRunner(TaskSpec(job=job, model_file=str(ROOT / "examples" / model), model_sha256="",
-                            model_args=margs, kind=kind, batch_size=batch, units=(),
-                            device="cuda:0", interface="iterative", iterations=None, precision="bf16"))
+    fill_job = FillJob(name=job, model_file=str(ROOT / "examples" / model), model_sha256="", model_args=margs,
+                       kind=kind, batch_size=batch, config="plain", units=[], unit_time_s=[], resident=True)
+    r = UnitRunner(fill_job, TaskOptions(device="cuda:0", interface="iterative", iterations=None, precision="bf16"))
     r.to_device()
     n = len(r.linearized)
     for _ in range(3 * n):

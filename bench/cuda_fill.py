@@ -23,7 +23,8 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from planner.runtime.fill_executor import TaskSpec  # noqa: E402
+from planner.plan import FillJob  # noqa: E402
+from planner.runtime.fill_executor import TaskOptions  # noqa: E402
 from planner.runtime.fill_task import UnitRunner  # noqa: E402
 from planner.runtime.optim import GradSync  # noqa: E402
 
@@ -107,10 +108,10 @@ def raw_copies(nbytes: int) -> dict:
 
 
 def streaming() -> dict:
-    runner = UnitRunner(TaskSpec(job="mlp", model_file=str(ROOT / "examples" / "mlp.py"), model_sha256="",
-                                 model_args={"features": 4096, "width": 4096, "depth": 8}, kind="infer",
-                                 batch_size=4096, units=(), device="cuda:0", interface="iterative", iterations=None,
-                                 resident=False, load_groups=((0, 5), (5, 10))))
+    job = FillJob(name="mlp", model_file=str(ROOT / "examples" / "mlp.py"), model_sha256="",
+                  model_args={"features": 4096, "width": 4096, "depth": 8}, kind="infer", batch_size=4096,
+                  config="plain", units=[], unit_time_s=[], resident=False, load_groups=[[0, 5], [5, 10]])
+    runner = UnitRunner(job, TaskOptions(device="cuda:0", interface="iterative", iterations=None))
     runner.to_device()
     rounds = []
     for _ in range(3):  # one bubble each: load by groups, compute, leave

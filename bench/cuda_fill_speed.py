@@ -35,12 +35,13 @@ TARGETS = {"H200": "h200", "H100": "h100-sxm", "B200": "b200"}
 
 
 def measured(model: str, args: dict, kind: str, batch: int, precision: str, reps: int = 5) -> dict:
-    from planner.runtime.fill_executor import TaskSpec
+    from planner.plan import FillJob
+    from planner.runtime.fill_executor import TaskOptions
     from planner.runtime.fill_task import UnitRunner
 
-    r = UnitRunner(TaskSpec(job="j", model_file=str(ROOT / "examples" / model), model_sha256="", model_args=args,
-                            kind=kind, batch_size=batch, units=(), device="cuda:0", interface="iterative",
-                            iterations=None, precision=precision))
+    job = FillJob(name="j", model_file=str(ROOT / "examples" / model), model_sha256="", model_args=args, kind=kind,
+                  batch_size=batch, config="plain", units=[], unit_time_s=[], resident=True)
+    r = UnitRunner(job, TaskOptions(device="cuda:0", interface="iterative", iterations=None, precision=precision))
     r.to_device()
     n = len(r.linearized)
     for _ in range(2 * n):

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.api import make_plan  # noqa: E402
-from planner.hf import FAMILIES, PRESETS  # noqa: E402
+from examples._hf_models import FAMILIES, PRESETS  # noqa: E402
 from passes.pipeline import analyze  # noqa: E402
 
 MODELS = [("llama", "llama3-8b"), ("llama", "llama3-70b"), ("mistral", "mistral-7b"), ("qwen2", "qwen2-7b"),

@@ -4,7 +4,7 @@
 
 Main job (PipeFill §5.2): 40B GPT, t = 8, p = 16, microbatch b = 2, global batch 1024, sequence 2048,
 scaled by data parallelism: d = n / (t p), m = 1024 / (d b). One iteration is generated with
-``planner.schedule.generate`` and timed with ``planner.simulate.simulate``; the head and tail idle
+``planner.schedule_ir.generate`` and timed with ``planner.simulate.simulate``; the head and tail idle
 gaps of a rank are one fill-drain bubble across iterations, so they are merged.
 
 Assumptions (ours, stated because the paper does not give them):
@@ -49,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 
 from planner.fill.cluster_sim import Prices, SimReport, simulate  # noqa: E402
 from planner.fill.packing import BubbleSlot, FillUnit, greedy_pack  # noqa: E402
-from planner.fill.scheduler import TraceJob, PlanChunk, Rank, RankPlan  # noqa: E402
-from planner.schedule import generate  # noqa: E402
+from planner.fill.job_scheduler import TraceJob, PlanChunk, Rank, RankPlan  # noqa: E402
+from planner.schedule_ir import generate  # noqa: E402
 from planner.simulate import SimCosts, simulate as simulate_iteration  # noqa: E402
 from targets.registry import get_target  # noqa: E402
 

@@ -4,9 +4,9 @@
         [--model-arg layers=4] [--model-arg seq=4096] [--model-arg config=path/to/config.json] [--model-arg mtp=1]
 
 Presets: deepseek-v3. Any other config field can be set too (`--model-arg hidden_size=1024`). `mtp=1` adds the
-multi-token-prediction layer DeepSeek-V3 trains with (transformers leaves it out; planner.hf.MultiTokenPrediction).
+multi-token-prediction layer DeepSeek-V3 trains with (transformers leaves it out; _hf_models.MultiTokenPrediction).
 Expert parallelism runs in Megatron-Core or torchtitan: plan with --engine megatron (or torchtitan).
 """
-from planner import hf
+import _hf_models as hf  # beside this file (the model loader puts its folder on sys.path)
 
 build_model, example_inputs, sample_batch, loss_fn = hf.model_file("deepseek_v3", "deepseek-v3")

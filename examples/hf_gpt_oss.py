@@ -6,6 +6,6 @@
 Presets: gpt-oss-120b, gpt-oss-20b. Any other config field can be set too (`--model-arg hidden_size=1024`).
 Expert parallelism runs in Megatron-Core or torchtitan: plan with --engine megatron (or torchtitan).
 """
-from planner import hf
+import _hf_models as hf  # beside this file (the model loader puts its folder on sys.path)
 
 build_model, example_inputs, sample_batch, loss_fn = hf.model_file("gpt_oss", "gpt-oss-120b")

@@ -5,6 +5,6 @@
 
 Presets: mixtral-8x7b. Any other config field can be set too (`--model-arg hidden_size=1024`).
 """
-from planner import hf
+import _hf_models as hf  # beside this file (the model loader puts its folder on sys.path)
 
 build_model, example_inputs, sample_batch, loss_fn = hf.model_file("mixtral", "mixtral-8x7b")

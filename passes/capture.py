@@ -93,12 +93,12 @@ def capture(model: torch.nn.Module, inputs: tuple[Any, ...], leaves: Iterable[st
     """The model's graph. Leaves (`--leaf`) are an fx notion: with leaves, symbolic tracing is used."""
     leaves = tuple(leaves)
     if leaves:
-        return Captured(trace_model(model, leaves), "fx", "leaves were given")
+        return Captured(trace_model(model, leaves, stack_traces=True), "fx", "leaves were given")
     try:
         return Captured(export_graph(model, inputs), "export")
     except Exception as exc:  # noqa: BLE001 - fall back to symbolic tracing, and say why if that fails too
         export_error = f"torch.export stopped at {user_line(exc)}: {_reason(exc)}"
     try:
-        return Captured(trace_model(model, leaves), "fx", export_error)
+        return Captured(trace_model(model, leaves, stack_traces=True), "fx", export_error)
     except TraceFailure as fx_exc:
         raise TraceFailure(f"{export_error}; and {fx_exc}") from fx_exc

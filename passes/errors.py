@@ -16,6 +16,8 @@ class TraceFailure(UserError):
     """torch.fx could not trace the model."""
 
 
+UNLAUNCHABLE = "the plan cannot be launched"
+"""How a note begins where the model file lacks what the fxplanner runtime calls (sample_batch, loss_fn)."""
 SHOWN_PROBLEMS = 5  # problems a file's one message names; more are counted
 
 

@@ -40,9 +40,12 @@ from .meta_keys import COST, MEASURED, TENSOR, TP
 from .poly import Poly
 from .shapes import B, TensorInfo
 
-__all__ = ["ENGINE_KERNELS", "KV_SOURCE", "fuse_kernels", "megatron_cross_entropy"]
+__all__ = ["KERNELS", "KV_SOURCE", "fuse_kernels", "megatron_cross_entropy"]
 
-ENGINE_KERNELS = ("megatron",)  # engines whose kernels are priced here; the others are priced as traced
+KERNELS = ("traced", "megatron")
+"""How units are priced (passes.pipeline.analyze's `kernels`; planner.engines says each engine's): "traced", op by op
+as the model file writes them; "megatron", as Megatron-Core with Transformer Engine runs them (`fuse_kernels`, and
+`megatron_cross_entropy` in place of the file's loss_fn)."""
 KV_SOURCE = "fxp.kv_source"  # on an attention node: {operand index: the grouped tensor a repeat copied it from}
 
 FUSED = {"elementwise", "norm", "view", "none"}  # priced kinds a fused kernel absorbs

@@ -76,7 +76,8 @@ def user_frame(exc: BaseException, path: Path) -> str:
 
 
 def load_model_file(path: str | Path, kwargs: dict[str, Any] | None = None) -> ModelFile:
-    """Import `path` as a module and check it defines what fxplanner needs. Never executes plans."""
+    """Import `path` as a module and check it defines what fxplanner needs. Never executes plans. Its folder joins
+    sys.path, so a model file may import a module beside it (the hf_*.py examples: examples/_hf_models.py)."""
     path = Path(path)
     if path.is_dir():
         py = sorted(p.name for p in path.glob("*.py"))
@@ -86,6 +87,9 @@ def load_model_file(path: str | Path, kwargs: dict[str, Any] | None = None) -> M
     if not path.is_file():
         raise ModelFileError(f"model file {path} does not exist; pass the path of a .py file that "
                              "defines build_model() and example_inputs()")
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # it may import its neighbours, as a script would (installed modules win a clash)
+        sys.path.append(folder)
     name = f"fxp_model_{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]}"
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:

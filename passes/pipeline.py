@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from .costs import annotate_costs
 from .check import Conservation, PricingError, conservation
-from .errors import TraceFailure, UserError
+from .errors import UNLAUNCHABLE, TraceFailure, UserError
 from .load import ModelFile, file_sha256, load_model_file
 from .capture import capture
 from .measure import measure
@@ -24,8 +24,10 @@ from .shape import model_shape
 from .trace import trace_model
 from .poly import Poly
 from .shapes import B, tensor_info
-from .kernels import ENGINE_KERNELS
+from .sharding.check import DEGREES, tp_refusals
+from .kernels import KERNELS
 from .units import Unit, expert_layers, lower_units
+from .sharding.vocab import VOCAB_STYLES, vocab_refusal
 
 __all__ = ["Context", "ModelProfile", "PASSES", "analyze", "DTYPES"]
 
@@ -38,7 +40,7 @@ class Context:
     kwargs: dict[str, Any]
     leaves: tuple[str, ...] = ()
     dtype: torch.dtype = torch.bfloat16
-    engine: str = "fxplanner"  # what runs the plan: its kernels are what is priced (passes.kernels)
+    kernels: str = "traced"  # how the units are priced (passes.kernels.KERNELS)
     model_file: ModelFile | None = None
     model: torch.nn.Module | None = None
     gm: fx.GraphModule | None = None
@@ -49,6 +51,7 @@ class Context:
     conservation: Conservation | None = None
     notes: list[str] = field(default_factory=list)
     cuts: list[Cut] = field(default_factory=list)  # block containers priced by representatives
+    tp_refusals: dict[str, str] = field(default_factory=dict)  # ModelProfile.tp_refusals
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -68,6 +71,10 @@ class ModelProfile:
     notes: tuple[str, ...]  # what the user should know about how the model was priced
     units: tuple[Unit, ...]
     pass_times: tuple[tuple[str, float], ...]
+    tp_refusals: dict[str, str] = field(default_factory=dict)
+    """{"t" or "t+sp": the op and source line} the fxplanner runtime's Megatron layout refuses at that tensor-parallel
+    degree (with sequence parallelism); a degree missing runs (passes/sharding/check.py). Empty for a model the
+    runtime cannot train, or one priced as another engine's kernels."""
 
 
 def _load(ctx: Context) -> None:
@@ -127,8 +134,8 @@ def _costs(ctx: Context) -> None:
 
 def _units(ctx: Context) -> None:
     with representatives(ctx.model):
-        ctx.priced = lower_units(ctx.gm, ctx.model, ctx.engine)
-        loss = Poly() if ctx.engine in ENGINE_KERNELS else _loss_bytes(ctx)  # an engine runs its own loss
+        ctx.priced = lower_units(ctx.gm, ctx.model, ctx.kernels)
+        loss = Poly() if ctx.kernels == "megatron" else _loss_bytes(ctx)  # the engine runs its own loss
     ctx.units = expand(ctx.priced, ctx.cuts)
     if ctx.units:
         ctx.units[-1] = replace(ctx.units[-1], loss_bytes=loss)
@@ -173,34 +180,48 @@ def _check(ctx: Context) -> None:
     model's own forward counted independently (torch.utils.flop_counter over the module), within 1%."""
     with representatives(ctx.model):
         ctx.conservation = conservation(ctx.model, ctx.gm, ctx.priced, _inputs(ctx, 2))
-        if ctx.frontend == "export":
-            ctx.notes.extend(_runtime_note(ctx.model))
     missing = [f"{fn}()" for fn in ("sample_batch", "loss_fn") if not ctx.model_file.has(fn)]
-    if ctx.engine in ENGINE_KERNELS:
-        ctx.notes.append(f"priced as {ctx.engine} runs it (Transformer Engine's fused kernels: normalization, "
+    if ctx.kernels == "megatron":
+        ctx.notes.append("priced as megatron runs it (Transformer Engine's fused kernels: normalization, "
                          "activation and rotary embedding as one kernel each, grouped keys/values read as they are, "
                          "its vocabulary-parallel cross-entropy in place of the file's loss_fn)")
-    if missing and ctx.engine == "fxplanner":
-        ctx.notes.append(f"the plan cannot be launched: {ctx.path.name} defines no {' and no '.join(missing)}, "
+    if missing:  # (planner.api keeps it for the plans the fxplanner runtime runs)
+        ctx.notes.append(f"{UNLAUNCHABLE}: {ctx.path.name} defines no {' and no '.join(missing)}, "
                          "which the fxplanner runtime calls for each step's data and loss")
     if not ctx.conservation.flops_ok:
         raise PricingError(ctx.conservation.flops_message())
 
 
-def _runtime_note(model: torch.nn.Module) -> list[str]:
-    """fxplanner's runtime splits stages from a torch.fx.symbolic_trace graph, else from the torch.export one:
-    say which when symbolic tracing fails."""
-    try:
-        trace_model(model)
-    except TraceFailure as exc:
-        return [f"the fxplanner runtime runs this model from its torch.export graph (torch.fx.symbolic_trace fails "
-                f"here: {str(exc).split(';')[0]})"]
-    return []
+def _runtime(ctx: Context) -> None:
+    """The graph fxplanner's runtime splits stages from (a torch.fx.symbolic_trace graph, else the torch.export one:
+    noted when symbolic tracing fails), walked with the sharding rules for what of a tensor-parallel split it would
+    refuse (ctx.tp_refusals). Only for a model the runtime can train (its file defines sample_batch and loss_fn),
+    priced as traced."""
+    runs = ctx.kernels == "traced" and all(ctx.model_file.has(fn) for fn in ("sample_batch", "loss_fn"))
+    if ctx.frontend != "export" and not runs:
+        return
+    with representatives(ctx.model):
+        if ctx.frontend == "fx":
+            gm = ctx.gm  # (traced with the model's source lines)
+        else:
+            try:
+                gm = trace_model(ctx.model, ctx.leaves, stack_traces=True)
+            except TraceFailure as exc:
+                ctx.notes.append(f"the fxplanner runtime runs this model from its torch.export graph "
+                                 f"(torch.fx.symbolic_trace fails here: {str(exc).split(';')[0]})")
+                gm = ctx.gm
+        if runs:
+            styles = {path: style for u in ctx.priced for path, style in u.tp_layout if style in ("colwise", "rowwise")}
+            ctx.tp_refusals = tp_refusals(gm, _inputs(ctx, 2), styles, [(u.heads, u.kv_heads) for u in ctx.priced],
+                                          ctx.path)
+            vocab = {path for u in ctx.priced for path, style in u.tp_layout if style in VOCAB_STYLES}
+            if vocab and (op := vocab_refusal(gm, ctx.model, vocab, ctx.path)) is not None:  # its rows split: every t
+                ctx.tp_refusals.update({key: op for t in DEGREES for key in (str(t), f"{t}+sp")})
 
 
 PASSES: tuple[tuple[str, Callable[[Context], None]], ...] = (
     ("load", _load), ("build", _build), ("capture", _capture), ("measure", _measure),
-    ("costs", _costs), ("units", _units), ("check", _check),
+    ("costs", _costs), ("units", _units), ("check", _check), ("runtime", _runtime),
 )
 
 
@@ -220,14 +241,16 @@ def run_passes(ctx: Context, passes=PASSES, progress: Callable[[str], None] | No
 
 
 def analyze(path: str | Path, kwargs: dict[str, Any] | None = None, *, leaves: tuple[str, ...] = (),
-            dtype: str = "bf16", engine: str = "fxplanner",
+            dtype: str = "bf16", kernels: str = "traced",
             progress: Callable[[str], None] | None = None) -> tuple[ModelProfile, Context]:
-    """Run every pass over a model file; returns the plain profile and the context (graph etc.). `engine`: price
-    the ops as that engine's kernels run them (passes.kernels), else as traced."""
+    """Run every pass over a model file; returns the plain profile and the context (graph etc.). `kernels`: price
+    the ops as traced or as an engine's kernels run them (passes.kernels.KERNELS)."""
     if dtype not in DTYPES:
         raise UserError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPES)}")
+    if kernels not in KERNELS:
+        raise UserError(f"unknown kernels {kernels!r}; use one of {', '.join(KERNELS)}")
     ctx = Context(path=Path(path), kwargs=dict(kwargs or {}), leaves=tuple(leaves), dtype=DTYPES[dtype],
-                  engine=engine)
+                  kernels=kernels)
     times = run_passes(ctx, progress=progress)
     profile = ModelProfile(name=ctx.path.stem, path=str(ctx.path), sha256=file_sha256(ctx.path),
                            kwargs=dict(ctx.kwargs), dtype=dtype, frontend=ctx.frontend,
@@ -236,5 +259,5 @@ def analyze(path: str | Path, kwargs: dict[str, Any] | None = None, *, leaves: t
                            model_shape=model_shape(ctx.model, tuple(ctx.units), seq), unpriced=ctx.conservation.unpriced,
                            notes=tuple(ctx.notes) + ctx.conservation.notes + ((f"captured with torch.fx ({ctx.export_error})",)
                                                           if ctx.export_error else ()),
-                           units=tuple(ctx.units), pass_times=tuple(times))
+                           units=tuple(ctx.units), pass_times=tuple(times), tp_refusals=dict(ctx.tp_refusals))
     return profile, ctx

@@ -7,7 +7,7 @@ embedding (vocabulary x hidden), the widest projection out of the hidden size (t
 as wide (a gated MLP: SwiGLU), RMSNorm against LayerNorm, a position embedding table against rotary
 positions, a head that reuses the embedding's weight; and what else changes the model an engine builds: the rotary
 base and scaling, dropout, the norm's epsilon (None where the model file does not say), and the multi-token-prediction
-layers a model built with them has (`mtp_layers`, planner.hf.MultiTokenPrediction). Empty when the model has no
+layers a model built with them has (`mtp_layers`, _hf_models.MultiTokenPrediction). Empty when the model has no
 repeated blocks.
 """
 from __future__ import annotations
@@ -31,7 +31,7 @@ def model_shape(root: nn.Module, units: tuple[Unit, ...], seq: int) -> dict[str,
     cfg = getattr(root, "config", None)
     if cfg is not None and hasattr(cfg, "hidden_size") and hasattr(cfg, "num_hidden_layers"):
         shape = _from_hf(cfg, seq)
-        mtp = {"mtp_layers": n} if (n := int(getattr(root, "mtp_layers", 0) or 0)) else {}  # planner.hf
+        mtp = {"mtp_layers": n} if (n := int(getattr(root, "mtp_layers", 0) or 0)) else {}  # examples/_hf_models.py
         return shape | _moe_shape(blocks, shape["hidden"], shape["gated"], cfg) | mtp
     emb = max((m for m in root.modules() if isinstance(m, nn.Embedding)), key=lambda m: m.num_embeddings, default=None)
     if emb is None:

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import sympy
+import torch
 import torch.fx as fx
 from torch import nn
 
 from .costs import NodeCost, storage_of
-from .kernels import ENGINE_KERNELS, KV_SOURCE, fuse_kernels, megatron_cross_entropy
+from .kernels import KV_SOURCE, fuse_kernels, megatron_cross_entropy
 from .meta_keys import COST, MODULE, TENSOR, TP, UNIT
 from .poly import Poly
 from .shapes import B, TensorInfo
@@ -90,7 +91,7 @@ class Unit:
     tp_bwd_allreduce_bytes: Poly
     tp_allreduces: int  # number of all-reduces forward (the same number backward)
     matmuls: int
-    tp_layout: tuple[tuple[str, str], ...] = ()  # (linear module path, "colwise" | "rowwise")
+    tp_layout: tuple[tuple[str, str], ...] = ()  # (module path, "colwise" | "rowwise" | "vocab" | "vocab_colwise")
     heads: int = 0  # attention heads (0: no attention found); tensor parallelism must divide them
     kv_heads: int = 0  # key/value heads (fewer than heads under grouped-query attention)
     kv: Part = field(default_factory=Part)  # the key/value projections (inside `sharded`): replicated past kv_heads
@@ -377,14 +378,14 @@ def _moe(nodes: list[fx.Node], layers: dict[str, tuple[int, int]], selective: se
             "moe_dispatch_bytes": Poly.of(k * max(entering, key=lambda e: e.subs(B, 1), default=sympy.Integer(0)), B)}
 
 
-def lower_units(gm: fx.GraphModule, root: nn.Module, engine: str = "fxplanner") -> list[Unit]:
-    """Group, mark tensor-parallel roles, and lower node costs to plain `Unit`s, priced as `engine` runs them
+def lower_units(gm: fx.GraphModule, root: nn.Module, kernels: str = "traced") -> list[Unit]:
+    """Group, mark tensor-parallel roles, and lower node costs to plain `Unit`s, priced as `kernels` says
     (passes.kernels: as traced, or as Megatron-Core's fused kernels run the same ops)."""
     groups = group_nodes(gm, root)
     moe_layers = expert_layers(root)
     heads = annotate_tp_roles(gm, [nodes for _, _, nodes in groups],
-                              splits=None if engine in ENGINE_KERNELS else lambda n: _linear_module(n, root) is not None)
-    if engine in ENGINE_KERNELS:
+                              splits=None if kernels == "megatron" else lambda n: _linear_module(n, root) is not None)
+    if kernels == "megatron":
         for _, _, nodes in groups:
             fuse_kernels(nodes)
     role_of = {n.name: n.meta.get(TP, "replicated") for n in gm.graph.nodes}
@@ -407,7 +408,7 @@ def lower_units(gm: fx.GraphModule, root: nn.Module, engine: str = "fxplanner") 
         sh, rep = _part(sharded, selective), _part(replicated, selective)
         sh, rep = replace(sh, params=sh.params - row_bias, **split), replace(rep, params=rep.params + row_bias, **whole)
         logits = [n for n in sharded if n.meta[TP] == "vocab-col"]
-        if engine in ENGINE_KERNELS and index == len(groups) - 1:  # the engine's own loss on each logits
+        if kernels == "megatron" and index == len(groups) - 1:  # the engine's own loss on each logits
             for lg in logits:
                 ce = megatron_cross_entropy(lg.meta[TENSOR])
                 sh = replace(sh, kernels=sh.kernels + ce.pop("kernels"), **{k: getattr(sh, k) + v for k, v in ce.items()})
@@ -471,10 +472,59 @@ def _linear_module(n: fx.Node, root: nn.Module) -> str | None:
 
 
 def _tp_layout(nodes: list[fx.Node], root: nn.Module) -> tuple[tuple[str, str], ...]:
-    """Megatron pairs as torch.distributed.tensor.parallel styles, for the runtime."""
+    """Megatron pairs as torch.distributed.tensor.parallel styles, for the runtime; and the vocabulary split: an
+    embedding whose weight is split by vocabulary rows ("vocab", Megatron's VocabParallelEmbedding: every use of that
+    weight is split so, a head tied to it included) and an nn.Linear LM head split by its output features
+    ("vocab_colwise", Megatron's ColumnParallelLinear output layer, its logits gathered for the file's loss_fn)."""
     styles = {"col": "colwise", "row": "rowwise"}
-    return tuple((path, styles[n.meta[TP]]) for n in nodes
-                 if n.meta[TP] in styles and (path := _linear_module(n, root)) is not None)
+    out = []
+    for n in nodes:
+        role = n.meta[TP]
+        if role in styles and (path := _linear_module(n, root)) is not None:
+            out.append((path, styles[role]))
+        elif role == "vocab-emb" and (path := _embedding_module(n, root)) is not None:
+            out.append((path, "vocab"))
+        elif role == "vocab-col":
+            if (path := _linear_module(n, root)) is not None:
+                out.append((path, "vocab_colwise"))
+            elif (path := _weight_owner(n.args[1] if len(n.args) > 1 else None, root, nn.Embedding)) is not None:
+                out.append((path, "vocab"))  # F.linear(h, embedding.weight): a head tied to the embedding
+    return tuple(out)
+
+
+def _weight_owner(node: object, root: nn.Module, kind: type) -> str | None:
+    """The path of the `kind` module whose .weight a get_attr node reads, or None."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr" or not str(node.target).endswith(".weight"):
+        return None
+    path = str(node.target)[:-len(".weight")]
+    try:
+        return path if isinstance(root.get_submodule(path), kind) else None
+    except AttributeError:
+        return None
+
+
+def _embedding_module(n: fx.Node, root: nn.Module) -> str | None:
+    """The path of the nn.Embedding a lookup reads (a call of the module, or an exported graph's embedding op or
+    F.embedding reading its weight), or None."""
+    if n.op == "call_module":
+        path = str(n.target)
+        return path if isinstance(root.get_submodule(path), nn.Embedding) else None
+    if n.op != "call_function" or not n.args:
+        return None
+    path = n.meta.get(MODULE, "")  # an exported graph's op, inside the module that made it
+    try:
+        if path and isinstance(root.get_submodule(path), nn.Embedding):
+            return path
+    except AttributeError:
+        pass
+    return _weight_owner(embedding_weight(n), root, nn.Embedding)
+
+
+def embedding_weight(n: fx.Node) -> object:
+    """The weight argument of an embedding op: aten.embedding(weight, ids, ...), F.embedding(ids, weight, ...)."""
+    if isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return n.args[0] if n.args else n.kwargs.get("weight")
+    return n.args[1] if len(n.args) > 1 else n.kwargs.get("weight")
 
 
 def _tp_allreduces(nodes: list[fx.Node]) -> tuple[sympy.Expr, sympy.Expr, int]:

@@ -10,18 +10,19 @@ from typing import Any, Callable, Iterator
 
 from costmodels.calibration import Calibration, apply_calibration
 from costmodels.compute import MEGATRON_MOE_HOST_S, moe_host_wait_s, unit_time
-from costmodels.fp8 import FP8_RECIPES, default_recipe
+from costmodels.fp8 import FP8_RECIPES
 from costmodels.hardware import Hardware
 from costmodels.memory import activation_bytes
 from passes.check import PricingError
 from passes.errors import UserError
-from passes.load import load_model_file
-from passes.kernels import ENGINE_KERNELS
+from passes.errors import UNLAUNCHABLE
 from passes.pipeline import ModelProfile, analyze
+from passes.sharding.check import refusal_sentence
 from targets.registry import get_target
 
 from . import __version__
 from .config import ParallelConfig
+from .engines import ENGINES, Engine
 from .evaluate import Evaluation, Evaluator
 from .launch import launch_script, torchrun_commands
 from .layout import layout_bounds, layout_stages
@@ -39,10 +40,10 @@ from .simulate import SimResult, with_bubbles
 
 __all__ = ["parse_model_args", "profile_rows", "make_plan", "check_fill_value", "PHASES"]
 
-PHASES = ("tracing", "pricing", "searching", "simulating", "packing the fill", "checking the runtime")
+PHASES = ("tracing", "pricing", "searching", "simulating", "packing the fill")
 """What make_plan's `progress` is told, in this order: each phase's name, alone or followed by ": " and what in it
-(a pass's name; CP-SAT's solves). "packing the fill" only with fill jobs; "checking the runtime" only where the
-fxplanner runtime would split a model of a file it can train."""
+(a pass's name; CP-SAT's solves). "packing the fill" only with fill jobs. (What the fxplanner runtime can split is
+priced with the model: passes.pipeline's "runtime" pass.)"""
 TRACE_PASSES = ("load", "build", "capture")  # passes.pipeline.PASSES that trace the model; the rest price it
 
 
@@ -57,50 +58,50 @@ def profile_rows(profile: ModelProfile, hw: Hardware, cfg: ParallelConfig) -> li
     return rows
 
 
-MEGATRON_SCHEDULES = ("1f1b", "interleaved")
-"""The pipeline schedules Megatron-Core runs (forward_backward_pipelining_without_interleaving / with_interleaving);
-torchtitan runs any of the plan's schedules from the CSV of its actions the export writes."""
+def _elsewhere(has: Callable[[Engine], object]) -> tuple[str, str]:
+    """The engines that run something, as sentences name them and as the --engine flags that choose them."""
+    them = [e for e in ENGINES.values() if has(e)]
+    return " or ".join(e.title for e in them), " or ".join(f"--engine {e.name}" for e in them)
 
 
 def engine_pins(pins: Pins, hw: Hardware) -> Pins:
-    """The pins for what the plan's engine runs: fxplanner's runtime runs neither FP8 nor expert parallelism (asking
-    for them is refused in one sentence naming the engines that do; expert parallelism by make_plan, once it knows
-    whether the model has experts at all); Megatron-Core runs Transformer Engine's FP8
-    recipes and its two pipeline schedules (with bf16, gradients accumulated and reduced in fp32), torchtitan torchao's
-    float8. --fp8 auto becomes the engine's default recipe for the GPU, and a recipe the GPU cannot run is refused.
-    Experts padded to a capacity are Megatron-Core's (the others route dropless)."""
-    if pins.moe_capacity and pins.engine != "megatron":
-        raise UserError(f"experts padded to a capacity (--moe-capacity) run in Megatron-Core; {pins.engine} routes "
-                        "every token to its experts: add --engine megatron, or plan dropless")
-    if pins.engine == "fxplanner":
-        if pins.fp8:
-            raise UserError("FP8 runs in Megatron-Core (Transformer Engine's recipes) or torchtitan (torchao's float8), "
-                            "not in the fxplanner runtime: add --engine megatron or --engine torchtitan")
-        if pins.zero == 3:
-            raise UserError("parameters sharded over the data-parallel ranks (--zero 3, FSDP) run in Megatron-Core "
-                            "(Megatron-FSDP) or torchtitan, not in the fxplanner runtime, which runs up to --zero 2: "
-                            "add --engine megatron or --engine torchtitan")
-        return replace(pins, ep=1) if (pins.ep or 1) == 1 else pins  # more: refused once the model is known
-    if pins.engine == "megatron":
-        if pins.moe_capacity and pins.moe_dispatcher == "deepep":  # megatron-core TransformerConfig refuses it
-            raise UserError("Megatron-Core's flex dispatcher with DeepEP does not pad experts to a capacity "
-                            "(--moe-capacity): use --moe-dispatcher alltoall or hybridep, or dropless routing")
-        allowed = tuple(k for k in (pins.schedules or MEGATRON_SCHEDULES) if k in MEGATRON_SCHEDULES)
-        if pins.schedule is not None and pins.schedule not in MEGATRON_SCHEDULES:
-            raise UserError(f"Megatron-Core runs the {' and '.join(MEGATRON_SCHEDULES)} schedules, not "
-                            f"{pins.schedule}: pin one of those or plan with --engine torchtitan")
-        # Megatron accumulates and reduces bf16 training's gradients in fp32 unless told --grad-reduce-in-bf16
-        # (megatron/training/arguments.py: "accumulate and all-reduce gradients in fp32 for bfloat16 data type")
-        pins = replace(pins, schedules=allowed, grad_fp32=pins.precision == "bf16" if pins.grad_fp32 is None
-                       else pins.grad_fp32)
+    """The pins for what the plan's engine runs (planner.engines): what it does not run (FP8, parameters sharded over
+    the data-parallel ranks, experts padded to a capacity) is refused in one sentence naming the engines that do
+    (expert parallelism by make_plan, once it knows whether the model has experts at all); the search keeps to its
+    schedules, and its default gradient precision is pinned. --fp8 auto becomes the engine's default recipe for the
+    GPU, and a recipe the engine or the GPU cannot run is refused."""
+    engine = ENGINES[pins.engine]
+    if pins.moe_capacity and not engine.moe_capacity:
+        where, flags = _elsewhere(lambda e: e.moe_capacity)
+        raise UserError(f"experts padded to a capacity (--moe-capacity) run in {where}; {pins.engine} routes "
+                        f"every token to its experts: add {flags}, or plan dropless")
+    if pins.moe_capacity and pins.moe_dispatcher == "deepep":  # megatron-core TransformerConfig refuses it
+        raise UserError("Megatron-Core's flex dispatcher with DeepEP does not pad experts to a capacity "
+                        "(--moe-capacity): use --moe-dispatcher alltoall or hybridep, or dropless routing")
+    if pins.fp8 and not engine.fp8:
+        where = " or ".join(f"{e.title} ({e.fp8})" for e in ENGINES.values() if e.fp8)
+        raise UserError(f"FP8 runs in {where}, not in {engine.title}: add {_elsewhere(lambda e: e.fp8)[1]}")
+    if pins.zero == 3 and not engine.fsdp:
+        where = " or ".join(f"{e.title} ({e.fsdp})" for e in ENGINES.values() if e.fsdp)
+        raise UserError(f"parameters sharded over the data-parallel ranks (--zero 3, FSDP) run in {where}, not in "
+                        f"{engine.title}, which runs up to --zero 2: add {_elsewhere(lambda e: e.fsdp)[1]}")
+    if not engine.expert_parallel and (pins.ep or 1) == 1:  # more: refused once the model is known
+        pins = replace(pins, ep=1)
+    if engine.schedules is not None:
+        if pins.schedule is not None and pins.schedule not in engine.schedules:
+            raise UserError(f"{engine.title} runs the {' and '.join(engine.schedules)} schedules, not {pins.schedule}: "
+                            f"pin one of those or plan with "
+                            f"{_elsewhere(lambda e: e.export and e.schedules is None)[1]}")
+        pins = replace(pins, schedules=tuple(k for k in (pins.schedules or engine.schedules) if k in engine.schedules))
+    if engine.grad_fp32 and pins.grad_fp32 is None:
+        pins = replace(pins, grad_fp32=pins.precision == "bf16")
     if not pins.fp8:
         return pins
     keys = hw.gpu.peak_flops
-    default = default_recipe(keys) if pins.engine == "megatron" else "torchao-rowwise"
-    name = default if pins.fp8 == "auto" else pins.fp8
+    name = engine.fp8_default(keys) if pins.fp8 == "auto" else pins.fp8
     recipe = FP8_RECIPES[name]
-    if pins.engine == "megatron" and not recipe.megatron_recipe or pins.engine == "torchtitan" and not recipe.titan_recipe:
-        runs = [r for r, x in FP8_RECIPES.items() if (x.megatron_recipe if pins.engine == "megatron" else x.titan_recipe)]
+    if not engine.fp8_recipe(recipe):
+        runs = [r for r, x in FP8_RECIPES.items() if engine.fp8_recipe(x)]
         raise UserError(f"{pins.engine} does not run the FP8 recipe {name}; it runs {', '.join(runs)}")
     need = recipe.gemm_dtype
     if need not in keys:
@@ -111,13 +112,14 @@ def engine_pins(pins: Pins, hw: Hardware) -> Pins:
 
 
 def engine_launch(plan: Plan, plan_path: str) -> Launch:
-    """An engine's launch: the export's script (torchrun rendezvous assigns the node ranks), run on every node."""
-    from .export import to_megatron, to_torchtitan
+    """An exported engine's launch: the export's script (torchrun rendezvous assigns the node ranks), run on every
+    node."""
+    from . import export
 
     engine, flags = plan.source.engine, ""
     script = f"{Path(plan_path).with_suffix('')}.{engine}.sh"
     try:
-        text = (to_megatron(plan) if engine == "megatron" else to_torchtitan(plan)).text
+        text = getattr(export, ENGINES[engine].export)(plan).text
     except UserError as why:  # torchtitan ships no model of this family: the user names its config function
         text, flags = f"# {why}\n", " --titan-module MODULE --titan-config CONFIG"
         plan.source.notes.append(f"{why}: the launch commands leave MODULE and CONFIG for you to fill in")
@@ -146,7 +148,6 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     main job wins and fill only breaks ties); `main_slack`: how much slower than the fastest a main configuration
     may be and still be considered (planner/fill/joint.py). `progress`: told each phase (PHASES) as it starts;
     `search_progress`: (configurations taken from the search's queue, configurations queued so far)."""
-    args = dict(locals())  # to plan again without sequence parallelism the runtime cannot run
     check_fill_value(fill_value)
     check_main_slack(main_slack)
     if fill is not None:  # (before the model is traced)
@@ -155,27 +156,29 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     check_cluster(gpus, hw.cluster.gpus_per_node)  # (before the model is traced)
     if calibration is not None:
         hw = apply_calibration(calibration, hw)
-    pins = engine_pins(pins, hw)
-    if fill is not None and pins.engine != "fxplanner":
-        raise UserError(f"fill jobs run in the pipeline bubbles of the fxplanner runtime, not in {pins.engine}: "
-                        "plan them without --engine (or the main job alone with it)")
-    profile, _ = analyze(model, model_args, leaves=leaves, dtype=pins.precision, engine=pins.engine,
+    pins, engine = engine_pins(pins, hw), ENGINES[pins.engine]
+    if fill is not None and not engine.fill:
+        raise UserError(f"fill jobs run in the pipeline bubbles of {_elsewhere(lambda e: e.fill)[0]}, not in "
+                        f"{pins.engine}: plan them without --engine (or the main job alone with it)")
+    profile, _ = analyze(model, model_args, leaves=leaves, dtype=pins.precision, kernels=engine.kernels,
                          progress=(lambda name: progress(f"{'tracing' if name in TRACE_PASSES else 'pricing'}: {name}"))
                          if progress else None)
     if (pins.ep or 1) > 1:  # (after the model: a dense one is told so first, whatever the engine)
         if not any(u.experts for u in profile.units):
             raise UserError(f"--ep {pins.ep} divides the experts of mixture-of-experts layers over expert-parallel "
                             f"ranks, but {model} builds a dense model (no MoE layers): drop --ep")
-        if pins.engine == "fxplanner":
-            raise UserError(f"expert parallelism (--ep {pins.ep}) runs in Megatron-Core or torchtitan, not in the "
-                            "fxplanner runtime: add --engine megatron or --engine torchtitan")
+        if not engine.expert_parallel:
+            where, flags = _elsewhere(lambda e: e.expert_parallel)
+            raise UserError(f"expert parallelism (--ep {pins.ep}) runs in {where}, not in {engine.title}: add {flags}")
     if pins.layout and (stages := layout_stages(pins.layout)):  # a layout the model cannot take: one sentence now
         layout_bounds(pins.layout, [u.kind for u in profile.units], stages)
-    if pins.engine in ENGINE_KERNELS:  # the units are priced as the engine's fused kernels: nothing more to fuse; an
+    if engine.kernels != "traced":  # the units are priced as the engine's fused kernels: nothing more to fuse; an
         # eager Megatron-Core's MoE layers wait for its host
         hw = hw.with_eff(fusion=0.0, moe_host_s=MEGATRON_MOE_HOST_S)
+    refused = {} if engine.export else profile.tp_refusals  # (what the fxplanner runtime cannot split)
+    _check_pinned_split(pins, refused)
     ev = Evaluator(units=profile.units, hw=hw, global_batch=global_batch, n_gpus=gpus,
-                   tokens_per_sample=profile.tokens_per_sample, layout=pins.layout or "")
+                   tokens_per_sample=profile.tokens_per_sample, layout=pins.layout or "", refused=refused)
     start = time.perf_counter()
     wide = fill is not None and main_slack > 0
     if progress:
@@ -218,22 +221,11 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
             from .validate import repack_fill
             mps = repack_fill(plan, fill.model_copy(update={"gpu_sharing": "mps"}), alone=alone)
             plan.fill.predictions.under_mps_tflops_per_gpu = mps.fill.predictions.fill_tflops_per_gpu
-    if pins.engine != "fxplanner":
+    if engine.export:
         return plan.model_copy(update={"launch": engine_launch(plan, plan_path)}), result
-    if any(u.experts for u in profile.units):
-        plan.search.rejected["expert parallelism, which the fxplanner runtime does not run (--engine megatron or "
-                             "torchtitan plans it)"] = 1
-    refusal = _runtime_refusal(model, model_args, plan, progress)  # (sentence, op and source line) or None
-    if refusal and plan.config.sp and pins.sp is None:  # sequence parallelism was the search's choice: without it
-        plan, result = make_plan(**{**args, "pins": replace(pins, sp=False)})
-        plan.search.rejected[f"sequence parallelism, which the runtime cannot run for this model ({refusal[1]})"] = 1
-        return plan, result
-    if refusal and pins.tp is None:  # so was tensor parallelism: the runtime splits nothing of this model
-        plan, result = make_plan(**{**args, "pins": replace(pins, tp=1)})
-        plan.search.rejected[f"tensor parallelism, which the runtime cannot run for this model ({refusal[1]})"] = 1
-        return plan, result
-    if refusal:
-        raise UserError(refusal[0])
+    if any(u.experts for u in profile.units) and not engine.expert_parallel:
+        others = " or ".join(e.name for e in ENGINES.values() if e.expert_parallel)
+        plan.search.rejected[f"expert parallelism, which {engine.title} does not run (--engine {others} plans it)"] = 1
     return plan, result
 
 
@@ -252,21 +244,15 @@ def _gc_frozen() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _runtime_refusal(model: str, model_args: dict[str, Any] | None, plan: Plan,
-                     progress: Callable[[str], None] | None = None) -> tuple[str, str] | None:
-    """What the fxplanner runtime would refuse the plan's tensor-parallel split with (checked on meta tensors), or
-    None. Only for a model the runtime can train (its file defines sample_batch and loss_fn)."""
-    c = plan.config
-    if c.tp <= 1 or c.cp > 1:
-        return None
-    mf = load_model_file(model, model_args or {})
-    if not (mf.has("sample_batch") and mf.has("loss_fn")):
-        return None
-    if progress:
-        progress("checking the runtime")
-    from .runtime.stage import tensor_parallel_refusal
-
-    return tensor_parallel_refusal(plan, mf)
+def _check_pinned_split(pins: Pins, refused: dict[str, str]) -> None:
+    """A tensor-parallel degree (with sequence parallelism) the user pinned and the runtime cannot split the model at:
+    one sentence naming the op and its source line. Where the search chooses, it leaves them out (Evaluator.refused)."""
+    if not pins.tp or pins.tp == 1:
+        return
+    if pins.sp and (op := refused.get(f"{pins.tp}+sp")) is not None and str(pins.tp) not in refused:
+        raise UserError(refusal_sentence("sequence", op))
+    if (op := refused.get(str(pins.tp))) is not None:
+        raise UserError(refusal_sentence("sequence", op) if pins.sp else refusal_sentence("tensor", op, pins.tp))
 
 
 def _choose_fill(ev: Evaluator, pins: Pins, result: SearchResult, jobs: dict, *, main_slack: float, offload: str,
@@ -346,7 +332,8 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
                       notes=[*(f"unpriced op {op} ({share:.1%} of the forward's bytes)" for op, share in profile.unpriced),
                              *_host_notes(ev, c),
                              *(n for n in profile.notes  # how the fxplanner runtime runs it: its plans only
-                               if pins.engine == "fxplanner" or not n.startswith("the fxplanner runtime"))],
+                               if not ENGINES[pins.engine].export
+                               or not n.startswith(("the fxplanner runtime", UNLAUNCHABLE)))],
                       leaves=list(leaves), target=hw.name, gpu=gpu, cluster=asdict(hw.cluster),
                       efficiency=asdict(hw.eff), reserve_bytes=hw.reserve_bytes, gpus=ev.n_gpus,
                       gpus_per_node=hw.cluster.gpus_per_node, global_batch=ev.global_batch,

@@ -9,14 +9,17 @@ import typer
 from passes.errors import UserError, write_atomic
 
 from .cli import app, err, out, user_errors
+from .engines import ENGINES
+
+EXPORTED = [name for name, e in ENGINES.items() if e.export]
 
 
 @app.command()
 def export(
     plan_file: str = typer.Argument("plan.json", help="plan written by `planner plan`"),
-    to: str = typer.Option(..., "--to", help="engine: torchtitan or megatron"),
+    to: str = typer.Option(..., "--to", help=f"engine: {' or '.join(EXPORTED)}"),
     output: Optional[str] = typer.Option(None, "-o", "--output", help="where to write (default: beside the plan, "
-                                         "torchtitan.sh or megatron.sh)"),
+                                         f"{' or '.join(f'{n}.sh' for n in EXPORTED)})"),
     titan_module: Optional[str] = typer.Option(None, "--titan-module", help="torchtitan model module (e.g. llama3), "
                                                "for a model torchtitan does not ship"),
     titan_config: Optional[str] = typer.Option(None, "--titan-config", help="its config_registry function "
@@ -30,12 +33,13 @@ def export(
                                "sets"),
 ) -> None:
     """Write PLAN as a torchtitan job (its command line) or Megatron-LM pretrain_gpt.py arguments."""
-    from .export import ENGINES, check_megatron, check_torchtitan, to_megatron, to_torchtitan
+    from . import export as exporters
+    from .export import check_megatron, check_torchtitan
     from .plan import load_plan
 
     with user_errors():
-        if to not in ENGINES:
-            raise UserError(f"--to takes {' or '.join(ENGINES)}, got {to!r}")
+        if to not in EXPORTED:
+            raise UserError(f"--to takes {' or '.join(EXPORTED)}, got {to!r}")
         if to != "torchtitan" and (titan_module or titan_config):
             raise UserError("--titan-module/--titan-config apply to --to torchtitan only")
         plan = load_plan(plan_file)
@@ -45,8 +49,8 @@ def export(
         path = Path(output) if output else Path(plan_file).with_name(f"{to}.toml" if toml else f"{to}.sh")
         # beside the job: job.sh -> job.schedule.csv; beside the plan without -o: plan.json -> plan.schedule.csv
         schedule_csv = (path if output else Path(plan_file)).with_suffix(".schedule.csv")
-        ex = (to_torchtitan(plan, module=titan_module, config=titan_config, toml=toml, schedule_csv=str(schedule_csv))
-              if to == "torchtitan" else to_megatron(plan))
+        titan = dict(module=titan_module, config=titan_config, toml=toml, schedule_csv=str(schedule_csv))
+        ex = getattr(exporters, ENGINES[to].export)(plan, **(titan if to == "torchtitan" else {}))
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, ex.text, "export")
         if not toml:

@@ -28,7 +28,7 @@ def simulate_fill(
     """Run the trace's jobs inside the plan's bubble cycles, placed and packed as `planner plan --fill` places them,
     and print JCT, makespan, recovered work, and the plan's own figures beside the simulation's."""
     from .fill.cluster_sim import Prices
-    from .fill.scheduler import load_score_function
+    from .fill.job_scheduler import load_score_function
     from .fill.spec import load_fill_spec
     from .fill.trace_sim import simulate_trace
     from .plan import load_plan

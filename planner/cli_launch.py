@@ -11,6 +11,7 @@ from rich.table import Table
 from passes.errors import UserError
 
 from .cli import _fail, _ms, app, out, print_json, user_errors
+from .engines import ENGINES
 
 if TYPE_CHECKING:
     from .metrics import MetricsDocument, RunEntry
@@ -40,7 +41,7 @@ def launch(
         plan = load_plan(plan_file)
         if not local:
             engine = plan.source.engine
-            if engine != "fxplanner":  # the engine's own job, as `planner export` writes it: the same on every node
+            if ENGINES[engine].export:  # the engine's own job, as `planner export` writes it: the same on every node
                 from .api import engine_launch
 
                 cmds = engine_launch(plan, plan_file).commands

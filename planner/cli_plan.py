@@ -2,23 +2,21 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import typer
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from costmodels.fp8 import FP8_RECIPES
-from costmodels.precision import PRECISIONS
-from costmodels.recompute import RECOMPUTE
 from passes.errors import UserError
 from targets.builtin import DEFAULT_TARGET
 
 from .cli import GiB, TARGET_HELP, _ms, _si, app, err, out, print_json, user_errors
+from .config import FIELDS, choices_text
+from .engines import ENGINES
 from .options import PACKER_NAMES as PACKERS  # (.fill.assign.PACKERS' names: it imports torch)
 from .fill.physics import TIMESLICE_S
-from .schedule import gc_paused
-from .schedules import SCHEDULES
+from .schedule_ir import gc_paused
 
 if TYPE_CHECKING:  # (pydantic: imported where a command needs it, not for --help)
     from .plan import ConfigModel, Plan
@@ -26,6 +24,16 @@ if TYPE_CHECKING:  # (pydantic: imported where a command needs it, not for --hel
 
 def _choices(registry: dict) -> str:
     return ", ".join(registry)
+
+
+def pin_option(name: str) -> Any:
+    """`planner plan`'s option for the pin of ParallelConfig field `name`, from the field's metadata (planner.config):
+    its flag, its help with its choices, and its default (None where the search chooses, saying what it does)."""
+    f = FIELDS[name]
+    meta, choices = f.metadata, choices_text(name, cli=True)
+    return typer.Option(None if meta["unpinned"] else f.default, meta["flag"],
+                        help=meta["help"] + (f": {choices}" if choices else "") +
+                        (f"; by default {meta['unpinned']}" if meta["unpinned"] else ""))
 
 
 @app.command()
@@ -37,60 +45,40 @@ def plan(
     global_batch: int = typer.Option(512, "--global-batch", "-B", help="samples per iteration"),
     model_arg: List[str] = typer.Option([], "--model-arg", help="key=value passed to build_model"),
     leaf: List[str] = typer.Option([], "--leaf", help="module class or name to trace as one node"),
-    tp: Optional[int] = typer.Option(None, "--tp", help="pin the tensor-parallel degree"),
-    pp: Optional[int] = typer.Option(None, "--pp", help="pin the pipeline-parallel degree"),
-    dp: Optional[int] = typer.Option(None, "--dp", help="pin the data-parallel degree"),
-    cp: Optional[int] = typer.Option(None, "--cp", help="pin the context-parallel degree (ring attention)"),
-    ep: Optional[int] = typer.Option(None, "--ep", help="pin the expert-parallel degree (mixture-of-experts models)"),
-    moe_dispatcher: str = typer.Option("alltoall", "--moe-dispatcher", help="token dispatcher: alltoall (Megatron's), "
-                                       "deepep or hybridep (the flex dispatcher: one copy per node)"),
-    moe_a2a_overlap: bool = typer.Option(False, "--moe-a2a-overlap", help="overlap the expert all-to-alls with another "
-                                         "microbatch's compute (Megatron --overlap-moe-expert-parallel-comm)"),
-    expert_load: float = typer.Option(1.0, "--expert-load", help="tokens the busiest expert-parallel rank handles "
-                                      "over the balanced share under dropless routing: your router's balance"),
-    moe_capacity: float = typer.Option(0.0, "--moe-capacity", help="drop and pad each expert's tokens to this capacity "
-                                       "factor (Megatron --moe-expert-capacity-factor, padded); 0: dropless"),
-    microbatch: Optional[int] = typer.Option(None, "--microbatch", help="pin the microbatch size"),
-    vp: Optional[int] = typer.Option(None, "--vp", help="pin model chunks per rank (interleaving)"),
-    recompute: Optional[str] = typer.Option(None, "--recompute", help=f"pin: {_choices(RECOMPUTE)}"),
-    recompute_layers: Optional[int] = typer.Option(
-        None, "--recompute-layers", help="pin, with --recompute block: the first blocks of each model chunk "
-        "recomputed in full (Megatron --recompute-num-layers); by default the least that fits"),
-    schedule: Optional[str] = typer.Option(None, "--schedule", help=f"pin: {_choices(SCHEDULES)}"),
+    tp: Optional[int] = pin_option("tp"),
+    pp: Optional[int] = pin_option("pp"),
+    dp: Optional[int] = pin_option("dp"),
+    cp: Optional[int] = pin_option("cp"),
+    ep: Optional[int] = pin_option("ep"),
+    moe_dispatcher: str = pin_option("moe_dispatcher"),
+    moe_a2a_overlap: bool = pin_option("moe_a2a_overlap"),
+    expert_load: Optional[float] = pin_option("expert_load"),
+    moe_capacity: float = pin_option("moe_capacity"),
+    microbatch: Optional[int] = pin_option("b"),
+    vp: Optional[int] = pin_option("v"),
+    recompute: Optional[str] = pin_option("recompute"),
+    recompute_layers: Optional[int] = pin_option("recompute_layers"),
+    schedule: Optional[str] = pin_option("schedule"),
     pipeline_layout: Optional[str] = typer.Option(
         None, "--pipeline-layout", help="pin the partition: Megatron-Core's --pipeline-model-parallel-layout "
         "(E embedding, t layer, m multi-token prediction, L loss, '|' between virtual stages, '(..)*n' repeats; e.g. "
         "'Et|(tt|)*30mL'), or "
         "'even' (Megatron's default split)"),
     allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let t span nodes"),
-    zero: Optional[int] = typer.Option(
-        None, "--zero", help="pin the sharding over d x cp: 0 none, 1 the optimizer state (ZeRO-1), 2 and the "
-        "gradients (ZeRO-2), 3 and the parameters (ZeRO-3 / FSDP); by default 1 wherever there are replicas, 2 or 3 "
-        "only where less does not fit"),
+    zero: Optional[int] = pin_option("zero"),
     shard_optimizer: Optional[bool] = typer.Option(
         None, "--shard-optimizer/--no-shard-optimizer", help="pin optimizer state sharded over d x cp (ZeRO-1, "
         "Megatron's distributed optimizer) or replicated; by default sharded wherever there are replicas"),
-    grad_fp32: Optional[bool] = typer.Option(
-        None, "--grad-fp32/--grad-reduce-in-bf16", help="accumulate and reduce gradients in fp32 (Megatron's "
-        "--accumulate-allreduce-grads-in-fp32: 18 bytes per parameter) or in the weights' dtype; by default as the "
-        "engine does (--engine megatron: fp32 under bf16)"),
-    overlap_grad_reduce: Optional[bool] = typer.Option(
-        None, "--overlap-grad-reduce/--no-overlap-grad-reduce", help="pin the data-parallel gradient reduction "
-        "bucketed and overlapped with the backward (with a sharded optimizer also the parameter all-gather with the "
-        "forward), as Megatron-Core does, or run after it; by default overlapped wherever there are replicas"),
-    tp_comm_overlap: bool = typer.Option(
-        False, "--tp-comm-overlap", help="price Transformer Engine's overlap of the sequence-parallel all-gathers / "
-        "reduce-scatters with the linears' GEMMs (Megatron --tp-comm-overlap) wherever sp is on"),
-    sequence_parallel: Optional[bool] = typer.Option(
-        None, "--sequence-parallel/--no-sequence-parallel",
-        help="pin sequence parallelism (Korthikanti et al. 2022); by default the search tries both where t > 1"),
-    dtype: str = typer.Option("bf16", "--dtype", help=f"training precision: {_choices(PRECISIONS)}, or fp8 (bf16 "
-                              "with the linear layers' GEMMs in FP8 under the engine's default recipe for the GPU)"),
-    engine: str = typer.Option("fxplanner", "--engine", help="what runs the plan: fxplanner (its runtime), megatron "
-                               "or torchtitan (plans what that engine runs; the launch commands are the export's)"),
-    fp8_params: bool = typer.Option(False, "--fp8-params", help="keep the linear layers' weights in FP8 only, no "
-                                    "bf16 copy (Megatron --fp8-param-gather; Transformer Engine recipes)"),
-    fp8: Optional[str] = typer.Option(None, "--fp8", help=f"FP8 recipe of the linear layers: {_choices(FP8_RECIPES)}"),
+    grad_fp32: Optional[bool] = pin_option("grad_fp32"),
+    overlap_grad_reduce: Optional[bool] = pin_option("overlap_grad_reduce"),
+    tp_comm_overlap: bool = pin_option("tp_comm_overlap"),
+    sequence_parallel: Optional[bool] = pin_option("sp"),
+    dtype: str = pin_option("precision"),
+    engine: str = typer.Option("fxplanner", "--engine", help="what runs the plan: fxplanner (its runtime), "
+                               f"{' or '.join(n for n, e in ENGINES.items() if e.export)} (plans what that engine "
+                               "runs; the launch commands are the export's)"),
+    fp8_params: bool = pin_option("fp8_params"),
+    fp8: str = pin_option("fp8"),
     calibration: Optional[str] = typer.Option(None, "--calibration", help="file from `planner calibrate`"),
     fill: Optional[str] = typer.Option(None, "--fill", help="fill-job YAML: pack these jobs into the bubbles"),
     main_slack: float = typer.Option(0.0, "--main-slack", help="how much slower than the fastest a main "
@@ -123,13 +111,10 @@ def plan(
         cal = load_calibration(calibration) if calibration else None
         if dtype == "fp8":
             dtype, fp8 = "bf16", fp8 or "auto"
-        if moe_capacity and expert_load not in (1.0, moe_capacity):
-            raise UserError(f"--expert-load {expert_load:g} is a dropless router's balance, but --moe-capacity "
-                            f"{moe_capacity:g} pads every expert to that share: give one of them")
         pins = Pins(tp=tp, pp=pp, dp=dp, cp=cp, ep=ep, b=microbatch, v=vp, recompute=recompute,
                     recompute_layers=recompute_layers, schedule=schedule, layout=pipeline_layout,
                     zero=zero if zero is not None else None if shard_optimizer is None else int(shard_optimizer), grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce,
-                    tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype, fp8=fp8 or "", engine=engine, fp8_params=fp8_params,
+                    tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype, fp8=fp8, engine=engine, fp8_params=fp8_params,
                     expert_load=expert_load, moe_capacity=moe_capacity, moe_dispatcher=moe_dispatcher,
                     moe_a2a_overlap=moe_a2a_overlap,
                     allow_cross_node_tp=allow_cross_node_tp)
@@ -170,13 +155,13 @@ def plan(
     print_summary(plan_)
     for note in plan_.source.notes:
         out.print(f"note: {note}", highlight=False)
-    from .runtime import UNLAUNCHABLE
+    from passes.errors import UNLAUNCHABLE
 
     if any(n.startswith(UNLAUNCHABLE) for n in plan_.source.notes):  # (the note above says why): no commands
         out.print(f"plan written to [bold]{output}[/]; it cannot be launched until the model file defines what the "
                   "runtime calls (see the note above), then re-plan", highlight=False)
         return
-    if plan_.source.engine != "fxplanner":  # the export's script, the same on every node
+    if ENGINES[plan_.source.engine].export:  # the export's script, the same on every node
         out.print(f"plan written to [bold]{output}[/] for {plan_.source.engine}; launch on each of the "
                   f"{plan_.launch.nnodes} nodes with:", highlight=False)
         out.print(f"  {plan_.launch.commands[0]}", highlight=False, soft_wrap=True)
@@ -305,7 +290,7 @@ def _print_fill(p: Plan) -> None:
     out.print(f"fill shares the GPU by {_SHARING[f.gpu_sharing]}{mps}", highlight=False)
     if fp.choice:
         out.print(f"shrink or fill: {fp.choice}", highlight=False)
-    gpus = p.config.dp * p.config.cp * p.config.tp
+    gpus = p.config.to_config().gpus_per_stage
     table = Table(title=f"fill per pipeline rank (each rank's {gpus} GPU{'s' if gpus > 1 else ''} divide its share; "
                         f"one job at a time{' or a pair' if f.pairs else ''}, next by {f.policy})")
     for col in ("rank", "job", "resident", "batches", "turn", "chunks", "units/iteration", "busy in bubbles"):
@@ -349,7 +334,7 @@ def show(plan_file: str = typer.Argument("plan.json"),
                                    "`less -S`); by default each row fits the terminal")) -> None:
     """Print a plan's summary, its schedule grid and its bubbles per pipeline rank."""
     from .plan import load_plan, plan_schedule
-    from .schedule import grid
+    from .schedule_ir import grid
 
     with user_errors():
         p = load_plan(plan_file)

@@ -1,64 +1,37 @@
 """One training configuration, from the search to the runtime.
 
-`ParallelConfig` is the only spelling of a configuration: the search enumerates them, the evaluator
-and the cost models price them, the plan file stores one (`planner.plan.ConfigModel`, converted by
-`ConfigModel.of` / `ConfigModel.to_config`) and the runtime runs it. Its names follow Megatron-LM:
+`ParallelConfig` is the only spelling of a configuration: the search enumerates them, the evaluator and the cost models
+price them, the plan file stores one and the runtime runs it. Its names follow Megatron-LM (ranks ordered tp, cp, dp,
+pp). Each field says what it is once, in its metadata (`_field`), and is read from there by
 
-tp, pp, dp, cp  tensor-, pipeline-, data- and context-parallel degrees (ranks ordered tp, cp, dp, pp)
-ep              expert-parallel degree: the experts of each mixture-of-experts layer divided over ep ranks of a stage
-                that hold different tokens (Megatron-Core with --expert-tensor-parallel-size 1: the ep ranks are
-                drawn from the tp x cp x dp ranks, tensor-parallel ones only under sequence parallelism, where each
-                dispatches its share of the tokens); the experts' gradients are reduced over the rest
-sp              sequence parallelism on top of tensor parallelism (Korthikanti et al. 2022)
-zero            sharding stage over the data-parallel replicas (dp x cp): 1 = the optimizer state (ZeRO-1, Megatron's
-                distributed optimizer), 2 = the gradients too (ZeRO-2: reduce-scattered in every microbatch's
-                backward; Megatron-FSDP optim_grads, FSDP without resharding after the forward), 3 = the parameters
-                too (ZeRO-3 / FSDP: each unit's parameters all-gathered before its forward and again before its
-                backward, the next one's prefetched; Megatron-FSDP optim_grads_params)
-grad_fp32       gradients accumulated and reduced in fp32 under bf16/fp16 (Megatron's main_grad buffer with
-                --accumulate-allreduce-grads-in-fp32: 18 bytes per parameter with Adam, not 16)
-overlap_grad_reduce  data-parallel gradient reduction bucketed and launched during the backward (and, with
-                zero=1, the parameter all-gather during the next forward): Megatron's --overlap-grad-reduce /
-                --overlap-param-gather
-tp_comm_overlap tensor-parallel all-gathers / reduce-scatters split and overlapped with the linears' GEMMs
-                (Megatron's --tp-comm-overlap, Transformer Engine userbuffers; needs sp)
-b, m, v         microbatch size, microbatches per iteration, model chunks per pipeline rank
-recompute       activation recomputation mode (registry: costmodels.recompute)
-recompute_layers  under recompute "block": the blocks of every model chunk recomputed in full, its first ones (Megatron's
-                --recompute-method block --recompute-num-layers); the others keep everything
-schedule        pipeline schedule kind (registry: planner.schedules)
-precision       training precision (registry: costmodels.precision)
-fp8             FP8 recipe of the linear layers' GEMMs under bf16/fp16 mixed precision ("": none; registry:
-                costmodels.fp8 -- Megatron's --fp8-format hybrid --fp8-recipe, torchao's float8)
-expert_load     tokens the busiest expert-parallel rank computes and exchanges, as a multiple of the balanced share:
-                dropless routing, the router's balance (1: balanced); under moe_capacity, that capacity factor
-moe_capacity    0: dropless routing (every token reaches its experts; the dispatcher needs each expert's count on the
-                host, which drains the stream every MoE layer: costmodels.compute.MEGATRON_MOE_HOST_S); c > 0: each
-                expert's input dropped and padded to c times its balanced share (Megatron --moe-expert-capacity-factor c
-                --moe-pad-expert-input-to-capacity): the counts are known, no drain, and expert_load is c
-moe_dispatcher  how tokens reach their experts: "alltoall" (Megatron's all-to-all, one copy per routed expert) or
-                "deepep" / "hybridep" (the flex dispatcher: one copy per other node, fanned out over NVLink there)
-moe_a2a_overlap the expert all-to-alls of one microbatch overlapped with another's compute in 1F1B (Megatron's
-                --overlap-moe-expert-parallel-comm with --delay-wgrad-compute)
-fp8_params      the linear layers' weights kept in FP8 only (row- and column-wise), no bf16 copy beside them; the fp32
-                master weights stay in the optimizer (Megatron's --fp8-param-gather, NeMo's fp8_params)
+- the plan file: `planner.plan.ConfigModel` is made from the fields (`plan`: the name there where it differs; `help`:
+  its description) and converts to and from a ParallelConfig (`of`, `to_config`);
+- the search's pins: `planner.options.Pins` holds a pin for each field with a CLI `flag`, None by default where the
+  search chooses (`unpinned` says what it does then), else the field's default;
+- the CLI: `planner plan`'s option `flag` for that pin, its help `help`, the `choices`, what the CLI takes beside them
+  (`more`) and `unpinned` (planner.cli_plan.pin_option).
+
+The checks are here, each once: a field's own (`field_error`: its `choices`, its `valid` rule, else a positive integer
+or a bool by its type) and the rules across fields (`ParallelConfig.__post_init__`, and the pins' share of them:
+`options_error`). Adding a field is adding it below with its metadata, and pricing it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, Collection
 
 from costmodels.fp8 import FP8_RECIPES, Fp8Recipe
 from costmodels.precision import PRECISIONS, Precision
 from costmodels.recompute import RECOMPUTE, RecomputeMode
 from passes.errors import UserError
-from planner.schedule import Placement, placement_of
+from planner.schedule_ir import Placement, placement_of
 
 if TYPE_CHECKING:
     from planner.schedules import ScheduleKind
 
-__all__ = ["ParallelConfig", "ConfigError", "MOE_DISPATCHERS", "ZERO_STAGES"]
+__all__ = ["ParallelConfig", "ConfigError", "MOE_DISPATCHERS", "ZERO_STAGES", "FIELDS", "choices_text", "field_error",
+           "options_error"]
 
 MOE_DISPATCHERS = ("alltoall", "deepep", "hybridep")
 """Megatron-Core's token dispatchers priced: its all-to-all, and the flex dispatcher's backends."""
@@ -77,96 +50,125 @@ def _numerics(precision: str, grad_fp32: bool) -> Precision:
     return replace(num, grad_bytes=4.0) if grad_fp32 else num
 
 
-def _positive(name: str, what: str, value: object) -> None:
-    if type(value) is not int or value < 1:
-        raise ConfigError(f"{what} {name} must be a positive integer, got {value!r}")
+@cache
+def _schedules() -> dict[str, ScheduleKind]:
+    from planner.schedules import SCHEDULES  # (the registry, its plug-ins imported: not at this module's import)
+
+    return SCHEDULES
+
+
+def _field(default: Any = MISSING, *, help: str, flag: str | None = None, plan: str | None = None,
+           choices: Collection | Callable[[], Collection] | None = None, more: str = "",
+           valid: tuple[Callable[[Any], bool], str] | None = None, unpinned: str | None = None) -> Any:
+    """A field and what it is: see the module's docstring."""
+    return field(default=default, metadata=dict(help=help, flag=flag, plan=plan or None, choices=choices, more=more,
+                                                valid=valid, unpinned=unpinned))
+
+
+def _number(low: float, zero: bool = False) -> Callable[[Any], bool]:
+    return lambda x: type(x) in (int, float) and (zero and not x or low <= x <= 64)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ParallelConfig:
-    tp: int
-    pp: int
-    dp: int
-    b: int
-    m: int
-    v: int = 1
-    cp: int = 1
-    ep: int = 1
-    sp: bool = False
-    zero: int = 0
-    grad_fp32: bool = False
-    overlap_grad_reduce: bool = False
-    tp_comm_overlap: bool = False
-    recompute: str = "none"
-    recompute_layers: int = 0
-    schedule: str = "1f1b"
-    precision: str = "bf16"
-    fp8: str = ""
-    fp8_params: bool = False
-    expert_load: float = 1.0
-    moe_capacity: float = 0.0
-    moe_dispatcher: str = "alltoall"
-    moe_a2a_overlap: bool = False
+    tp: int = _field(help="tensor-parallel degree t", flag="--tp",
+                     unpinned="the search chooses one within a node (any with --allow-cross-node-tp)")
+    pp: int = _field(help="pipeline-parallel degree p", flag="--pp", unpinned="the search chooses")
+    dp: int = _field(help="data-parallel degree d", flag="--dp", unpinned="the search chooses")
+    cp: int = _field(1, help="context-parallel degree (ring attention: each of cp ranks computes 1/cp of every "
+                     "sequence)", flag="--cp", unpinned="the search tries every degree whose ring stays inside a node "
+                     "and splits the sequence into 2*cp equal chunks")
+    ep: int = _field(1, help="expert-parallel degree: the experts of each mixture-of-experts layer divided over ep of "
+                     "a stage's t x cp x d ranks that hold different tokens (tensor-parallel ones only under sequence "
+                     "parallelism), their gradients reduced over the rest (Megatron-Core's --expert-model-parallel-size "
+                     "with --expert-tensor-parallel-size 1)", flag="--ep",
+                     unpinned="the search tries every degree dividing the experts (mixture-of-experts models)")
+    sp: bool = _field(False, help="sequence parallelism on top of tensor parallelism (Korthikanti et al. 2022): the "
+                      "norms', dropouts' and residuals' activations split over t",
+                      flag="--sequence-parallel/--no-sequence-parallel", unpinned="the search tries both where t > 1")
+    zero: int = _field(0, help="sharding over the data-parallel replicas (d x cp): 0 none, 1 the optimizer state "
+                       "(ZeRO-1, Megatron's distributed optimizer), 2 and the gradients (ZeRO-2: reduce-scattered in "
+                       "every microbatch's backward), 3 and the parameters (ZeRO-3 / FSDP: each unit's all-gathered "
+                       "before its forward and again before its backward, the next one's prefetched)", flag="--zero",
+                       choices=ZERO_STAGES,
+                       unpinned="1 wherever there are replicas, 2 or 3 only where less does not fit")
+    grad_fp32: bool = _field(False, help="gradients accumulated and reduced in fp32 under bf16/fp16 (Megatron's "
+                             "main_grad buffer, --accumulate-allreduce-grads-in-fp32: 18 bytes per parameter with "
+                             "Adam, not 16), else in the weights' dtype", flag="--grad-fp32/--grad-reduce-in-bf16",
+                             unpinned="as the engine does (--engine megatron: fp32 under bf16)")
+    overlap_grad_reduce: bool = _field(False, help="data-parallel gradient reduction bucketed and launched during the "
+                                       "backward (and, with a sharded optimizer, the parameter all-gather during the "
+                                       "next forward): Megatron's --overlap-grad-reduce / --overlap-param-gather",
+                                       flag="--overlap-grad-reduce/--no-overlap-grad-reduce",
+                                       unpinned="overlapped wherever there are replicas")
+    tp_comm_overlap: bool = _field(False, help="tensor-parallel all-gathers / reduce-scatters split and overlapped "
+                                   "with the linears' GEMMs (Megatron's --tp-comm-overlap, Transformer Engine's "
+                                   "userbuffers); it needs sp, and the search runs it wherever sp is on",
+                                   flag="--tp-comm-overlap")
+    b: int = _field(help="microbatch size b", flag="--microbatch", plan="microbatch", unpinned="the search chooses")
+    m: int = _field(help="microbatches per iteration m = B / (d b)", plan="microbatches")
+    v: int = _field(1, help="model chunks per pipeline rank v (interleaving)", flag="--vp", plan="vp",
+                    unpinned="the search chooses")
+    recompute: str = _field("none", help="activation recomputation mode (registry: costmodels.recompute)",
+                            flag="--recompute", choices=RECOMPUTE, unpinned="the search chooses")
+    recompute_layers: int = _field(0, help="under recompute block: the first blocks of each model chunk recomputed "
+                                   "in full, the others keeping everything (Megatron's --recompute-method block "
+                                   "--recompute-num-layers)", flag="--recompute-layers",
+                                   valid=(lambda x: type(x) is int and x >= 0, "a count of blocks >= 0"),
+                                   unpinned="the least that fits")
+    schedule: str = _field("1f1b", help="pipeline schedule kind (registry: planner.schedules)", flag="--schedule",
+                           choices=_schedules, unpinned="the search chooses among those the engine runs")
+    precision: str = _field("bf16", help="training precision (registry: costmodels.precision)", flag="--dtype",
+                            choices=PRECISIONS, more=", or fp8 (bf16 with the linear layers' GEMMs in FP8, as --fp8 "
+                            "auto)")
+    fp8: str = _field("", help="FP8 recipe of the linear layers' GEMMs under bf16/fp16 mixed precision, empty for none "
+                      "(registry: costmodels.fp8; Megatron's --fp8-format hybrid --fp8-recipe, torchao's float8)",
+                      flag="--fp8", choices=FP8_RECIPES, more=", or auto (the engine's default for the GPU)")
+    fp8_params: bool = _field(False, help="the linear layers' weights kept in FP8 only (row- and column-wise), no "
+                              "bf16 copy beside them; the fp32 master weights stay in the optimizer (Megatron's "
+                              "--fp8-param-gather; Transformer Engine's recipes)", flag="--fp8-params")
+    moe_dispatcher: str = _field("alltoall", help="how tokens reach their experts: Megatron's all-to-all (one copy "
+                                 "per routed expert), or the flex dispatcher's DeepEP / HybridEP (one copy per other "
+                                 "node, fanned out over NVLink there)", flag="--moe-dispatcher",
+                                 choices=MOE_DISPATCHERS)
+    moe_a2a_overlap: bool = _field(False, help="the expert all-to-alls of one microbatch overlapped with another's "
+                                   "compute in 1F1B, with ep > 1 (Megatron's --overlap-moe-expert-parallel-comm with "
+                                   "--delay-wgrad-compute)", flag="--moe-a2a-overlap")
+    expert_load: float = _field(1.0, help="tokens the busiest expert-parallel rank computes and exchanges, over the "
+                                "balanced share: under dropless routing the router's balance (1: balanced), under "
+                                "moe_capacity that capacity factor", flag="--expert-load",
+                                valid=(_number(1), "at least 1 (the busiest rank's tokens over the balanced share)"),
+                                unpinned="balanced, or the capacity factor under --moe-capacity")
+    moe_capacity: float = _field(0.0, help="0: dropless routing (every token reaches its experts; the dispatcher "
+                                 "needs each expert's count on the host, which drains the stream every MoE layer: "
+                                 "costmodels.compute.MEGATRON_MOE_HOST_S); c > 0: each expert's input dropped and "
+                                 "padded to c times its balanced share (Megatron's --moe-expert-capacity-factor c "
+                                 "--moe-pad-expert-input-to-capacity): the counts are known, no drain, and expert_load "
+                                 "is c", flag="--moe-capacity",
+                                 valid=(_number(1, zero=True), "0 (dropless) or a capacity factor of at least 1"))
 
     def __post_init__(self) -> None:
-        for name, what in (("tp", "tensor-parallel degree"), ("pp", "pipeline-parallel degree"),
-                           ("dp", "data-parallel degree"), ("cp", "context-parallel degree"),
-                           ("b", "microbatch size"), ("m", "microbatch count"), ("v", "model chunks per rank"),
-                           ("ep", "expert-parallel degree")):
-            _positive(name, what, getattr(self, name))
+        for name, ok in _VALID:
+            if not ok(getattr(self, name)):
+                raise ConfigError(field_error(name, getattr(self, name)))
+        if why := options_error(self.fp8, self.fp8_params, self.precision, self.expert_load, self.moe_capacity):
+            raise ConfigError(why)
         if self.ep > 1 and self.tp > 1 and not self.sp:
             raise ConfigError("expert parallelism with tensor parallelism needs sequence parallelism (sp): each "
                               "tensor-parallel rank then dispatches its own share of the tokens (Megatron-Core)")
         if self.expert_ranks % self.ep:
             raise ConfigError(f"expert-parallel degree ep={self.ep} does not divide the {self.expert_ranks} ranks of a "
                               f"stage that hold different tokens (sp_degree*cp*dp)")
-        if type(self.sp) is not bool:
-            raise ConfigError(f"sequence parallelism sp must be true or false, got {self.sp!r}")
         if self.sp and self.tp == 1:
             raise ConfigError("sequence parallelism (sp) splits activations over the tensor-parallel group: it "
                              "needs tp > 1, got tp=1")
-        if type(self.overlap_grad_reduce) is not bool:
-            raise ConfigError(f"overlap_grad_reduce must be true or false, got {self.overlap_grad_reduce!r}")
-        if type(self.tp_comm_overlap) is not bool:
-            raise ConfigError(f"tp_comm_overlap must be true or false, got {self.tp_comm_overlap!r}")
         if self.tp_comm_overlap and not self.sp:
             raise ConfigError("tensor-parallel communication overlap (tp_comm_overlap) splits the all-gathers and "
                               "reduce-scatters of sequence parallelism: it needs sp (and tp > 1)")
-        if type(self.grad_fp32) is not bool:
-            raise ConfigError(f"grad_fp32 must be true or false, got {self.grad_fp32!r}")
-        if self.zero not in ZERO_STAGES:
-            raise ConfigError(f"optimizer sharding stage zero={self.zero!r} is not one of {ZERO_STAGES}")
-        if self.recompute not in RECOMPUTE:
-            raise ConfigError(f"recompute mode {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
-        if type(self.recompute_layers) is not int or self.recompute_layers < 0 or (
-                self.recompute_layers and not RECOMPUTE[self.recompute].partial):
+        if self.recompute_layers and not RECOMPUTE[self.recompute].partial:
             raise ConfigError(f"recompute_layers={self.recompute_layers!r}: the blocks of each model chunk recomputed "
-                              "under recompute \"block\", a count >= 0 (0 with any other mode)")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"precision {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.fp8 and self.fp8 not in FP8_RECIPES:
-            raise ConfigError(f"FP8 recipe {self.fp8!r} is not one of {', '.join(FP8_RECIPES)}")
-        if not (isinstance(self.moe_capacity, (int, float)) and (not self.moe_capacity or 1 <= self.moe_capacity <= 64)):
-            raise ConfigError(f"moe_capacity is 0 (dropless) or a capacity factor of at least 1, got "
-                              f"{self.moe_capacity!r}")
-        if not (isinstance(self.expert_load, (int, float)) and 1 <= self.expert_load <= 64):
-            raise ConfigError(f"expert_load is the busiest rank's tokens over the balanced share, at least 1, got "
-                              f"{self.expert_load!r}")
-        if self.moe_capacity and self.expert_load != self.moe_capacity:
-            raise ConfigError(f"experts padded to capacity factor {self.moe_capacity:g} load the busiest rank with "
-                              f"exactly that share, not expert_load {self.expert_load:g}")
-        if self.moe_dispatcher not in MOE_DISPATCHERS:
-            raise ConfigError(f"moe_dispatcher {self.moe_dispatcher!r} is not one of {', '.join(MOE_DISPATCHERS)}")
-        if self.fp8_params and not (self.fp8 and FP8_RECIPES[self.fp8].weight_cache):
-            raise ConfigError("FP8 parameters (fp8_params) are Transformer Engine's: they need one of its FP8 recipes")
-        if self.fp8 and self.precision == "fp32":
-            raise ConfigError(f"the FP8 recipe {self.fp8} runs under bf16 or fp16 mixed precision, not fp32")
-        from planner.schedules import SCHEDULES
-
-        kind = SCHEDULES.get(self.schedule)
-        if kind is None:
-            raise ConfigError(f"schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
-        why = kind.check(self.pp, self.v, self.m)
+                              "under recompute \"block\" (0 with any other mode)")
+        why = self.schedule_kind.check(self.pp, self.v, self.m)
         if why is not None:
             raise ConfigError(f"schedule {self.schedule} with pp={self.pp} v={self.v} m={self.m}: {why}")
 
@@ -174,12 +176,11 @@ class ParallelConfig:
         """This configuration recomputing `recompute` (no layer count) or sharding at ZeRO stage `zero`: checked for
         those two fields only, as nothing else changes (the search makes tens of thousands of these per plan, and
         dataclasses.replace checks every rule again)."""
-        if recompute is not None and recompute not in RECOMPUTE:
-            raise ConfigError(f"recompute mode {recompute!r} is not one of {', '.join(RECOMPUTE)}")
-        if zero is not None and zero not in ZERO_STAGES:
-            raise ConfigError(f"optimizer sharding stage zero={zero!r} is not one of {ZERO_STAGES}")
+        for name, value in (("recompute", recompute), ("zero", zero)):
+            if value is not None and (why := field_error(name, value)):
+                raise ConfigError(why)
         new = object.__new__(ParallelConfig)
-        for name in _FIELDS:
+        for name in FIELDS:
             object.__setattr__(new, name, getattr(self, name))
         if recompute is not None:
             object.__setattr__(new, "recompute", recompute)
@@ -193,7 +194,13 @@ class ParallelConfig:
     @property
     def world(self) -> int:
         """GPUs the configuration occupies."""
-        return self.tp * self.cp * self.dp * self.pp
+        return self.gpus_per_stage * self.pp
+
+    @property
+    def gpus_per_stage(self) -> int:
+        """GPUs of one pipeline stage, t * cp * d (Megatron's rank order puts adjacent stages that far apart); each
+        pipeline rank's bubbles are theirs."""
+        return self.tp * self.cp * self.dp
 
     @property
     def global_batch(self) -> int:
@@ -227,9 +234,7 @@ class ParallelConfig:
 
     @property
     def schedule_kind(self) -> ScheduleKind:
-        from planner.schedules import SCHEDULES
-
-        return SCHEDULES[self.schedule]
+        return _schedules()[self.schedule]
 
     @property
     def recompute_mode(self) -> RecomputeMode:
@@ -317,4 +322,57 @@ class ParallelConfig:
                 f"{self.schedule} recompute={self.recompute}{layers}")
 
 
-_FIELDS = tuple(f.name for f in fields(ParallelConfig))
+FIELDS = {f.name: f for f in fields(ParallelConfig)}
+"""ParallelConfig's fields by name, each with its metadata (the module's docstring)."""
+
+
+def _rule(f) -> tuple[Callable[[Any], bool], Callable[[bool], str]]:
+    """Field f's own check: what it accepts, and what a message says it must be (spelt for the CLI or not)."""
+    meta = f.metadata
+    if (choices := meta["choices"]) is not None:
+        listed = choices if callable(choices) else lambda: choices
+        return (lambda x: x == f.default or x in listed()), lambda cli: f"one of {choices_text(f.name, cli)}"
+    if meta["valid"] is not None:
+        ok, phrase = meta["valid"]
+        return ok, lambda cli: phrase
+    if f.type == "bool":
+        return (lambda x: type(x) is bool), lambda cli: "true or false"
+    assert f.type == "int", f"{f.name}: a field of type {f.type} says what it accepts (choices or valid)"
+    return (lambda x: type(x) is int and x >= 1), lambda cli: "a positive integer"
+
+
+def choices_text(name: str, cli: bool = False) -> str | None:
+    """Field `name`'s choices as a sentence lists them (with what the CLI takes beside them where `cli`), or None."""
+    meta = FIELDS[name].metadata
+    if (choices := meta["choices"]) is None:
+        return None
+    return ", ".join(map(str, choices() if callable(choices) else choices)) + (meta["more"] if cli else "")
+
+
+_RULES = {name: _rule(f) for name, f in FIELDS.items()}
+_VALID = tuple((name, ok) for name, (ok, _) in _RULES.items())
+
+
+def field_error(name: str, value: Any, cli: bool = False) -> str | None:
+    """Why `value` cannot be field `name`'s (a sentence naming it, or its CLI flag where `cli`), or None."""
+    ok, phrase = _RULES[name]
+    if ok(value):
+        return None
+    return f"{FIELDS[name].metadata['flag'].split('/')[0] if cli else name} must be {phrase(cli)}, got {value!r}"
+
+
+def options_error(fp8: str, fp8_params: bool, precision: str, expert_load: float | None, moe_capacity: float,
+                  say: Callable[[str], str] = str) -> str | None:
+    """Why these fields, which the user sets and the search does not choose, cannot go together, or None: the rules
+    the pins (planner.options.Pins) are held to before the search as well as every configuration. `say` spells a
+    field (its name, or its CLI flag); fp8 may be "auto" (the engine's default recipe, not yet known), expert_load
+    None (not pinned)."""
+    if fp8 and precision == "fp32":
+        return f"FP8 recipes run under bf16 or fp16 mixed precision; drop {say('precision')} fp32 or {say('fp8')}"
+    if fp8_params and not (fp8 == "auto" or fp8 and FP8_RECIPES[fp8].weight_cache):
+        return (f"{say('fp8_params')} keeps the weights in FP8 only, as Transformer Engine does: it needs one of its "
+                f"FP8 recipes ({say('fp8')})")
+    if moe_capacity and expert_load is not None and expert_load != moe_capacity:
+        return (f"{say('expert_load')} {expert_load:g} is a dropless router's balance, but {say('moe_capacity')} "
+                f"{moe_capacity:g} pads every expert to that share: give one of them")
+    return None

@@ -27,7 +27,7 @@ from .config import ParallelConfig
 from .layout import EVEN, layout_bounds
 from .partition import (NoFeasiblePartition, PartitionInput, chunk_shares, partition, rank_load, rebalance,
                         recomputed)
-from .schedule import Schedule, lower_timed
+from .schedule_ir import Schedule, lower_timed
 from .simulate import SimCosts, SimResult, simulate, simulate_time
 
 __all__ = ["Evaluation", "Evaluator", "Rejected"]
@@ -118,6 +118,8 @@ class Evaluator:
     n_gpus: int
     tokens_per_sample: int = 0  # sequence length of token-id input (context parallelism splits it); 0: none
     layout: str = ""  # a stated partition (planner.layout: Megatron-Core's layout string, or "even"); "": searched
+    refused: dict[str, str] = field(default_factory=dict)  # tensor-parallel splits the engine refuses (ModelProfile.
+    # tp_refusals: "t" or "t+sp" -> the op and its source line); the search leaves them out
     _cache: dict = field(default_factory=dict)
 
     @property
@@ -563,7 +565,7 @@ class Evaluator:
         nbytes = max(self.units[i - 1].output_bytes(c.local_b) for i in bounds[1:-1]) / c.tp
         cl = self.hw.cluster
         # Megatron orders ranks tp, cp, dp, then pp: adjacent stages are t*cp*d ranks apart.
-        same_node = c.tp * c.cp * c.dp < cl.gpus_per_node
+        same_node = c.gpus_per_stage < cl.gpus_per_node
         bw = (cl.nvlink_bw if same_node else cl.internode_bw) * self.hw.eff.link
         lat = cl.nvlink_latency_s if same_node else cl.internode_latency_s
         return p2p_time(nbytes, bw, lat)

@@ -25,12 +25,13 @@ from pathlib import Path, PurePath
 from costmodels.fp8 import FP8_RECIPES
 from passes.errors import UserError
 
+from .engines import ENGINES
 from .plan import Plan
-from .schedule import PLACEMENTS, placement_of
+from .schedule_ir import PLACEMENTS, placement_of
 from .schedules import get_schedule
 from .schedules.interleaved import group_size
 
-__all__ = ["Export", "ENGINES", "layout", "placement", "schedule_rows", "to_megatron", "to_torchtitan",
+__all__ = ["Export", "layout", "placement", "schedule_rows", "to_megatron", "to_torchtitan",
            "check_megatron", "check_megatron_args", "check_torchtitan", "check_schedule_csv"]
 
 
@@ -77,7 +78,7 @@ _SPLIT_BACKWARD = re.compile(r"\d+[IW]\d+")
 
 def placement(plan: Plan) -> str | None:
     """How the plan places virtual stages on pipeline ranks, read from its partition: a style of
-    planner.schedule.Placement ("loop" or "v"), or None for any other placement."""
+    planner.schedule_ir.Placement ("loop" or "v"), or None for any other placement."""
     ranks = tuple(s.rank for s in sorted(plan.partition, key=lambda s: s.stage))
     return next((style for style in PLACEMENTS if placement_of(style, plan.config.pp, plan.config.vp).rank_of == ranks),
                 None)
@@ -99,7 +100,6 @@ def _common_unexpressed(plan: Plan, engine: str) -> list[str]:
 
 # -- torchtitan -----------------------------------------------------------------------------------
 
-TITAN_SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"}
 TITAN_AC = {"none": "activation-checkpoint:none", "selective": "activation-checkpoint:selective",
             "full": "activation-checkpoint:full", "block": "activation-checkpoint:full"}
 TITAN_LLAMA3 = {(32, 4096): "llama3_8b", (80, 8192): "llama3_70b", (126, 16384): "llama3_405b"}
@@ -130,7 +130,7 @@ def titan_schedule(plan: Plan) -> str:
     c = plan.config
     if placement(plan) == "v":
         return "ZBVZeroBubble"  # also the name torchtitan's metrics read the loss from rank 0 for
-    return TITAN_SCHEDULES.get(c.schedule) or ("1F1B" if c.vp == 1 else "Interleaved1F1B")
+    return ENGINES["torchtitan"].schedule_names.get(c.schedule) or ("1F1B" if c.vp == 1 else "Interleaved1F1B")
 
 
 def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv: str,
@@ -270,7 +270,7 @@ def _toml_value(v: object) -> str:
 
 # -- Megatron-LM ----------------------------------------------------------------------------------
 
-def _megatron_layout(rows: list[list[tuple[str, int]]], mtp: int = 0) -> str:
+def _pipeline_layout_arg(rows: list[list[tuple[str, int]]], mtp: int = 0) -> str:
     """Megatron-Core's --pipeline-model-parallel-layout: stages in virtual order split by '|', E the
     embedding, t a transformer layer, L the loss (final norm and output layer), after the `mtp` multi-token-prediction
     layers (m) the head unit holds (planner.hf.MultiTokenPrediction)."""
@@ -306,7 +306,7 @@ def to_megatron(plan: Plan) -> Export:
                            "with virtual stage k on rank k % p (its delay_wgrad_compute splits backwards only inside "
                            f"MoE expert-parallel overlap); exported as {'interleaved 1F1B' if c.vp > 1 else '1F1B'}")
     if rows is not None and not _even_split(rows, c.pp):
-        argv += ["--pipeline-model-parallel-layout", _megatron_layout(rows, shape.get("mtp_layers") or 0)]
+        argv += ["--pipeline-model-parallel-layout", _pipeline_layout_arg(rows, shape.get("mtp_layers") or 0)]
     elif c.vp > 1:
         argv += ["--num-layers-per-virtual-pipeline-stage", str(shape.get("layers", 0) // (c.pp * c.vp))]
     if c.vp > 1 and c.microbatches % c.pp:  # Megatron-Core's default group is p
@@ -455,9 +455,6 @@ def _script(plan: Plan, engine: str, launch: str, argv: list[str], unexpressed: 
     body = " \\\n  ".join([launch, *pairs, '"$@"', *last]) + (f"\n{tail}" if tail else "")
     setenv = "".join(f"unset {k}\n" if v is None else f"export {k}={shlex.quote(v)}\n" for k, v in (env or {}).items())
     return "\n".join(head) + "\nset -euo pipefail\n" + setenv + body + "\n"
-
-
-ENGINES = {"torchtitan": to_torchtitan, "megatron": to_megatron}
 
 
 # -- the engines' own config code ---------------------------------------------------------------------

@@ -6,7 +6,7 @@ E the embedding, t a transformer layer, m a multi-token-prediction layer, L the 
 PipelineParallelLayerLayout.parse_str_to_list). "even" is what Megatron runs without one: the layers split evenly
 over the p*v virtual stages, the embedding with the first and the loss with the last (it refuses layers that do not
 divide). A planned model's units map on it as the export writes them (planner.export.layout): an embedding unit, the
-repeated blocks in order, a head unit. A model's multi-token-prediction layers (planner.hf.MultiTokenPrediction) are
+repeated blocks in order, a head unit. A model's multi-token-prediction layers (_hf_models.MultiTokenPrediction) are
 priced in its head unit, with the loss, where Megatron-Core runs them by default: an m belongs in the loss's stage
 (of a model without them it stands for nothing).
 """

@@ -38,7 +38,7 @@ class _Model(BaseModel):
 
 
 # ---------------------------------------------------------------------------------------------
-# Fill report: planner/runtime/fill_executor.py (Executor.report) through FillClient.report()
+# Fill report: planner/runtime/fill_executor.py (FillExecutor.report) through FillClient.report()
 
 
 class FillStep(_Model):

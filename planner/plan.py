@@ -5,14 +5,16 @@ schemas/plan.schema.json and a test fails when it drifts.
 """
 from __future__ import annotations
 
+from dataclasses import MISSING
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Union, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, model_validator
 
 from passes.errors import UserError, load_document, write_atomic
 
-from .config import ParallelConfig
+from .config import FIELDS, ParallelConfig
+from .engines import ENGINES
 from .simulate import Bubble
 
 __all__ = ["SCHEMA", "Plan", "ConfigModel", "load_plan", "save_plan", "json_schema", "plan_hardware",
@@ -33,7 +35,7 @@ class Source(_Model):
     model_sha256: str = Field(description="sha256 of the model file; the runtime refuses a different file")
     model_args: dict[str, ArgValue] = Field(description="keyword arguments of build_model / example_inputs")
     leaves: list[str] = Field(default_factory=list, description="modules traced as leaves")
-    engine: Literal["fxplanner", "megatron", "torchtitan"] = Field(
+    engine: Literal[tuple(ENGINES)] = Field(
         "fxplanner", description="what runs the plan: fxplanner's runtime, or the engine it is exported to (its launch "
         "commands are the export's)")
     notes: list[str] = Field(default_factory=list, description="how the model was priced: unpriced ops, unused "
@@ -57,67 +59,28 @@ class Source(_Model):
     tool_version: str
 
 
-class ConfigModel(_Model):
-    """A `ParallelConfig` in the plan file (longer names for readers; `of` and `to_config` convert)."""
-
-    tp: int = Field(description="tensor-parallel degree t")
-    pp: int = Field(description="pipeline-parallel degree p")
-    dp: int = Field(description="data-parallel degree d")
-    cp: int = Field(1, description="context-parallel degree")
-    ep: int = Field(1, description="expert-parallel degree (experts of each mixture-of-experts layer over ep ranks "
-                    "holding different tokens; Megatron-Core's --expert-model-parallel-size)")
-    sp: bool = Field(False, description="sequence parallelism within the tensor-parallel group")
-    zero: int = Field(0, description="optimizer sharding stage (1: optimizer state sharded over dp x cp)")
-    grad_fp32: bool = Field(False, description="gradients accumulated and reduced in fp32 (Megatron's main_grad)")
-    overlap_grad_reduce: bool = Field(False, description="data-parallel gradient reduction bucketed and overlapped "
-                                      "with the backward (and, with zero=1, the parameter all-gather with the forward)")
-    tp_comm_overlap: bool = Field(False, description="tensor-parallel all-gathers / reduce-scatters overlapped with "
-                                  "the linears' GEMMs (Megatron --tp-comm-overlap)")
-    microbatch: int = Field(description="microbatch size b")
-    microbatches: int = Field(description="microbatches per iteration m = B / (d b)")
-    vp: int = Field(description="model chunks per pipeline rank v (interleaving)")
-    recompute: str = Field(description="activation recomputation mode (costmodels.recompute: none, selective, full, "
-                           "block)")
-    recompute_layers: int = Field(0, description="under recompute block: the first blocks of each model chunk "
-                                  "recomputed in full (Megatron --recompute-method block --recompute-num-layers)")
-    schedule: str = Field(description="pipeline schedule kind (planner.schedules: gpipe, 1f1b, interleaved, zbh1, zbv)")
-    precision: str = Field(description="training precision (costmodels.precision: bf16, fp16, fp32)")
-    fp8: str = Field("", description="FP8 recipe of the linear layers' GEMMs (costmodels.fp8: delayed, tensorwise, "
-                     "blockwise, mxfp8, torchao-rowwise, torchao-tensorwise); empty: none")
-    fp8_params: bool = Field(False, description="the linear layers' weights kept in FP8 only (Megatron "
-                             "--fp8-param-gather)")
-    moe_dispatcher: str = Field("alltoall", description="token dispatcher: alltoall, or the flex dispatcher's deepep "
-                                "/ hybridep (one copy per node)")
-    moe_a2a_overlap: bool = Field(False, description="expert all-to-alls overlapped with another microbatch's compute "
-                                  "(Megatron --overlap-moe-expert-parallel-comm)")
-    expert_load: float = Field(1.0, description="tokens the busiest expert-parallel rank computes and exchanges, over "
-                               "the balanced share (the router's balance, or the capacity factor; 1: balanced)")
-    moe_capacity: float = Field(0.0, description="experts' inputs dropped and padded to this capacity factor (Megatron "
-                                "--moe-expert-capacity-factor with --moe-pad-expert-input-to-capacity); 0: dropless")
-
+class _ConfigFields(_Model):
     @model_validator(mode="after")
-    def _consistent(self) -> "ConfigModel":
+    def _consistent(self) -> "_ConfigFields":
         self.to_config()  # every rule of ParallelConfig, with its message
         return self
 
     @classmethod
     def of(cls, c: ParallelConfig) -> "ConfigModel":
-        return cls(tp=c.tp, pp=c.pp, dp=c.dp, cp=c.cp, ep=c.ep, sp=c.sp, zero=c.zero, grad_fp32=c.grad_fp32,
-                   overlap_grad_reduce=c.overlap_grad_reduce, tp_comm_overlap=c.tp_comm_overlap, microbatch=c.b, microbatches=c.m,
-                   vp=c.v, recompute=c.recompute, recompute_layers=c.recompute_layers, schedule=c.schedule, precision=c.precision, fp8=c.fp8,
-                   fp8_params=c.fp8_params, expert_load=c.expert_load, moe_capacity=c.moe_capacity,
-                   moe_dispatcher=c.moe_dispatcher, moe_a2a_overlap=c.moe_a2a_overlap)
+        return cls(**{plan: getattr(c, name) for name, plan in _PLAN_NAMES.items()})
 
     def to_config(self) -> ParallelConfig:
-        return ParallelConfig(tp=self.tp, pp=self.pp, dp=self.dp, cp=self.cp, ep=self.ep, sp=self.sp, zero=self.zero,
-                              grad_fp32=self.grad_fp32, overlap_grad_reduce=self.overlap_grad_reduce,
-                              tp_comm_overlap=self.tp_comm_overlap,
-                              b=self.microbatch, m=self.microbatches, v=self.vp, recompute=self.recompute,
-                              recompute_layers=self.recompute_layers,
-                              schedule=self.schedule, precision=self.precision, fp8=self.fp8,
-                              fp8_params=self.fp8_params, expert_load=self.expert_load,
-                              moe_capacity=self.moe_capacity, moe_dispatcher=self.moe_dispatcher,
-                              moe_a2a_overlap=self.moe_a2a_overlap)
+        return ParallelConfig(**{name: getattr(self, plan) for name, plan in _PLAN_NAMES.items()})
+
+
+_PLAN_NAMES = {name: f.metadata["plan"] or name for name, f in FIELDS.items()}
+ConfigModel = create_model(
+    "ConfigModel", __base__=_ConfigFields, __module__=__name__,
+    __doc__="A `ParallelConfig` in the plan file: its fields, some under longer names for readers (planner.config: "
+            "each field's `plan` and `help`); `of` and `to_config` convert.",
+    **{_PLAN_NAMES[name]: (hint, Field(... if FIELDS[name].default is MISSING else FIELDS[name].default,
+                                       description=FIELDS[name].metadata["help"]))
+       for name, hint in get_type_hints(ParallelConfig).items()})
 
 
 class Stage(_Model):
@@ -133,8 +96,11 @@ class Stage(_Model):
     activation_bytes: float = Field(description="per microbatch in flight")
     weight_bytes: float = Field(0.0, description="of activation_bytes, what a microbatch still holds between its "
                                                  "I and its W step (split backward)")
-    tensor_parallel: dict[str, Literal["colwise", "rowwise"]] = Field(
-        default_factory=dict, description="linear module path -> torch.distributed.tensor.parallel style")
+    tensor_parallel: dict[str, Literal["colwise", "rowwise", "vocab", "vocab_colwise"]] = Field(
+        default_factory=dict, description="module path -> how its weight is split over the tensor-parallel ranks: a "
+        "linear colwise or rowwise (torch.distributed.tensor.parallel styles), an embedding by vocabulary rows (vocab: "
+        "every use of its weight, a head tied to it included), an LM head by its vocabulary outputs (vocab_colwise, "
+        "its logits gathered)")
 
 
 class RankMemory(_Model):
@@ -218,7 +184,7 @@ class FillJob(_Model):
                                          "groups, [start, stop) ranges of its forward units, loaded in order in each "
                                          "bubble (the next group's transfer overlapping the current group's compute)")
     leaves: list[str] = Field(default_factory=list, description="modules traced as leaves")
-    engine: Literal["fxplanner", "megatron", "torchtitan"] = Field(
+    engine: Literal[tuple(ENGINES)] = Field(
         "fxplanner", description="what runs the plan: fxplanner's runtime, or the engine it is exported to (its launch "
         "commands are the export's)")
     notes: list[str] = Field(default_factory=list, description="how the model was priced: unpriced ops, unused "
@@ -286,7 +252,7 @@ class FillPair(_Model):
 class Fill(_Model):
     safety_margin: float
     policy: Literal["fifo", "sjf", "makespan", "edf"] = Field("sjf", description="which of a rank's fill jobs runs next when one ends (planner/fill/"
-                        "scheduler.py POLICIES: fifo, sjf, makespan, edf)")
+                        "job_scheduler.py POLICIES: fifo, sjf, makespan, edf)")
     gpu_sharing: Literal["timeslice", "mps", "none"] = Field(
         "timeslice", description="how the fill processes share a GPU with the main job: time slices, MPS (start "
                                  "nvidia-cuda-mps-control -d on every node before torchrun), or none (the main job "
@@ -347,7 +313,7 @@ def inconsistency(plan: Plan) -> str | None:
     if pred.iteration_s < busiest * (1 - 1e-6):
         return (f"predictions.iteration_s {pred.iteration_s:g} s is shorter than the busiest rank's "
                 f"compute ({busiest:g} s)")
-    from .schedule import validate
+    from .schedule_ir import validate
 
     try:
         validate(plan_schedule(plan))  # complete, dependencies kept, sends paired, no deadlock
@@ -397,7 +363,7 @@ def plan_hardware(plan: Plan):
 
 def plan_schedule(plan: Plan):
     """The plan's action lists as a Schedule (BUBBLE actions included): what the runtime executes."""
-    from .schedule import Action, Schedule
+    from .schedule_ir import Action, Schedule
 
     c = plan.config
     return Schedule(kind=c.schedule, p=c.pp, v=c.vp, m=c.microbatches,

@@ -102,8 +102,9 @@ def ep_choices(experts: int, ranks: int, pins: Pins, rejected: Counter) -> list[
 
 def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int, pins: Pins,
                rejected: Counter, heads: Iterable[tuple[int, int]] = (), seq: int = 0,
-               experts: int = 0) -> Iterator[ParallelConfig]:
-    heads = set(heads)
+               experts: int = 0, refused: dict[str, str] | None = None) -> Iterator[ParallelConfig]:
+    """`refused`: {"t" or "t+sp": the op and source line} of the splits the engine cannot run (Evaluator.refused)."""
+    heads, refused = set(heads), refused or {}
     t_pool = divisors(n_gpus) if pins.allow_cross_node_tp else divisors(min(gpus_per_node, n_gpus))
     if pins.tp is not None and pins.tp not in t_pool:
         t = pins.tp
@@ -116,6 +117,9 @@ def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int,
         if (why := tp_reason(t, heads)) is not None:
             rejected[why] += 1
             continue
+        if (op := refused.get(str(t))) is not None:
+            rejected[f"tensor parallelism, which the runtime cannot run for this model ({op})"] += 1
+            continue
         for cp in cp_choices(t, n_gpus // t, gpus_per_node, seq, pins, rejected):
             for p in divisors(n_gpus // (t * cp)):
                 d = n_gpus // (t * cp * p)
@@ -127,11 +131,13 @@ def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int,
                 if global_batch % d:
                     rejected["global batch not divisible by d"] += 1
                     continue
-                yield from _per_replica(t, p, d, cp, n_units, global_batch // d, pins, rejected, experts)
+                yield from _per_replica(t, p, d, cp, n_units, global_batch // d, pins, rejected, experts,
+                                        refused.get(f"{t}+sp"))
 
 
 def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int, pins: Pins,
-                 rejected: Counter, experts: int = 0) -> Iterator[ParallelConfig]:
+                 rejected: Counter, experts: int = 0, sp_refused: str | None = None) -> Iterator[ParallelConfig]:
+    """`sp_refused`: the op the engine cannot run under sequence parallelism at this t, if any."""
     replicas = d * cp > 1
     zero = pins.zero if pins.zero is not None else int(replicas)
     overlap = pins.overlap_grad_reduce if pins.overlap_grad_reduce is not None else replicas
@@ -162,6 +168,9 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                         continue
                     layers = (pins.recompute_layers or 0) if partial else 0
                     for sp in ((False, True) if pins.sp is None else (pins.sp,)) if t > 1 else (False,):
+                        if sp and sp_refused is not None:
+                            rejected[f"sequence parallelism, which the runtime cannot run for this model ({sp_refused})"] += 1
+                            continue
                         # Megatron-Core runs expert parallelism beside tensor parallelism only under sp
                         eps = ep_choices(experts, (t if sp else 1) * cp * d, pins, rejected) if sp or t == 1 else \
                             [1] if (pins.ep or 1) == 1 else []
@@ -174,8 +183,8 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                                                  recompute=rc, recompute_layers=layers, sp=sp, schedule=name,
                                                  precision=pins.precision,
                                                  fp8=pins.fp8, fp8_params=pins.fp8_params,
-                                                 expert_load=pins.moe_capacity or (pins.expert_load if ep > 1
-                                                                                   else 1.0),
+                                                 expert_load=pins.moe_capacity or (pins.expert_load or 1.0
+                                                                                   if ep > 1 else 1.0),
                                                  moe_capacity=pins.moe_capacity,
                                                  moe_dispatcher=pins.moe_dispatcher,
                                                  moe_a2a_overlap=pins.moe_a2a_overlap and ep > 1)
@@ -238,7 +247,7 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
     rejected: Counter = Counter()
     pool = list(candidates(len(ev.units), ev.n_gpus, cl.gpus_per_node, ev.global_batch, pins, rejected,
                            heads=((u.heads, u.kv_heads) for u in ev.units), seq=ev.tokens_per_sample,
-                           experts=math.gcd(*(u.experts for u in ev.units))))
+                           experts=math.gcd(*(u.experts for u in ev.units)), refused=ev.refused))
     if not pool:
         raise NoFeasibleConfig(_no_candidates_message(ev, pins, rejected))
     leanest: tuple[float, ParallelConfig] | None = None
@@ -335,14 +344,14 @@ def _at_least(ev: Evaluator, c: ParallelConfig, r: Rejected) -> ParallelConfig:
 
 def _fallbacks(c: ParallelConfig, pins: Pins) -> Iterator[ParallelConfig]:
     """What to price, in order, where `c` does not fit: partial recomputation of each chunk's first blocks for a
-    configuration that recomputes nothing (the least count that fits; not torchtitan's: its AC checkpoints every
-    k-th block), then ZeRO-2 and ZeRO-3 for a ZeRO-1 one (the fxplanner runtime runs up to ZeRO-2). Each only adds
-    work, so it is priced only where less does not fit, and only what the search chooses (none pinned); made as
-    they are asked for."""
-    if c.recompute == "none" and pins.recompute is None and pins.engine != "torchtitan":
+    configuration that recomputes nothing (the least count that fits; where the engine runs it), then ZeRO-2 and
+    ZeRO-3 for a ZeRO-1 one (ZeRO-3 where the engine runs it). Each only adds work, so it is priced only where less
+    does not fit, and only what the search chooses (none pinned); made as they are asked for."""
+    engine = ENGINES[pins.engine]
+    if c.recompute == "none" and pins.recompute is None and engine.recompute_block:
         yield c.fallback(recompute="block")
     if pins.zero is None and c.zero == 1:
-        yield from (c.fallback(zero=z) for z in range(2, 3 if pins.engine == "fxplanner" else 4))
+        yield from (c.fallback(zero=z) for z in range(2, 4 if engine.fsdp else 3))
 
 
 def _pins_arithmetic(n_gpus: int, global_batch: int, pins: Pins, gpus: bool = True) -> str | None:

@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from planner.schedule import Action, Op, Schedule, ScheduleError, _action, gc_paused
+from planner.schedule_ir import Action, Op, Schedule, ScheduleError, _action, gc_paused
 
 __all__ = ["Bubble", "Interval", "SimCosts", "SimResult", "simulate", "simulate_time", "with_bubbles"]
 

@@ -17,7 +17,7 @@ from .metrics import (Comparison, MetricsDocument, RankComparison, RankValidatio
                       ValidationReport)
 from .plan import Plan
 
-__all__ = ["compare", "refit", "repack_fill", "fill_spec_of", "error", "fit_action_overhead"]
+__all__ = ["compare", "refit", "repack_fill", "error", "fit_action_overhead"]
 
 
 def error(measured: float | None, predicted: float | None) -> float | None:
@@ -194,41 +194,25 @@ def refit(plan: Plan, metrics: MetricsDocument, skip: int = 1) -> Plan:
     return plan.model_copy(update={"bubbles": bubbles})
 
 
-def fill_spec_of(plan: Plan):
-    """The plan's fill jobs as a fill spec: each at the batch size the plan chose (its configurations are
-    re-priced; the YAML the plan was made from, when at hand, lets every batch size compete again)."""
-    from .fill.spec import FillJobSpec, FillSpec, Work
-
-    paired = {b.split("@")[0]: a.split("@")[0] for a, b in (p.jobs for p in plan.fill.pairs)}
-    jobs = {}
-    for j in plan.fill.jobs:
-        name = j.name.split("@")[0]
-        jobs.setdefault(name, FillJobSpec(name=name, model=j.model_file, model_args=j.model_args, kind=j.kind,
-                                          batch_sizes=[j.batch_size], leaves=list(j.leaves),
-                                          work=Work(iterations=j.iterations or 1), arrival_s=j.arrival_s,
-                                          deadline_s=j.deadline_s, priority=j.priority, pair_with=paired.get(name)))
-    return FillSpec(jobs=list(jobs.values()), safety_margin=plan.fill.safety_margin, policy=plan.fill.policy,
-                    gpu_sharing=plan.fill.gpu_sharing)
-
-
 def repack_fill(plan: Plan, spec=None, *, solver: str = "greedy", alone=None) -> Plan:
     """Pack the fill jobs again into the plan's bubbles (measured ones after `refit`), and update the fill
-    predictions. `spec` is the fill YAML's spec, or None for the plan's own jobs (`fill_spec_of`); `alone`, the
+    predictions. `spec` is the fill YAML's spec, or None for the plan's own jobs (FillSpec.of_plan); `alone`, the
     jobs' profiles priced alone if at hand (profile_job without sharing), saves tracing them again."""
     from .fill.assign import assign_fill, plan_cycles, plan_hold_free
     from .fill.profiles import profile_job, shared_profile
     from .fill.section import fill_section
+    from .fill.spec import FillSpec
     from .plan import plan_hardware
 
     if plan.fill is None:
         return plan
-    spec = spec or fill_spec_of(plan)
+    spec = spec or FillSpec.of_plan(plan.fill)
     hw = plan_hardware(plan)
     alone = alone or {j.name: profile_job(j, hw, plan.config.precision, host=spec.gpu_sharing != "none")
                       for j in spec.jobs}
     jobs = {name: [shared_profile(p, spec.gpu_sharing) for p in profs] for name, profs in alone.items()}
     fa = assign_fill(plan_cycles(plan), plan.predictions.iteration_s, jobs, hw, safety_margin=spec.safety_margin, solver=solver,
-                     hold_free=plan_hold_free(plan), replicas=plan.config.dp * plan.config.cp * plan.config.tp,
+                     hold_free=plan_hold_free(plan), replicas=plan.config.to_config().gpus_per_stage,
                      policy=spec.policy)
     old = plan.fill.predictions
     fill = fill_section(fa, spec, offload=old.offload_optimizer, offload_bytes=old.offload_bytes,

@@ -29,7 +29,7 @@ from .packing import BubbleSlot, FillUnit, Packing, cpsat_pack, greedy_pack
 from .physics import DEFAULT_SAFETY_MARGIN, FILL_CONTEXT_BYTES, chunk_overhead_s, unit_overhead_s
 from .pipeswitch import TransferOverhead, dp_grouping
 from .profiles import FillProfile
-from .scheduler import JobInfo, next_on_rank, resolve_policy
+from .job_scheduler import JobView, next_on_rank, resolve_policy
 from .waterwave import PairSchedule, pair_units, schedule_pair, split_of
 
 __all__ = ["RankFill", "Pairing", "Turn", "FillAssignment", "data_parallel", "Packer", "PACKERS", "assign_fill", "best_fill", "load_grouping",
@@ -440,7 +440,7 @@ def _turns(queues: list[list[RankFill]], replicas: int, iteration_s: float, poli
     for r, queue in enumerate(queues):
         rfs = {rf.profile.job: rf for rf in queue if shares[(rf.profile.job, r)][1] > 0}
         proc = {n: -(-shares[(n, r)][1] // replicas) / _rate(rf, iteration_s) for n, rf in rfs.items()}
-        infos = [JobInfo(name=n, kind=rf.profile.kind, arrival_s=rf.profile.arrival_s,
+        infos = [JobView(name=n, kind=rf.profile.kind, arrival_s=rf.profile.arrival_s,
                          deadline_s=rf.profile.deadline_s, priority=rf.profile.priority, work=shares[(n, r)][1],
                          proc_times=tuple(proc[n] if i == r else math.inf for i in range(p)), index=k)
                  for k, (n, rf) in enumerate(rfs.items())]

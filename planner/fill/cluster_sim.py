@@ -2,8 +2,8 @@
 
 As in PipeFill's simulator, the only events are fill-job arrivals and completions ("since these
 are when the state of the system can change"); between events every rank runs its job's plan
-(:class:`~planner.fill.scheduler.RankPlan`, profiled chunk times) in the rank's repeating bubble
-cycle. At each event the Scheduler (:func:`~planner.fill.scheduler.choose`) submits pending jobs
+(:class:`~planner.fill.job_scheduler.RankPlan`, profiled chunk times) in the rank's repeating bubble
+cycle. At each event the Scheduler (:func:`~planner.fill.job_scheduler.choose`) submits pending jobs
 to idle ranks.
 
 Execution rules. A job submitted at time t starts at the first bubble that begins at or after t
@@ -37,18 +37,18 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from planner.fill.scheduler import (
+from planner.fill.job_scheduler import (
     TIME_EPS_S,
     ExecutorState,
     TraceJob,
-    JobInfo,
+    JobView,
     Rank,
     RankPlan,
     SchedulerState,
     ScoreFn,
     Unplaceable,
     choose,
-    job_info,
+    job_view,
     placement,
     resolve_policy,
 )
@@ -284,13 +284,13 @@ class _Loop:
     """Mutable state of one simulation (private; results leave as frozen dataclasses)."""
 
     jobs: list[TraceJob]
-    infos: list[JobInfo]
+    infos: list[JobView]
     allowed: dict[str, tuple[int, ...]]
     ranks: Sequence[Rank]
     score: ScoreFn
     horizon: float
     execs: list[_Exec]
-    pending: list[JobInfo]
+    pending: list[JobView]
     chunks: list[ExecutedChunk]
     started: dict[str, tuple[int, float]]
     completed: dict[str, float]
@@ -314,7 +314,7 @@ class _Loop:
             self.pending.remove(info)
             self.start(info, r, now, events)
 
-    def start(self, info: JobInfo, r: int, now: float, events: list) -> None:
+    def start(self, info: JobView, r: int, now: float, events: list) -> None:
         job, e = self.jobs[info.index], self.execs[r]
         chunks, end = run_job(job, r, self.ranks[r], now, job.work, self.horizon)
         self.chunks.extend(chunks)
@@ -369,7 +369,7 @@ def simulate(
     """
     _check_inputs(jobs, ranks)
     score = resolve_policy(policy)
-    infos = [job_info(j, ranks, k) for k, j in enumerate(jobs)]
+    infos = [job_view(j, ranks, k) for k, j in enumerate(jobs)]
     where = {j.name: placement(j, ranks) for j in jobs}
     unplaceable = tuple(w for w in where.values() if isinstance(w, Unplaceable))
     allowed = {n: w for n, w in where.items() if not isinstance(w, Unplaceable)}

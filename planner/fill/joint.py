@@ -151,7 +151,7 @@ def _options(ev: Evaluator, candidates: list[Evaluation], jobs: dict[str, list[F
         for extra in extras:
             fa = assign_fill(bubble_cycles(sim, e.config.pp, extra), e.iteration_s, jobs, ev.hw,
                              safety_margin=safety_margin, solver=solver, hold_free=hold_free(sim, ev.capacity),
-                             replicas=e.config.dp * e.config.cp * e.config.tp, policy=policy)
+                             replicas=e.config.gpus_per_stage, policy=policy)
             out.append(JointChoice(evaluation=e, simulation=sim, fill=fa, offloaded=extra or (),
                                    main_useful_per_gpu=_main_useful(ev, e), considered=0,
                                    recovered=recovered_gpu_s_per_s(fa, e.iteration_s), solver=solver))

@@ -25,7 +25,7 @@ job runs data parallel over the GPUs of one pipeline stage (planner/fill/assign.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Optional, Union
+from typing import TYPE_CHECKING, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -33,6 +33,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from passes.errors import UserError, invalid_file
 
 from .physics import DEFAULT_SAFETY_MARGIN, GpuSharing
+
+if TYPE_CHECKING:
+    from planner.plan import Fill
 
 __all__ = ["FillJobSpec", "FillSpec", "load_fill_spec"]
 
@@ -53,6 +56,9 @@ class Work(_Strict):
 
 
 class FillJobSpec(_Strict):
+    """A fill job as the fill file asks for it: the batch sizes it may run at and its work. The plan records it as a
+    FillJob (planner.plan) per batch size and configuration it was given, which is what the runtime runs."""
+
     name: str = Field(min_length=1)
     model: str = Field(description="model file (build_model, example_inputs), relative to the YAML file")
     model_args: dict[str, Union[bool, int, float, str]] = Field(default_factory=dict)
@@ -84,11 +90,28 @@ class FillSpec(_Strict):
     safety_margin: float = Field(DEFAULT_SAFETY_MARGIN, ge=0, lt=1,
                                  description="share of every bubble left unused (planner/fill/physics.py)")
     policy: Literal["fifo", "sjf", "makespan", "edf"] = Field(
-        "sjf", description="which of a rank's jobs runs next when one ends (planner/fill/scheduler.py)")
+        "sjf", description="which of a rank's jobs runs next when one ends (planner/fill/job_scheduler.py)")
     gpu_sharing: GpuSharing = Field(
         "timeslice", description="how a fill process shares its GPU with the main job waiting in a bubble: time "
                                  "slices (separate processes, the default), MPS, or none (the main job waits on "
                                  "the host, as on CPU); planner/fill/physics.py")
+
+    @classmethod
+    def of_plan(cls, fill: "Fill") -> "FillSpec":
+        """A plan's fill section as the fill file that asks for its jobs: each at the batch size the plan chose (its
+        configurations are re-priced; the YAML the plan was made from, when at hand, lets every batch size compete
+        again). A plan's FillJob is one of its job's batch sizes and configurations, named job@b<batch>-<config>."""
+        paired = {b.split("@")[0]: a.split("@")[0] for a, b in (p.jobs for p in fill.pairs)}
+        jobs: dict[str, FillJobSpec] = {}
+        for j in fill.jobs:
+            name = j.name.split("@")[0]
+            jobs.setdefault(name, FillJobSpec(name=name, model=j.model_file, model_args=j.model_args, kind=j.kind,
+                                              batch_sizes=[j.batch_size], leaves=list(j.leaves),
+                                              work=Work(iterations=j.iterations or 1), arrival_s=j.arrival_s,
+                                              deadline_s=j.deadline_s, priority=j.priority,
+                                              pair_with=paired.get(name)))
+        return cls(jobs=list(jobs.values()), safety_margin=fill.safety_margin, policy=fill.policy,
+                   gpu_sharing=fill.gpu_sharing)
 
     @model_validator(mode="after")
     def _unique(self) -> "FillSpec":

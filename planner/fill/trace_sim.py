@@ -20,7 +20,7 @@ from planner.plan import Plan, plan_hardware
 from .assign import FillAssignment, assign_fill, plan_cycles, plan_hold_free
 from .cluster_sim import Prices, SimReport, simulate
 from .profiles import profile_job, shared_profile
-from .scheduler import Rank, RankPlan, TraceJob, Unplaceable
+from .job_scheduler import Rank, RankPlan, TraceJob, Unplaceable
 from .spec import FillSpec
 
 __all__ = ["plan_assignment", "simulate_trace", "trace_jobs"]
@@ -39,9 +39,9 @@ def plan_assignment(plan: Plan, spec: FillSpec) -> FillAssignment:
     for js in spec.jobs:
         alone = profile_job(js, hw, plan.config.precision, host=spec.gpu_sharing != "none")
         jobs[js.name] = [shared_profile(p, spec.gpu_sharing) for p in alone]
-    c = plan.config
     return assign_fill(plan_cycles(plan), plan.predictions.iteration_s, jobs, hw, safety_margin=spec.safety_margin,
-                       hold_free=plan_hold_free(plan), replicas=c.dp * c.cp * c.tp, policy=spec.policy)
+                       hold_free=plan_hold_free(plan), replicas=plan.config.to_config().gpus_per_stage,
+                       policy=spec.policy)
 
 
 def trace_jobs(fa: FillAssignment, ranks: int) -> tuple[list[TraceJob], list[Unplaceable]]:

@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from passes.errors import UserError
 from passes.host import available_host_bytes
+from passes.errors import UNLAUNCHABLE, UserError
+
+from ..engines import ENGINES
 
 if TYPE_CHECKING:
     from ..metrics import MetricsDocument
@@ -36,9 +38,6 @@ if TYPE_CHECKING:
 __all__ = ["CheckedPlan", "LocalRun", "check_plan", "load_runtime_model_file", "resolve_model_file", "torchrun_command", "launch_local",
            "local_overload",
            "child_env", "summarize", "mean_iteration_s", "METRICS_SCHEMA"]
-
-UNLAUNCHABLE = "the plan cannot be launched"
-"""How a plan's note (passes.pipeline) begins where its model file lacks what the runtime calls."""
 
 METRICS_SCHEMA = "fxplanner.metrics/v1"
 """Schema string of the metrics document (planner.metrics.MetricsDocument)."""
@@ -77,7 +76,7 @@ def check_plan(path: str | Path, world_size: int) -> CheckedPlan:
         raise UserError(f"plan {path} uses tensor-parallel communication overlap (Transformer Engine's userbuffers), "
                         "which this runtime does not run; re-plan without --tp-comm-overlap (or export it to "
                         "Megatron-LM with `planner export`)")
-    if plan.source.engine != "fxplanner":
+    if ENGINES[plan.source.engine].export:
         raise UserError(f"plan {path} was made for {plan.source.engine}: launch it with `planner export {path} --to "
                         f"{plan.source.engine}` (its plan.launch commands), not with the fxplanner runtime")
     if c.ep > 1:

@@ -50,7 +50,7 @@ import torch.distributed as dist
 from passes.load import ModelFile
 
 from ..plan import Plan, plan_schedule
-from ..schedule import Action, Op, grid
+from ..schedule_ir import Action, Op, grid
 from passes.errors import UserError
 
 from .context_parallel import ContextParallel
@@ -61,7 +61,7 @@ from .stage import (DTYPES, StageModule, TensorSpec, apply_tensor_parallel, boun
                     stage_modules, to_precision)
 
 __all__ = ["RunOptions", "NullFill", "FillHooks", "ActionError", "Executor", "prepare", "load_fill_client",
-           "failure_text"]
+           "failure_text", "stage_parameters", "held_parameters"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -189,6 +189,20 @@ def sharing_mismatch(planned: str, mps: bool) -> str | None:
     return None
 
 
+def stage_parameters(stages: list[StageModule]) -> dict[str, torch.nn.Parameter]:
+    """The parameters a rank's stages train, by canonical name (a weight read by several stages, or tied, once)."""
+    params: dict[str, torch.nn.Parameter] = {}
+    for st in stages:
+        for local, param in st.named_parameters(remove_duplicate=False):
+            params.setdefault(st.names[local], param)
+    return dict(sorted(params.items()))
+
+
+def held_parameters(params: dict[str, torch.nn.Parameter]) -> int:
+    """How many parameters a rank holds (Holdings.parameters): each tensor once."""
+    return sum(p.numel() for p in {id(p): p for p in params.values()}.values())
+
+
 class Executor:
     """One rank's view of a plan: its stages, groups, optimizer, and the action loop."""
 
@@ -203,11 +217,7 @@ class Executor:
         self.rank_of = {s.stage: s.rank for s in plan.partition}  # the plan's placement
         self.cfg = plan.config.to_config()
         self.m = self.cfg.m
-        self.params: dict[str, torch.nn.Parameter] = {}
-        for st in stages:
-            for local, param in st.named_parameters(remove_duplicate=False):
-                self.params.setdefault(st.names[local], param)
-        self.params = dict(sorted(self.params.items()))
+        self.params = stage_parameters(stages)
         self.sync = GradSync(self.params, shared=groups.shared, dp_group=groups.grad_group,  # dp x cp
                              dp_size=self.c.dp_size * self.c.cp_size, dp_rank=self.c.dp_cp, zero=self.cfg.zero,
                              overlap=self.cfg.overlap_grad_reduce,
@@ -565,7 +575,7 @@ class Executor:
         unique = {id(p): (n, p) for n, p in self.params.items()}.values()
         sharded = sorted({m for st in self.stages.values() for m in st.tp_sharded})
         modes = {st.recompute for st in self.stages.values()}
-        return {"parameters": sum(p.numel() for _, p in unique),
+        return {"parameters": held_parameters(self.params),
                 "parameter_dtype": str(next(iter(unique))[1].dtype).removeprefix("torch.") if unique else "float32",
                 "optimizer_state_bytes": self.sync.state_bytes(), "tensor_parallel": sharded,
                 "recompute": next((m for m in ("full", "block", "selective") if m in modes), "none"),

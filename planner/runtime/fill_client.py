@@ -24,7 +24,7 @@ from typing import Any
 
 from planner.plan import Plan
 
-from .fill_executor import GRACE_S, BubbleBegin, BubbleEnd, ExecutorOptions, Request, executor_main
+from .fill_executor import GRACE_S, BubbleBegin, BubbleEnd, FillExecutorOptions, Request, executor_main
 
 __all__ = ["FillClient"]
 
@@ -52,7 +52,7 @@ class FillClient:
     @classmethod
     def start(cls, plan: Plan, pipeline_rank: int, global_rank: int, device: str,
               measured_bubbles: dict[int, float] | None = None, grace_s: float = GRACE_S, *,
-              options: ExecutorOptions | None = None) -> "FillClient | None":
+              options: FillExecutorOptions | None = None) -> "FillClient | None":
         """Spawn this rank's executor process (multiprocessing 'spawn' context) if the plan assigns fill
         chunks to pipeline_rank; None otherwise. Returns at once: the fill jobs load in the background
         (wait_ready() waits for them). `measured_bubbles` (bubble id -> seconds) caps the duration the
@@ -76,7 +76,7 @@ class FillClient:
         res_r, res_w = ctx.Pipe(duplex=False)
         proc = ctx.Process(target=executor_main, name=f"fxp-fill-executor-{global_rank}",
                            args=(plan.model_dump_json(by_alias=True), pipeline_rank, global_rank, device,
-                                 dict(measured_bubbles or {}), float(grace_s), options or ExecutorOptions(),
+                                 dict(measured_bubbles or {}), float(grace_s), options or FillExecutorOptions(),
                                  cmd_r, res_w, run_key))
         proc.start()
         cmd_r.close()

@@ -42,7 +42,7 @@ never leaves half a message):
                       ("wait", pos): the unit (a data-parallel optimizer step) waits on the replicas' gradients
 
 Work and turns (planner/fill/assign.py). A rank's jobs run one at a time: the current one keeps the bubbles until
-it stops, then the plan's policy picks the next among those that have arrived (planner.fill.scheduler.next_on_rank,
+it stops, then the plan's policy picks the next among those that have arrived (planner.fill.job_scheduler.next_on_rank,
 the function the planner predicted the turns with). A bubble the current job has no chunk in (too short for its
 units, or too little memory) goes to the first arrived job the plan packed into it. This GPU runs only its share
 of each job: replica k of the stage's R GPUs takes batches first + k, first + k + R, ... of the rank's shard
@@ -67,13 +67,13 @@ from multiprocessing import connection
 from typing import Any, Literal
 
 from planner.fill.physics import BATCH_WORK_S, STEP_ALLOWANCE_S, STEP_SAFETY, batched
-from planner.fill.scheduler import JobInfo, next_on_rank, resolve_policy
+from planner.fill.job_scheduler import JobView, next_on_rank, resolve_policy
 from planner.fill.waterwave import PairLedger
 from planner.plan import FillJob, Plan
 
-__all__ = ["GRACE_S", "State", "Transition", "TRANSITIONS", "IllegalTransition", "SideTaskState", "ExecutorOptions",
-           "TaskSpec", "BubbleBegin", "BubbleEnd", "Request", "Occurrence", "TaskHandle", "Executor",
-           "executor_main"]
+__all__ = ["GRACE_S", "State", "Transition", "TRANSITIONS", "IllegalTransition", "SideTaskState",
+           "FillExecutorOptions", "TaskOptions", "BubbleBegin", "BubbleEnd", "Request", "Occurrence", "TaskHandle",
+           "FillExecutor", "executor_main"]
 
 Interface = Literal["iterative", "imperative"]
 GRACE_S = 0.05
@@ -143,7 +143,7 @@ class SideTaskState:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ExecutorOptions:
+class FillExecutorOptions:
     """How the executor runs its fill jobs (the plan says which jobs and bubbles, not these)."""
 
     interface: dict[str, Interface] = field(default_factory=dict)
@@ -184,21 +184,15 @@ class ExecutorOptions:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TaskSpec:
-    """What a task process needs to run one fill job."""
+class TaskOptions:
+    """How one task process runs its fill job on this GPU. The job itself is the plan's FillJob, which the process
+    gets beside these (its model, batch size, configuration, units, weights resident or streamed); these are what
+    this GPU and this run add: the device and interface, its share of the job's batches (FillShard) and replicas."""
 
-    job: str
-    model_file: str
-    model_sha256: str
-    model_args: dict[str, Any]
-    kind: Literal["train", "infer"]
-    batch_size: int
-    units: tuple[str, ...]
-    """The plan's linearized units; the task checks its own linearization has as many."""
     device: str
     interface: Interface
     iterations: int | None
-    leaves: tuple[str, ...] = ()
+    """This GPU's share of the job's batches, after which its work is done (None: until shutdown)."""
     profile_reps: int = 3
     cpu_threads: int = 1
     seed: int = 0
@@ -209,12 +203,6 @@ class TaskSpec:
     dp_rank: int = 0
     dp_key: str = ""
     """A training job's data-parallel replicas (the GPUs of one pipeline stage) meet under this store prefix."""
-    resident: bool = True
-    load_groups: tuple[tuple[int, int], ...] = ()
-    """Not resident (an inference job): its weights are streamed in per bubble by these groups of forward units."""
-    config: str = "plain"
-    """PipeFill 4.3's fill-job configuration: plain, checkpoint (block units recomputed) or offload (the
-    optimizer's state and step on the host)."""
     precision: str = "fp32"
     """The plan's precision, the one its fill prices were made in (planner/fill/profiles.py traces the job in the
     main job's): an inference job's weights and inputs take its dtype; a training job computes under autocast to
@@ -301,10 +289,10 @@ class Occurrence:
                 "kills": self.kills, "errors": self.errors}
 
 
-def _task_entry(spec: TaskSpec, rx: Any, tx: Any) -> None:
+def _task_entry(job: FillJob, options: TaskOptions, rx: Any, tx: Any) -> None:
     from planner.runtime.fill_task import task_main  # torch is imported only in the task process
 
-    task_main(spec, rx, tx)
+    task_main(job, options, rx, tx)
 
 
 def _task_context() -> Any:
@@ -342,9 +330,9 @@ class PairRun:
 class TaskHandle:
     """The manager's side of one side task: its process, pipes, state machine and progress."""
 
-    def __init__(self, spec: TaskSpec, job: FillJob, log: list[dict[str, Any]]) -> None:
-        self.spec, self.job = spec, job
-        self.sm = SideTaskState(job=spec.job, log=log)
+    def __init__(self, job: FillJob, options: TaskOptions, log: list[dict[str, Any]]) -> None:
+        self.job, self.options = job, options
+        self.sm = SideTaskState(job=job.name, log=log)
         self.proc: Any = None
         self.to_task: Any = None
         self.from_task: Any = None
@@ -360,7 +348,7 @@ class TaskHandle:
         self.samples = 0
         self.profile: list[float] | None = None
         self.observed: dict[int, float] = {}
-        self.linearized: list[str] = list(spec.units)
+        self.linearized: list[str] = list(job.units)
         self.stop_reason: str | None = None
         self.error: str | None = None
         self.retry_at: float | None = None  # the next unit waits on the replicas' gradients: ask again then
@@ -370,11 +358,11 @@ class TaskHandle:
 
     @property
     def name(self) -> str:
-        return self.spec.job
+        return self.job.name
 
     @property
     def iterative(self) -> bool:
-        return self.spec.interface == "iterative"
+        return self.options.interface == "iterative"
 
     @property
     def live(self) -> bool:
@@ -383,7 +371,7 @@ class TaskHandle:
     def spawn(self, ctx: Any) -> None:
         task_rx, to_task = ctx.Pipe(duplex=False)
         from_task, task_tx = ctx.Pipe(duplex=False)
-        self.proc = ctx.Process(target=_task_entry, args=(self.spec, task_rx, task_tx),
+        self.proc = ctx.Process(target=_task_entry, args=(self.job, self.options, task_rx, task_tx),
                                 name=f"fxp-fill-{self.name}", daemon=True)
         self.proc.start()
         task_rx.close()
@@ -406,7 +394,7 @@ class TaskHandle:
     def unit_name(self, pos: int | None) -> str:
         return "init" if pos is None else self.linearized[pos % len(self.linearized)]
 
-    def estimate(self, pos: int, opts: ExecutorOptions) -> float:
+    def estimate(self, pos: int, opts: FillExecutorOptions) -> float:
         """Program-directed limit: the step's profiled time, or its recent time if longer, with margin."""
         k = pos % len(self.linearized)
         base = max(self.profile[k] if self.profile else 0.0, self.observed.get(k, 0.0))
@@ -422,13 +410,14 @@ class TaskHandle:
             self.observed[k] = floor + 0.5 * max(0.0, self.observed[k] - floor)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "kind": self.spec.kind, "interface": self.spec.interface,
-                "batch_size": self.spec.batch_size, "state": self.sm.state.value, "stop_reason": self.stop_reason,
+        o = self.options
+        return {"name": self.name, "kind": self.job.kind, "interface": o.interface,
+                "batch_size": self.job.batch_size, "state": self.sm.state.value, "stop_reason": self.stop_reason,
                 "error": self.error, "units_done": self.pos, "iterations_done": self.iterations,
-                "samples_done": self.samples, "batch_first": self.spec.batch_first,
-                "batch_stride": self.spec.batch_stride, "planned_iterations": self.spec.iterations,
-                "dp_size": self.spec.dp_size, "dp_rank": self.spec.dp_rank, "config": self.spec.config,
-                "resident": self.spec.resident, "loads": self.loads, "loads_total": self.loads_total,
+                "samples_done": self.samples, "batch_first": o.batch_first,
+                "batch_stride": o.batch_stride, "planned_iterations": o.iterations,
+                "dp_size": o.dp_size, "dp_rank": o.dp_rank, "config": self.job.config,
+                "resident": self.job.resident, "loads": self.loads, "loads_total": self.loads_total,
                 **self.info,
                 "units": self.linearized,
                 "profile_s": dict(zip(self.linearized, self.profile)) if self.profile else None,
@@ -436,11 +425,11 @@ class TaskHandle:
                 "predicted_s": dict(zip(self.job.units, self.job.unit_time_s))}
 
 
-class Executor:
+class FillExecutor:
     """The manager loop of one rank: bubble signals in, side-task transitions out."""
 
     def __init__(self, plan: Plan, pipeline_rank: int, global_rank: int, device: str,
-                 measured_bubbles: dict[int, float] | None, grace_s: float, options: ExecutorOptions,
+                 measured_bubbles: dict[int, float] | None, grace_s: float, options: FillExecutorOptions,
                  cmd: Any, out: Any, run_key: str = "") -> None:
         if plan.fill is None:
             raise ValueError("the plan has no fill section")
@@ -452,7 +441,7 @@ class Executor:
             BATCH_WORK_S if sliced else 0.0
         self.pp = plan.config.pp
         self.precision = plan.config.precision
-        self.replicas = options.replicas or plan.config.dp * plan.config.cp * plan.config.tp  # the stage's GPUs
+        self.replicas = options.replicas or plan.config.to_config().gpus_per_stage
         self.replica = global_rank % self.replicas
         self.run_key = run_key
         self.policy_name, self.policy = plan.fill.policy, resolve_policy(plan.fill.policy)
@@ -471,17 +460,17 @@ class Executor:
         self.plan_pairs = [p for p in plan.fill.pairs if p.rank == pipeline_rank]
         self.tasks: dict[str, TaskHandle] = {}
         self.job_free: dict[str, int] = {}
-        self.job_info: dict[str, JobInfo] = {}
+        self.views: dict[str, JobView] = {}  # what the policy sees of each job (job_scheduler.next_on_rank)
         for index, job in enumerate(plan.fill.jobs):
             bubbles = [b for b, names in self.bubble_jobs.items() if job.name in names]
-            spec = self._spec(job)
-            if bubbles and (spec.iterations is None or spec.iterations > 0):
-                self.tasks[job.name] = TaskHandle(spec, job, self.log)
+            opts = self._task_options(job)
+            if bubbles and (opts.iterations is None or opts.iterations > 0):
+                self.tasks[job.name] = TaskHandle(job, opts, self.log)
                 self.job_free[job.name] = min((free[b] for b in bubbles if b in free), default=2**62)
                 proc = {s.rank: s.end_s - s.start_s for s in job.shards}
-                self.job_info[job.name] = JobInfo(
+                self.views[job.name] = JobView(
                     name=job.name, kind=job.kind, arrival_s=job.arrival_s, deadline_s=job.deadline_s,
-                    priority=job.priority, work=spec.iterations or 0, index=index,
+                    priority=job.priority, work=opts.iterations or 0, index=index,
                     proc_times=tuple(proc.get(r, math.inf) for r in range(self.pp)))
         self.pairs: dict[str, PairRun] = {}  # job -> its pair on this rank (Waterwave), both jobs' entries
         for fp in self.plan_pairs:
@@ -500,8 +489,8 @@ class Executor:
         self.started_at = time.time()
         self.offset = time.time() - time.monotonic()
 
-    def _spec(self, job: FillJob) -> TaskSpec:
-        """The task of this GPU's share of the job (FillShard): replica k of the stage's R GPUs takes the
+    def _task_options(self, job: FillJob) -> TaskOptions:
+        """How this GPU runs its share of the job (FillShard): replica k of the stage's R GPUs takes the
         shard's batches k, k + R, ...; a training job's replicas are data parallel. A plan without shards (made
         by hand) runs the whole job here."""
         o = self.options
@@ -516,15 +505,11 @@ class Executor:
             first, stride = shard.first_batch + self.replica, self.replicas
             count = len(range(first, shard.first_batch + shard.batches, stride))
             dp = self.replicas if job.kind == "train" else 1
-        return TaskSpec(job=job.name, model_file=job.model_file, model_sha256=job.model_sha256,
-                        model_args=dict(job.model_args), kind=job.kind, batch_size=job.batch_size,
-                        units=tuple(job.units), device=self.device, interface=o.interface_of(job.name),
-                        iterations=o.iterations.get(job.name, count), leaves=tuple(job.leaves),
-                        profile_reps=o.profile_reps, cpu_threads=o.cpu_threads, seed=o.seed, batch_first=first,
-                        batch_stride=stride, dp_size=dp, dp_rank=self.replica if dp > 1 else 0,
-                        dp_key=f"{self.run_key}/{job.name}/pp{self.rank}" if dp > 1 else "", config=job.config,
-                        resident=job.resident, load_groups=tuple(tuple(g) for g in job.load_groups),
-                        precision=self.precision)
+        return TaskOptions(device=self.device, interface=o.interface_of(job.name),
+                           iterations=o.iterations.get(job.name, count), profile_reps=o.profile_reps,
+                           cpu_threads=o.cpu_threads, seed=o.seed, batch_first=first, batch_stride=stride, dp_size=dp,
+                           dp_rank=self.replica if dp > 1 else 0, precision=self.precision,
+                           dp_key=f"{self.run_key}/{job.name}/pp{self.rank}" if dp > 1 else "")
 
     def wall(self, mono: float) -> float:
         return mono + self.offset
@@ -552,7 +537,7 @@ class Executor:
             t.stop_reason, t.error = "failed", f"could not start its process: {exc}"
             self.errors.append({"job": t.name, "at": time.time(), "message": t.error, "unit": None})
             return
-        t.sm.apply(Transition.CREATE, reason=f"task process {t.proc.pid} started ({t.spec.interface} interface)")
+        t.sm.apply(Transition.CREATE, reason=f"task process {t.proc.pid} started ({t.options.interface} interface)")
 
     def _timeout(self, now: float) -> float:
         wake = [0.5]
@@ -658,11 +643,11 @@ class Executor:
         return now - (self.t0 if self.t0 is not None else now)
 
     def _arrived(self, job: str, now: float) -> bool:
-        return self.job_info[job].arrival_s <= self._elapsed(now)
+        return self.views[job].arrival_s <= self._elapsed(now)
 
     def _current(self, now: float) -> TaskHandle | None:
         """The job this rank runs now: it keeps its turn until it stops; then the policy picks among the jobs that
-        have arrived (planner.fill.scheduler.next_on_rank, as the planner predicted the turns)."""
+        have arrived (planner.fill.job_scheduler.next_on_rank, as the planner predicted the turns)."""
         if self.current is not None and self.current.live:
             return self.current
         partner = self._partner(self.current)
@@ -670,7 +655,7 @@ class Executor:
             self.current = partner
             self.turns.append({"job": partner.name, "at": self.wall(now), "elapsed_s": self._elapsed(now)})
             return partner
-        pending = [self.job_info[t.name] for t in self.tasks.values()
+        pending = [self.views[t.name] for t in self.tasks.values()
                    if t.live and t.loaded and self._arrived(t.name, now)]
         elapsed = self._elapsed(now)
         job = next_on_rank(pending, self.rank, self.pp, elapsed, self.policy) if pending else None
@@ -714,7 +699,7 @@ class Executor:
         synchronizes would (physics.batched, by the task's profile), within the batch's work and the bubble's
         usable time (their estimates, charged the allowance once), at most one iteration's and MAX_BATCH_UNITS;
         1 where batches are off or the job streams its weights (loaded per unit group)."""
-        if self.batch_work_s <= 0 or not t.profile or not t.spec.resident:
+        if self.batch_work_s <= 0 or not t.profile or not t.job.resident:
             return 1
         work = est = 0.0
         n, units = 0, min(len(t.linearized), MAX_BATCH_UNITS)
@@ -792,7 +777,7 @@ class Executor:
             elif t.iterative and t.sm.state is State.RUNNING:
                 t.relax(t.pos)
                 t.sm.apply(Transition.PAUSE, reason=f"bubble {cur.bubble_id} {cause}")
-            if t.iterative and not t.spec.resident and (t.busy or any(s["job"] == t.name for s in cur.steps)):
+            if t.iterative and not t.job.resident and (t.busy or any(s["job"] == t.name for s in cur.steps)):
                 t.send(("unload",))  # a streamed job's weights leave the device with the bubble
 
     def _check_pending(self, now: float) -> None:
@@ -878,9 +863,9 @@ class Executor:
             t.observed[k] = dt if k not in t.observed else 0.7 * t.observed[k] + 0.3 * dt
         t.busy, t.retry_at = None, None
         rec = {"job": t.name, "unit": t.unit_name(pos), "pos": pos, "iteration": pos // len(t.linearized),
-               "start": start, "end": end, "interface": t.spec.interface}
+               "start": start, "end": end, "interface": t.options.interface}
         if iteration_done:
-            rec["batch"] = t.spec.batch_first + t.spec.batch_stride * t.iterations
+            rec["batch"] = t.options.batch_first + t.options.batch_stride * t.iterations
         pair = self.pairs.get(t.name)
         if info and "live_bytes" in info:
             rec["live_bytes"] = info.pop("live_bytes")
@@ -905,13 +890,13 @@ class Executor:
             occ.units_done += 1
         if iteration_done:
             t.iterations += 1
-            t.samples += t.spec.batch_size
+            t.samples += t.job.batch_size
             if occ is not None:
-                occ.samples_done += t.spec.batch_size
+                occ.samples_done += t.job.batch_size
         if t.iterative and t.kill_at is not None:
             self._late_finished(t)
             t.sm.apply(Transition.PAUSE, reason="late step finished within the grace period")
-        if t.iterative and t.spec.iterations is not None and t.iterations >= t.spec.iterations:
+        if t.iterative and t.options.iterations is not None and t.iterations >= t.options.iterations:
             self._stop(t, "done", f"{t.iterations} iterations done")
 
     def _failed(self, t: TaskHandle, text: str) -> None:
@@ -988,14 +973,14 @@ class Executor:
 
 
 def executor_main(plan_json: str, pipeline_rank: int, global_rank: int, device: str,
-                  measured_bubbles: dict[int, float] | None, grace_s: float, options: ExecutorOptions,
+                  measured_bubbles: dict[int, float] | None, grace_s: float, options: FillExecutorOptions,
                   cmd: Any, out: Any, run_key: str = "") -> None:
     """Entry point of the executor process (started by FillClient.start with the spawn context)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main job's to handle; it closes us
     try:
         plan = Plan.model_validate_json(plan_json)
-        Executor(plan, pipeline_rank, global_rank, device, measured_bubbles, grace_s, options, cmd, out,
-                 run_key).run()
+        FillExecutor(plan, pipeline_rank, global_rank, device, measured_bubbles, grace_s, options, cmd, out,
+                     run_key).run()
     except BaseException:  # noqa: BLE001 - tell the main job why, then leave
         try:
             out.send(("crashed", traceback.format_exc()))

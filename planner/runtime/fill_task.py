@@ -43,8 +43,9 @@ from passes.load import file_sha256, load_model_file, user_frame
 from passes.split import split_by, unit_of_nodes
 from passes.trace import trace_model
 from passes.units import group_nodes
+from planner.plan import FillJob
 
-from .fill_executor import TaskSpec
+from .fill_executor import TaskOptions
 from .optim import SavedBytes
 from .stage import DTYPES
 
@@ -64,47 +65,47 @@ def linearize(unit_names: list[str], kind: str) -> list[str]:
 class UnitRunner:
     """Builds a fill job's model (real weights, host memory) and runs its linearized units in order."""
 
-    def __init__(self, spec: TaskSpec) -> None:
-        self.spec, self.train = spec, spec.kind == "train"
-        path = Path(spec.model_file)
-        if path.is_file() and spec.model_sha256 and file_sha256(path) != spec.model_sha256:
+    def __init__(self, job: FillJob, options: TaskOptions) -> None:
+        self.job, self.options, self.train = job, options, job.kind == "train"
+        path = Path(job.model_file)
+        if path.is_file() and job.model_sha256 and file_sha256(path) != job.model_sha256:
             raise ModelFileError(f"fill model file {path} changed since the plan was made (sha256 differs); "
                                  "re-plan or restore the file")
-        self.mf = load_model_file(path, spec.model_args)
-        torch.manual_seed(spec.seed)
+        self.mf = load_model_file(path, job.model_args)
+        torch.manual_seed(options.seed)
         root = self.mf.build("cpu")
-        gm = trace_model(root, spec.leaves)
+        gm = trace_model(root, job.leaves)
         part = unit_of_nodes(gm, root)
         groups = group_nodes(gm, root)
         names = [name for name, _, _ in groups]
         self.blocks = {name for name, kind, _ in groups if kind == "block"}
         self.module = split_by(gm, root, part.__getitem__)
         self.module.train(self.train)
-        self.dtype = DTYPES[spec.precision]
+        self.dtype = DTYPES[options.precision]
         self.autocast = self.train and self.dtype != torch.float32
         if not self.train:
             self.module.to(self.dtype)
         self._index(names)
-        self.linearized = linearize(self.unit_names, spec.kind)
-        if spec.units and len(spec.units) != len(self.linearized):
+        self.linearized = linearize(self.unit_names, job.kind)
+        if job.units and len(job.units) != len(self.linearized):
             raise ModelFileError(
-                f"the plan lists {len(spec.units)} linearized units for fill job {spec.job!r}, but {path} splits "
-                f"into {len(self.unit_names)} units, i.e. {len(self.linearized)} for a {spec.kind} job "
+                f"the plan lists {len(job.units)} linearized units for fill job {job.name!r}, but {path} splits "
+                f"into {len(self.unit_names)} units, i.e. {len(self.linearized)} for a {job.kind} job "
                 f"({self.linearized[0]} ... {self.linearized[-1]}); re-plan with this model file")
         self.device = torch.device("cpu")
         self.channels_last = False
         self.checkpointed = {k for k, name in enumerate(self.unit_names)
-                             if self.train and spec.config == "checkpoint" and name in self.blocks}
+                             if self.train and job.config == "checkpoint" and name in self.blocks}
         self.host: list[torch.Tensor] | None = None  # offload: fp32 host copies of the weights the optimizer steps
         self.optimizer = self._make_optimizer() if self.train else None
-        self.scaler = torch.amp.GradScaler("cuda" if spec.device.startswith("cuda") else "cpu") \
+        self.scaler = torch.amp.GradScaler("cuda" if options.device.startswith("cuda") else "cpu") \
             if self.train and self.dtype == torch.float16 else None
         self.saved_bytes: dict[str, int] = {}  # forward unit -> bytes it leaves for the backward (measured once)
         self.streamer: Streamer | None = None
         self.pos = 0
         self.iterations = 0
         self.profiling = False
-        self.dp = _join_replicas(spec) if self.train and spec.dp_size > 1 else None
+        self.dp = _join_replicas(job.name, options) if self.train and options.dp_size > 1 else None
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fill-batch")
         self._prefetched: dict[int, Any] = {}
         self.reduced: tuple[Any, torch.Tensor] | None = None  # (gloo work, host buffer) of this iteration's grads
@@ -144,7 +145,7 @@ class UnitRunner:
         fp32 host copies of the weights, so its state lives in host memory and it steps there."""
         build = getattr(self.mf.module, "build_optimizer", None)
         params = list(self.module.parameters())
-        if self.spec.config == "offload":
+        if self.job.config == "offload":
             self.host = [p.detach().to("cpu", torch.float32, copy=True).requires_grad_(True) for p in params]
             params = self.host
         return build(params) if callable(build) else torch.optim.AdamW(params, lr=1e-4)
@@ -172,7 +173,7 @@ class UnitRunner:
     def to_device(self) -> None:
         """InitSideTask: move weights (and so the optimizer's parameters) to the job's device; a job that is not
         resident moves only its buffers, its weights are streamed in per bubble (Streamer)."""
-        self.device = torch.device(self.spec.device)
+        self.device = torch.device(self.options.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             # a job's shapes repeat every iteration: cuDNN's autotuner picks its convolutions' kernels once, in the
@@ -183,10 +184,10 @@ class UnitRunner:
             self.channels_last = any(isinstance(m, torch.nn.Conv2d) for m in self.module.modules())
             if self.channels_last:
                 self.module.to(memory_format=torch.channels_last)
-        if self.spec.load_groups and not self.train and not self.spec.resident:
+        if self.job.load_groups and not self.train and not self.job.resident:
             for b in self.module.buffers():
                 b.data = b.data.to(self.device)
-            self.streamer = Streamer(self.module, self.calls, self.spec.load_groups, self.device)
+            self.streamer = Streamer(self.module, self.calls, self.job.load_groups, self.device)
         else:
             self.module.to(self.device)
 
@@ -262,7 +263,7 @@ class UnitRunner:
         work, flat = self.reduced
         if work is not None:
             work.wait()
-            flat /= self.spec.dp_size
+            flat /= self.options.dp_size
         offset = 0
         for k, p in enumerate(self.module.parameters()):
             n = p.numel()
@@ -297,11 +298,11 @@ class UnitRunner:
     def _host_batch(self, index: int) -> tuple[Any, Any]:
         """Batch `index` of the job on the host (pinned when the job runs on CUDA, so its copy is asynchronous)."""
         if self.mf.has("sample_batch"):
-            inputs, targets = self.mf.call("sample_batch", self.spec.batch_size, index)
+            inputs, targets = self.mf.call("sample_batch", self.job.batch_size, index)
         else:
-            inputs, targets = self.mf.inputs(self.spec.batch_size, "cpu"), None
+            inputs, targets = self.mf.inputs(self.job.batch_size, "cpu"), None
         inputs = inputs if isinstance(inputs, (tuple, list)) else (inputs,)
-        if self.spec.device.startswith("cuda"):
+        if self.options.device.startswith("cuda"):
             pin = lambda x: x.pin_memory() if isinstance(x, torch.Tensor) else x  # noqa: E731
             inputs, targets = [pin(x) for x in inputs], pin(targets)
         return inputs, targets
@@ -311,8 +312,8 @@ class UnitRunner:
         DataLoader's worker would: an image batch is 50-75 ms of the host's work, bench/results/
         README_cuda_2026-11-27.md, which the first unit would otherwise spend inside a bubble); then the next one is
         started."""
-        index = self.spec.batch_first + self.spec.batch_stride * iteration  # this GPU's share of the job
-        got, following = self._prefetched.get(index), index + self.spec.batch_stride
+        index = self.options.batch_first + self.options.batch_stride * iteration  # this GPU's share of the job
+        got, following = self._prefetched.get(index), index + self.options.batch_stride
         inputs, self.targets = got.result() if got is not None else self._host_batch(index)
         made = concurrent.futures.Future()  # kept: profiling passes take iteration 0's batch again
         made.set_result((inputs, self.targets))
@@ -442,7 +443,7 @@ class UnitRunner:
         return [statistics.median_high(t) for t in times]
 
 
-def _join_replicas(spec: TaskSpec) -> Any:
+def _join_replicas(job: str, options: TaskOptions) -> Any:
     """A gloo group of the job's data-parallel replicas (one task process per GPU of the stage), met through the
     launch's own store (torchrun's MASTER_ADDR / MASTER_PORT) under a prefix unique to the run, job and stage."""
     import torch.distributed as dist
@@ -450,12 +451,12 @@ def _join_replicas(spec: TaskSpec) -> Any:
 
     host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
     if not host or not port:
-        raise RuntimeError(f"fill job {spec.job!r} trains data parallel over {spec.dp_size} GPUs, which needs the "
+        raise RuntimeError(f"fill job {job!r} trains data parallel over {options.dp_size} GPUs, which needs the "
                            "launch's store (MASTER_ADDR and MASTER_PORT): run it under torchrun")
     timeout = timedelta(seconds=REPLICA_TIMEOUT_S)
-    store = dist.PrefixStore(f"fxp-fill/{spec.dp_key}/", dist.TCPStore(host, int(port), is_master=False,
-                                                                        timeout=timeout))
-    dist.init_process_group("gloo", store=store, rank=spec.dp_rank, world_size=spec.dp_size, timeout=timeout)
+    store = dist.PrefixStore(f"fxp-fill/{options.dp_key}/", dist.TCPStore(host, int(port), is_master=False,
+                                                                           timeout=timeout))
+    dist.init_process_group("gloo", store=store, rank=options.dp_rank, world_size=options.dp_size, timeout=timeout)
     return dist.group.WORLD
 
 
@@ -586,27 +587,27 @@ def _die_with_parent() -> None:
         os._exit(0)  # the parent died before the line above
 
 
-def _describe(exc: BaseException, spec: TaskSpec) -> str:
+def _describe(exc: BaseException, job: FillJob) -> str:
     text = f"{type(exc).__name__}: {exc}"
-    where = user_frame(exc, Path(spec.model_file))
-    return text if isinstance(exc, ModelFileError) or where == spec.model_file else f"{text} (at {where})"
+    where = user_frame(exc, Path(job.model_file))
+    return text if isinstance(exc, ModelFileError) or where == job.model_file else f"{text} (at {where})"
 
 
-def task_main(spec: TaskSpec, rx: Any, tx: Any) -> None:
+def task_main(job: FillJob, options: TaskOptions, rx: Any, tx: Any) -> None:
     """Entry point of a task process: CREATED work (build model and optimizer), then the interface."""
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        if spec.device.startswith("cpu"):
-            torch.set_num_threads(spec.cpu_threads)
-        runner = UnitRunner(spec)
+        if options.device.startswith("cpu"):
+            torch.set_num_threads(options.cpu_threads)
+        runner = UnitRunner(job, options)
         tx.send(("created", {"units": runner.linearized, "params": runner.num_params}))
-        (_iterative if spec.interface == "iterative" else _imperative)(runner, rx, tx)
+        (_iterative if options.interface == "iterative" else _imperative)(runner, rx, tx)
     except (EOFError, BrokenPipeError):
         return  # the executor is gone
     except BaseException as exc:  # noqa: BLE001 - OOM, a user error, anything: reported, then exit
         try:
-            tx.send(("failed", _describe(exc, spec)))
+            tx.send(("failed", _describe(exc, job)))
         except OSError:
             pass
 
@@ -682,7 +683,7 @@ def _iterative(runner: UnitRunner, rx: Any, tx: Any) -> None:
             free = msg[-1]
             cap_memory(runner.device, free)
         if msg[0] == "init":
-            tx.send(("inited", runner.profile(runner.spec.profile_reps)))
+            tx.send(("inited", runner.profile(runner.options.profile_reps)))
         elif msg[0] == "step":
             if msg[1] != runner.pos:
                 raise RuntimeError(f"asked for unit {msg[1]} of the stream, next is {runner.pos}")
@@ -705,7 +706,7 @@ def _imperative(runner: UnitRunner, rx: Any, tx: Any) -> None:
     if msg[0] != "run":
         return
     cap_memory(runner.device, msg[1])
-    limit = runner.spec.iterations
+    limit = runner.options.iterations
     while limit is None or runner.iterations < limit:
         tx.send(_timed_step(runner, "unit"))
     tx.send(("done",))

@@ -46,7 +46,7 @@ from passes.errors import UserError
 
 from ..chart import plan_simulation
 from ..plan import Plan
-from ..schedule import Action, Op
+from ..schedule_ir import Action, Op
 from .executor import Executor, NullFill, RunOptions, _Step
 from .stage import TensorSpec
 
@@ -219,12 +219,12 @@ class Rehearsal(Executor):
 
     def __init__(self, *, replay: Replay, recorded: dict[str, torch.Tensor] | None, **kw: Any) -> None:
         super().__init__(**kw)
-        from .fill_executor import ExecutorOptions
+        from .fill_executor import FillExecutorOptions
 
         self.replay, self.recorded_in = replay, recorded
         self.steps_recorded = 1 + max((int(k.split(":")[0]) for k in recorded or {}), default=0)
         self.fill_fraction: float | None = None  # this run's share of each bubble offered to the fill executor
-        self.fill_options = ExecutorOptions(replicas=1)  # this rank's fill runs on this one device
+        self.fill_options = FillExecutorOptions(replicas=1)  # this rank's fill runs on this one device
         self.held = _Hold(self.cuda)
         self._made: dict[tuple[tuple[int, ...], torch.dtype], torch.Tensor] = {}
         self.trace: list[list[dict[str, Any]]] = []  # per step, each action: (action, start_s, end_s)
@@ -487,11 +487,11 @@ def _fill_work(plan: Plan, rank: int, record: dict[str, Any], step_times: list[f
 def _unit_flops(plan: Plan) -> dict[str, list[float]]:
     """Each fill job's FLOPs per linearized unit, priced again from its model file (the plan keeps their times)."""
     from ..fill.profiles import profile_job
+    from ..fill.spec import FillSpec
     from ..plan import plan_hardware
-    from ..validate import fill_spec_of
 
     hw, out = plan_hardware(plan), {}
-    specs = {j.name: j for j in fill_spec_of(plan).jobs}
+    specs = {j.name: j for j in FillSpec.of_plan(plan.fill).jobs}
     for job in plan.fill.jobs:
         spec = specs.get(job.name.split("@")[0])
         if spec is None:

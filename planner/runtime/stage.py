@@ -18,15 +18,14 @@ so the receiver of a p2p transfer knows shape and dtype without a handshake. Non
 values (Python ints of shapes) are constants of that pass and never travel.
 
 Tensor (and sequence) parallelism: Megatron's layout on local shards (planner/runtime/megatron_tp.py: attention
-split by heads, sizes rewritten from a meta shape pass). A plan whose split those rules cannot place is refused, at
-plan time (tensor_parallel_refusal) and again here, naming the op and its source line: nothing runs unlike it was
-priced. Stage outputs leave as full tensors.
+split by heads, sizes rewritten from a meta shape pass), and the vocabulary split by rows over the embedding and the
+LM head (planner/runtime/vocab_parallel.py). A plan whose split those rules cannot place is refused, at
+trace time (passes/sharding/check.py, passes/sharding/vocab.py: the search leaves it out) and again here, naming the
+op and its source line: nothing runs unlike it was priced. Stage outputs leave as full tensors.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,6 +39,7 @@ from passes.load import ModelFile
 from passes.split import split_by
 from passes.trace import trace_model
 from passes.costs import node_kind
+from passes.sharding.check import refusal_sentence, refused_op
 from passes.units import attention_core, group_nodes
 
 from ..plan import Plan
@@ -49,7 +49,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Plan precision -> the dtype the runtime's parameters and activations take."""
 
 __all__ = ["Piece", "StageProgram", "TensorSpec", "SplitModel", "StageModule", "build_split", "boundary_specs",
-           "stage_modules", "apply_tensor_parallel", "tensor_parallel_refusal", "to_precision"]
+           "stage_modules", "apply_tensor_parallel", "to_precision"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -414,12 +414,13 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
     meta `shapes` (boundary_specs with `inner`). A piece doing something to a sharded tensor that the rules do not
     know refuses the plan (UserError naming the op and source line)."""
     from .megatron_tp import apply_shards
+    from .vocab_parallel import split_vocab
 
     paths = {id(m): path for path, m in root.named_modules()}
     t, rank, group = tp_mesh.size(), tp_mesh.get_local_rank(), tp_mesh.get_group()
-    work, colwise, refused = _megatron_layout(stages, plan, paths, t, shapes)
+    work, colwise, refused = _shard_work(stages, plan, paths, t, shapes)
     if _runs(work, plan):
-        for st, piece, mine, rewrites in work:
+        for st, piece, mine, rewrites in work or ():
             done, partial, weights, attr_partial = apply_shards(piece, rewrites, colwise, mine, paths, t, rank, group)
             for path, module in done.items():
                 st.tp_sharded.add(path)
@@ -428,6 +429,9 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
             for path, style, rows in weights:
                 _shard_attr(st, path, style, rows, t, rank, group)
             st.tp_partial.extend((st.attr_params[_key(k)], t) for k in attr_partial if _key(k) in st.attr_params)
+        unknown = split_vocab(stages, plan, root, t, rank, group)  # the embedding's and head's vocabulary rows
+        if unknown is not None:
+            raise UserError(_vocab_refusal(plan, unknown))
         for st in stages:  # a linear wrapped whole (a replicated head reading the split sequence): its old name
             found = list(st.named_parameters(remove_duplicate=False))
             known = {id(p): st.names[n] for n, p in found if n in st.names}
@@ -436,11 +440,12 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
     raise UserError(_refusal(stages, plan, refused))
 
 
-def _megatron_layout(stages: list[StageModule], plan: Plan, paths: dict[int, str], t: int,
+def _shard_work(stages: list[StageModule], plan: Plan, paths: dict[int, str], t: int,
                      shapes: dict[str, dict[str, Any]] | None) -> tuple[list | None, dict, Any]:
     """How Megatron's layout shards every stage's pieces (without a mesh: nothing changes): the work per piece,
     the column-parallel row groups, and where its rules stopped (a megatron_tp.Refusal) when the work is None."""
-    from .megatron_tp import Refusal, Rows, plan_shards
+    from passes.sharding import Rows
+    from passes.sharding.walk import Refusal, plan_shards
 
     heads = {v for k, v in (plan.source.model_shape or {}).items() if k in ("heads", "kv_heads") and v}
     colwise: dict[str, Rows] = {}
@@ -448,7 +453,7 @@ def _megatron_layout(stages: list[StageModule], plan: Plan, paths: dict[int, str
     work: list | None = []
     refused: Refusal | None = None
     for st in stages if shapes is not None else ():
-        styles = plan.partition[st.index].tensor_parallel
+        styles = _linear_styles(plan.partition[st.index].tensor_parallel)  # the vocabulary: vocab_parallel.py
         leaving = set(st.program.send) | ({a.name for a in st._output.all_input_nodes} if st.program.last else set())
         top: dict[str, Any] = {}  # top-level value -> how it is split: pieces pass shards on within the stage
         for node in st._nodes:
@@ -487,38 +492,20 @@ def _megatron_layout(stages: list[StageModule], plan: Plan, paths: dict[int, str
 def _refusal(stages: list[StageModule], plan: Plan, refused: Any) -> str:
     """Where Megatron's layout does not apply, the sentence refusing the plan, naming the op and its source
     line."""
-    op = _refused_op(refused, plan.source.model_file)
-    if any(_key(f"{path}.weight") in st.attr_params for st in stages
-           for path in _linear_styles(plan.partition[st.index].tensor_parallel)):
-        return (f"this model runs from its torch.export graph, and it applies an op to a split tensor that the "
-                f"runtime's Megatron layout does not know ({op}; planner/runtime/megatron_tp.py); re-plan with --tp 1 "
-                "to run it here, or with --engine megatron or --engine torchtitan to train it in those engines")
-    if plan.config.sp or plan.config.cp > 1:
-        what, fix = ("sequence", "--no-sequence-parallel") if plan.config.sp else ("context", "--cp 1")
-        return (f"the plan runs {what} parallelism, but this model's graph applies an op to a split tensor that the "
-                f"runtime's Megatron layout does not know ({op}; planner/runtime/megatron_tp.py); re-plan with {fix} "
-                "to run it here")
-    return (f"the plan splits this model over {plan.config.tp} tensor-parallel ranks, but its graph applies an op to a "
-            f"split tensor that the runtime's Megatron layout does not know ({op}; planner/runtime/megatron_tp.py); "
-            "re-plan with --tp 1 to run it here, or with --engine megatron or --engine torchtitan to train it there")
+    split = "sequence" if plan.config.sp else "context" if plan.config.cp > 1 else "tensor"
+    return refusal_sentence(split, refused_op(refused, plan.source.model_file), plan.config.tp)
 
 
-def tensor_parallel_refusal(plan: Plan, model_file: ModelFile) -> tuple[str, str] | None:
-    """At plan time, on meta tensors and without processes: (the sentence the runtime would refuse the plan's
-    tensor-parallel split with (apply_tensor_parallel), the op and source line it names), or None. Context
-    parallelism rewrites the shapes per rank first: not checked here."""
-    if plan.config.tp <= 1 or plan.config.cp > 1:
-        return None
-    meta = to_precision(model_file.build("meta", torch.float32), DTYPES[plan.config.precision])
-    meta.train()
-    split = build_split(meta, plan, model_file)
-    inner: dict[str, dict[str, Any]] = {}
-    specs = boundary_specs(model_file, plan, inner, meta_split=split.split)
-    constants = {k: v for k, v in specs.items() if not isinstance(v, TensorSpec)}
-    stages = [StageModule(split, prog.stage, constants) for prog in split.programs]
-    paths = {id(m): path for path, m in meta.named_modules()}
-    work, _, refused = _megatron_layout(stages, plan, paths, plan.config.tp, inner)
-    return None if _runs(work, plan) else (_refusal(stages, plan, refused), _refused_op(refused, plan.source.model_file))
+def _linear_styles(styles: dict[str, str]) -> dict[str, str]:
+    """The plan's column- and row-parallel linears (Megatron's layout, megatron_tp), without the vocabulary split."""
+    return {path: style for path, style in styles.items() if style in ("colwise", "rowwise")}
+
+
+def _vocab_refusal(plan: Plan, what: str) -> str:
+    """The sentence refusing a plan whose vocabulary split the runtime cannot run."""
+    return (f"the plan splits this model's vocabulary over {plan.config.tp} tensor-parallel ranks (embedding rows, LM "
+            f"head outputs), but {what} (planner/runtime/vocab_parallel.py); re-plan with --tp 1 to run it here, or "
+            "with --engine megatron or --engine torchtitan to train it there")
 
 
 def _runs(work: list | None, plan: Plan) -> bool:
@@ -527,34 +514,12 @@ def _runs(work: list | None, plan: Plan) -> bool:
     return bool(work) or (work is not None and not plan.config.sp)
 
 
-_FRAME = re.compile(r'File "([^"]+)", line (\d+)')
-
-
-def _refused_op(refused: Any, model_file: str) -> str:
-    """The op the Megatron layout refused and the model's source line that made it ("aten.flip at model.py:42
-    (`x.flip(1)`)"), as far as the graph says."""
-    node = getattr(refused, "node", None)
-    if node is None:
-        return f"at {refused.why}" if refused is not None else "it splits no module of this model"
-    op = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-    detail = refused.why.split(":", 1)[1].strip() if ":" in refused.why else ""
-    text = f"`{op}`" + (f" ({detail})" if detail and detail != op else "")
-    trace = str(node.meta.get("stack_trace") or "")
-    lines = trace.splitlines()
-    target = Path(model_file).name
-    for i, line in reversed(list(enumerate(lines))):  # the innermost frame in the model file, else the innermost
-        m = _FRAME.search(line)
-        if m and Path(m.group(1)).name == target:
-            code = lines[i + 1].strip() if i + 1 < len(lines) else ""
-            return f"{text} at {model_file}:{m.group(2)}" + (f" (`{code}`)" if code else "")
-    frames = [m for m in map(_FRAME.search, lines) if m]
-    return f"{text} at {frames[-1].group(1)}:{frames[-1].group(2)}" if frames else text
-
-
 def _shard_attr(st: StageModule, path: str, style: str, rows: Any, t: int, rank: int, group: Any) -> None:
     """Replace the whole weight `path`.weight the stage reads as an attribute by this rank's shard (and a
     column-parallel linear's bias by its rows; a row-parallel bias stays whole)."""
-    from .megatron_tp import gather_cols, gather_rows, shard_rows
+    from passes.sharding import shard_rows
+
+    from .megatron_tp import gather_cols, gather_rows
 
     for key in (_key(f"{path}.weight"), _key(f"{path}.bias")):
         whole = st.attr_params[key] if key in st.attr_params else None

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
 if TYPE_CHECKING:
-    from planner.schedule import Op, Schedule
+    from planner.schedule_ir import Op, Schedule
 
 __all__ = ["ScheduleKind", "SCHEDULES", "register", "get_schedule", "unregister"]
 
@@ -32,7 +32,7 @@ class ScheduleKind:
     v_choices: Callable[[int, int], Sequence[int]]
     """(p, max_v) -> the chunks per rank the search tries."""
     placement: str = "loop"
-    """Stage -> rank placement (planner.schedule.Placement): "loop" or "v"."""
+    """Stage -> rank placement (planner.schedule_ir.Placement): "loop" or "v"."""
     split_backward: bool = False
     """The program splits every backward into I and W (zero-bubble schedules)."""
     w_pending: Callable[[int, int, int, int], float] = lambda p, v, m, rank: 0.0
@@ -51,7 +51,7 @@ class ScheduleKind:
 
     def generate(self, p: int, m: int, v: int = 1) -> Schedule:
         """Every rank's lowered action list for one iteration."""
-        from planner.schedule import lower
+        from planner.schedule_ir import lower
 
         return lower(self.name, p, m, v, self.compute(p, m, v))
 

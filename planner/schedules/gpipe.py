@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Callable, Sequence
 
-from planner.schedule import Op, check_shape
+from planner.schedule_ir import Op, check_shape
 
 from .base import ScheduleKind, register
 

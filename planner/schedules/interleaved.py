@@ -1,5 +1,5 @@
 """Megatron's interleaved 1F1B (Narayanan et al. 2021, 2.2.2): v model chunks per rank, placed in a loop
-(planner.schedule.Placement); the bubble shrinks by v at the cost of v times the p2p messages."""
+(planner.schedule_ir.Placement); the bubble shrinks by v at the cost of v times the p2p messages."""
 from __future__ import annotations
 
 from functools import lru_cache
@@ -7,7 +7,7 @@ from itertools import chain, combinations, product
 from operator import ge
 from typing import Sequence
 
-from planner.schedule import Op, check_shape, one_f_one_b_order, placement_of
+from planner.schedule_ir import Op, check_shape, one_f_one_b_order, placement_of
 
 from .base import ScheduleKind, register
 from .one_f_one_b import inflight as one_f_one_b_inflight

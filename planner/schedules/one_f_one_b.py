@@ -1,7 +1,7 @@
 """1F1B / PipeDream-Flush (Narayanan et al. 2021): warm-up forwards, then one forward one backward."""
 from __future__ import annotations
 
-from planner.schedule import Op, check_shape, one_f_one_b_order
+from planner.schedule_ir import Op, check_shape, one_f_one_b_order
 
 from .base import ScheduleKind, register
 from .gpipe import flush_analytic_s, one_chunk

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from planner.schedule import Op, check_shape, placement_of
+from planner.schedule_ir import Op, check_shape, placement_of
 
 from .base import ScheduleKind, register
 from .gpipe import one_chunk

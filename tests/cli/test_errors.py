@@ -37,7 +37,7 @@ def run(*args: str):
     (["plan", str(EXAMPLES / "gpt.py"), "--gpus", "8", "--model-arg", "preset=1t"], "fits no configuration"),
     (["plan", str(EXAMPLES / "gpt.py"), "--gpus", "8", "--schedule", "zigzag"], "--schedule must be one of"),
     (["plan", str(EXAMPLES / "gpt.py"), "--gpus", "8", "--model-arg", "layers=2", "--engine", "megatron",
-      "--moe-capacity", "0.5"], "moe_capacity is 0 (dropless) or a capacity factor of at least 1, got 0.5"),
+      "--moe-capacity", "0.5"], "--moe-capacity must be 0 (dropless) or a capacity factor of at least 1, got 0.5"),
     (["plan", str(EXAMPLES / "gpt.py"), "--gpus", "8", "--moe-capacity", "1.5"],
      "experts padded to a capacity (--moe-capacity) run in Megatron-Core; fxplanner routes every token"),
     (["plan", str(EXAMPLES / "gpt.py"), "--gpus", "8", "--moe-capacity", "1.25", "--expert-load", "1.5"],

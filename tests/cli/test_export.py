@@ -118,7 +118,7 @@ def test_export_cli_writes_the_file_and_refuses_what_it_cannot_name(plans, tmp_p
     bad = runner.invoke(app, ["export", str(path), "--to", "torchtitan"])
     assert bad.exit_code == 2 and "--titan-config" in bad.output and "Traceback" not in bad.output
     other = runner.invoke(app, ["export", str(path), "--to", "deepspeed"])
-    assert other.exit_code == 2 and "torchtitan or megatron" in other.output
+    assert other.exit_code == 2 and "megatron or torchtitan" in other.output
     ok = runner.invoke(app, ["export", str(path), "--to", "torchtitan", "--titan-module", "llama3", "--titan-config",
                              "llama3_debugmodel", "-o", str(tmp_path / "job.sh")])
     assert ok.exit_code == 0 and "torchtitan.train" in (tmp_path / "job.sh").read_text()
@@ -206,7 +206,7 @@ def test_megatron_runs_the_plans_fp8_recipe(plans, recipe):
 
 @needs_megatron
 def test_megatron_builds_multi_token_prediction_with_the_loss():
-    """A model planned with a multi-token-prediction layer (planner.hf, mtp=1): Megatron-Core takes --mtp-num-layers
+    """A model planned with a multi-token-prediction layer (_hf_models, mtp=1): Megatron-Core takes --mtp-num-layers
     and the layout's last stage holding it beside the loss ('mL'), as Megatron-Bridge's DeepSeek-V3 layouts do."""
     pytest.importorskip("transformers", reason="the hf extra is not installed")
     plan, _ = make_plan(str(EXAMPLES / "hf_llama.py"), gpus=16, global_batch=64, target="h100-sxm",

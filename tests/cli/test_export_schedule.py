@@ -196,7 +196,7 @@ def test_split_backwards_are_exported_as_i_and_w_cells_torch_runs(plans, tmp_pat
     plan = plans["1f1b"]
     split = plan.model_copy(update={"actions": _split(plan.actions)})
     if inconsistency(split) is not None:
-        pytest.skip("the plan loader does not take I/W actions yet (planner.schedule)")
+        pytest.skip("the plan loader does not take I/W actions yet (planner.schedule_ir)")
     path = _write(tmp_path, split)
     assert _rows(path) == _split([_compute(acts) for acts in plan.actions])
     assert check_schedule_csv(split, path, "1F1B") == {s.stage: s.rank for s in plan.partition}

@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 from planner.cli import _ms, app, out
 from planner.cli_plan import bubble_summary
 from planner.plan import load_plan, plan_schedule
-from planner.schedule import _GRID_OPS
+from planner.schedule_ir import _GRID_OPS
 from tests.conftest import EXAMPLES
 
 

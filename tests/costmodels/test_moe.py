@@ -155,7 +155,7 @@ def test_a_dropless_moe_layer_forward_waits_for_the_engines_host(mixtral):
     unbalanced = config(ep=8, b=1, expert_load=1.25)  # dropless, the router loading the busiest rank 1.25x: it drains
     assert unit_time(u, host, unbalanced).fwd_s == pytest.approx(
         max(unit_time(u, HW, unbalanced).fwd_s, MEGATRON_MOE_HOST_S))
-    with pytest.raises(ConfigError, match="capacity factor 1.5 load the busiest rank with exactly that share"):
+    with pytest.raises(ConfigError, match="moe_capacity 1.5 pads every expert to that share"):
         config(ep=8, moe_capacity=1.5)
     over = config(ep=8, b=1, moe_dispatcher="deepep", moe_a2a_overlap=True)
     assert unit_time(u, host, over).fwd_s == pytest.approx(unit_time(u, HW, over).fwd_s)

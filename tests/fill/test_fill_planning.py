@@ -9,7 +9,7 @@ from planner.api import make_plan
 from planner.cli import app
 from planner.fill.packing import validate_packing
 from planner.fill.profiles import profile_job
-from planner.fill.spec import FillJobSpec, Work, load_fill_spec
+from planner.fill.spec import FillJobSpec, FillSpec, Work, load_fill_spec
 from planner.search import Pins
 from costmodels.hardware import Hardware
 from targets.registry import get_target
@@ -119,7 +119,6 @@ def test_fill_shared_by_mps_starts_the_daemon_before_torchrun_and_is_kept_by_a_r
     """A plan whose fill jobs share the GPUs by MPS launches the MPS control daemon on each node first, and packs
     the units at their own speed; re-packing it (validate --refit) keeps the sharing it was planned with."""
     from planner.launch import MPS_START
-    from planner.validate import fill_spec_of
 
     spec = load_fill_spec(EXAMPLES / "fill" / "tiny-mlp.yaml")
     kw = dict(gpus=8, global_batch=32, target="a100-80gb", model_args={"preset": "1.7b"},
@@ -132,7 +131,7 @@ def test_fill_shared_by_mps_starts_the_daemon_before_torchrun_and_is_kept_by_a_r
     assert not any(MPS_START in c for c in sliced.launch.commands)
     a, b = sliced.fill.jobs[0], mps.fill.jobs[0]  # tiny-mlp has one batch size: the same units, slower time-sliced
     assert a.units == b.units and all(x > y for x, y in zip(a.unit_time_s, b.unit_time_s))
-    assert fill_spec_of(mps).gpu_sharing == "mps"
+    assert FillSpec.of_plan(mps.fill).gpu_sharing == "mps"
     fp = sliced.fill.predictions  # what MPS would buy on the time-sliced plan, reported beside it
     assert fp.under_mps_tflops_per_gpu > fp.fill_tflops_per_gpu and mps.fill.predictions.under_mps_tflops_per_gpu is None
     assert mps.config == sliced.config and mps.fill.predictions.offload_optimizer == fp.offload_optimizer  # pinned

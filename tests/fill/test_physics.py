@@ -28,7 +28,7 @@ from planner.fill.physics import (
 )
 from planner.fill.profiles import FillProfile
 from planner.fill.spec import FillSpec
-from planner.runtime.fill_executor import ExecutorOptions
+from planner.runtime.fill_executor import FillExecutorOptions
 from targets.registry import get_target
 
 HW = Hardware(target=get_target("a100-80gb"))
@@ -47,7 +47,7 @@ def test_defaults_are_the_papers_and_the_runtimes():
     assert DEFAULT_SAFETY_MARGIN == pytest.approx(0.32)  # PipeFill filled 68% of each bubble (001 l.231)
     assert FillSpec(jobs=[{"name": "a", "model": "m.py", "kind": "infer", "batch_sizes": [1],
                            "work": {"samples": 1}}]).safety_margin == DEFAULT_SAFETY_MARGIN
-    opts = ExecutorOptions()  # the planner prices a step's admission exactly as the runtime applies it
+    opts = FillExecutorOptions()  # the planner prices a step's admission exactly as the runtime applies it
     assert (opts.step_safety, opts.step_overhead_s) == (STEP_SAFETY, STEP_ALLOWANCE_S)
 
 

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from passes.meta_keys import TP, UNIT  # noqa: E402
 from passes.pipeline import analyze  # noqa: E402
-from planner.hf import PRESETS  # noqa: E402
+from examples._hf_models import PRESETS  # noqa: E402
 from planner.search import tp_reason  # noqa: E402
 from tests.conftest import EXAMPLES  # noqa: E402
 
@@ -96,7 +96,7 @@ def test_every_linear_of_a_block_is_tensor_parallel(priced):
     cols = {"gpt2": 2, "bert": 4}.get(family, 5)  # GPT-2's fused c_attn; BERT's q, k, v, intermediate
     if family == "gpt2":  # Conv1D is no nn.Linear: the fxplanner runtime cannot split it, so neither is it priced
         assert (roles["col"], roles["row"], block.tp_layout) == (0, 0, ())  # split; Megatron's own linears are:
-        prof, ctx = analyze(EXAMPLES / "hf_gpt2.py", {"layers": 2, "seq": SEQ}, engine="megatron")
+        prof, ctx = analyze(EXAMPLES / "hf_gpt2.py", {"layers": 2, "seq": SEQ}, kernels="megatron")
         block = next(u for u in prof.units if u.kind == "block")
         roles = Counter(n.meta[TP] for n in ctx.gm.graph.nodes if n.meta.get(UNIT) == block.index)
     assert (roles["col"], roles["row"]) == (cols, 2)
@@ -151,7 +151,7 @@ def test_bytes_saved_per_block_match_autograd_on_cpu(family, tmp_path):
     args = {"config": str(path), "layers": 2, "seq": 64}
     prof, _ = analyze(EXAMPLES / f"hf_{family}.py", args, dtype="bf16")
     planned = next(u for u in prof.units if u.kind == "block")
-    from planner import hf
+    from examples import _hf_models as hf
 
     torch.manual_seed(0)
     model = hf.build(family, config=str(path), layers=2).to(torch.bfloat16).train()
@@ -164,7 +164,7 @@ def test_bytes_saved_per_block_match_autograd_on_cpu(family, tmp_path):
 
 def test_a_config_json_on_disk_and_a_bad_preset(tmp_path):
     from passes.errors import ModelFileError
-    from planner import hf
+    from examples import _hf_models as hf
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps(PRESETS["llama3-8b"][1]))
@@ -237,16 +237,16 @@ def test_multi_head_latent_attention_splits_as_megatron_core_splits_it():
 
 
 def test_multi_token_prediction_is_priced_with_the_loss():
-    """DeepSeek-V3's multi-token prediction (mtp=1, planner.hf.MultiTokenPrediction) lives in the head unit, with the
+    """DeepSeek-V3's multi-token prediction (mtp=1, _hf_models.MultiTokenPrediction) lives in the head unit, with the
     loss, as Megatron-Core runs it: one more layer of the model's last kind (a mixture-of-experts layer, routed as
     the others), the 2h -> h projection of its two normalized inputs, its own copy of the embedding, and a second
     vocabulary-parallel pass of the shared output layer with its cross-entropy. The export writes --mtp-num-layers
     and an 'mL' last stage."""
-    from planner.export import _megatron_layout
+    from planner.export import _pipeline_layout_arg
 
     args = {"layers": 2, "first_k_dense_replace": 1, "seq": SEQ}
-    plain, _ = analyze(EXAMPLES / "hf_deepseek_v3.py", args, engine="megatron")
-    prof, ctx = analyze(EXAMPLES / "hf_deepseek_v3.py", {**args, "mtp": 1}, engine="megatron")
+    plain, _ = analyze(EXAMPLES / "hf_deepseek_v3.py", args, kernels="megatron")
+    prof, ctx = analyze(EXAMPLES / "hf_deepseek_v3.py", {**args, "mtp": 1}, kernels="megatron")
     c = PRESETS["deepseek-v3"][1]
     h, V = c["hidden_size"], c["vocab_size"]
     moe = prof.units[2]
@@ -261,7 +261,7 @@ def test_multi_token_prediction_is_priced_with_the_loss():
     assert len(logits) == 2  # both passes of the output layer split over the vocabulary
     assert head.sharded.kernels - old.sharded.kernels >= 7  # Megatron's cross-entropy once more (7 kernels)
     assert prof.model_shape["mtp_layers"] == 1 and "mtp_layers" not in plain.model_shape
-    assert _megatron_layout([[("embedding", -1), ("block", 0)], [("block", 1), ("head", -1)]], 1) == "Et|tmL"
+    assert _pipeline_layout_arg([[("embedding", -1), ("block", 0)], [("block", 1), ("head", -1)]], 1) == "Et|tmL"
 
 
 def test_multi_token_prediction_of_a_dense_llama_adds_one_block_and_its_projection():

@@ -21,7 +21,7 @@ SHAPE = dict(layers=2, hidden=H, heads=HEADS, kv_heads=KV, ffn=FFN, seq=SEQ, voc
 
 @pytest.fixture(scope="module")
 def unfused():
-    return {engine: analyze(UNFUSED, SHAPE, engine=engine)[0] for engine in ("fxplanner", "megatron")}
+    return {kernels: analyze(UNFUSED, SHAPE, kernels=kernels)[0] for kernels in ("traced", "megatron")}
 
 
 def _block(profile):
@@ -39,7 +39,7 @@ def test_a_block_keeps_what_megatron_core_keeps(unfused):
     block = _block(unfused["megatron"])
     assert block.sharded.saved_bytes(1) + block.replicated.saved_bytes(1) == SEQ * per_token + 24
     # as traced: a norm keeps its input and its weighted copy, the attention the repeated keys/values, SwiGLU its silu
-    traced = _block(unfused["fxplanner"])
+    traced = _block(unfused["traced"])
     extra = 2 * (2 * H + 2 * (H - KV * hd) + FFN)
     assert traced.sharded.saved_bytes(1) + traced.replicated.saved_bytes(1) == SEQ * (per_token + extra) + 24
 
@@ -48,7 +48,7 @@ def test_fused_kernels_move_each_tensor_once(unfused):
     """Under the engine a block's replicated part is three kernels (the first norm; the residual add with the second
     norm; the last residual add) and its sharded part runs the rotary embeddings and SwiGLU as one kernel each; the
     repeated keys/values cost no copy."""
-    fused, traced = _block(unfused["megatron"]), _block(unfused["fxplanner"])
+    fused, traced = _block(unfused["megatron"]), _block(unfused["traced"])
     assert fused.replicated.kernels == 3
     hd = H // HEADS
     norm1, add_norm2, add = 2 * 2 * H, 4 * 2 * H, 3 * 2 * H  # bytes per token: read x, write; read 2, write 2; 2 + 1
@@ -63,7 +63,7 @@ def test_megatron_runs_its_own_cross_entropy(unfused):
     head = unfused["megatron"].units[-1]
     assert head.loss_bytes(1) == 0
     assert head.sharded.saved_bytes(1) == 4 * SEQ * VOCAB
-    assert head.sharded.fwd_bytes(1) - _head_fwd_bytes(unfused["fxplanner"]) == 38 * SEQ * VOCAB
+    assert head.sharded.fwd_bytes(1) - _head_fwd_bytes(unfused["traced"]) == 38 * SEQ * VOCAB
 
 
 def _head_fwd_bytes(profile) -> float:
@@ -75,7 +75,7 @@ def test_the_ring_passes_grouped_keys_and_values(unfused):
     them; as traced it moves the repeated ones."""
     hd = H // HEADS
     assert _block(unfused["megatron"]).attn_kv_bytes(1) == 2 * SEQ * KV * hd * 2
-    assert _block(unfused["fxplanner"]).attn_kv_bytes(1) == 2 * SEQ * HEADS * hd * 2
+    assert _block(unfused["traced"]).attn_kv_bytes(1) == 2 * SEQ * HEADS * hd * 2
 
 
 def test_the_same_llama_written_two_ways_plans_the_same():
@@ -104,7 +104,7 @@ def test_an_moe_layers_experts_keep_what_megatron_cores_grouped_mlp_keeps():
     pytest.importorskip("transformers", reason="the hf extra is not installed")
     seq, k, h, f = 64, 8, 2048, 768  # qwen3-30b-a3b: top-8 experts, hidden 2048, expert intermediate 768
     prof, _ = analyze(EXAMPLES / "hf_qwen3_moe.py", {"preset": "qwen3-30b-a3b", "num_hidden_layers": 2, "seq": seq},
-                      engine="megatron")
+                      kernels="megatron")
     block = _block(prof)
     assert block.experts and block.moe.saved_bytes(1) == seq * (2 * k * (h + 2 * f + f) + 2 * k)
 
@@ -117,9 +117,9 @@ def test_megatrons_gpt_block_keeps_korthikantis_closed_form():
     output another), and each dropout writes its one-byte mask: the dropout kernel moves 5 bytes per score."""
     h, a, s = 512, 8, 256
     shape = dict(layers=2, hidden=h, heads=a, seq=s, vocab=1024)
-    with_dropout = _block(analyze(ROOT / "bench" / "models" / "ref_gpt_megatron.py", shape, engine="megatron")[0])
+    with_dropout = _block(analyze(ROOT / "bench" / "models" / "ref_gpt_megatron.py", shape, kernels="megatron")[0])
     without = _block(analyze(ROOT / "bench" / "models" / "ref_gpt_megatron.py",
-                             {**shape, "attention_dropout": 0.0, "hidden_dropout": 0.0}, engine="megatron")[0])
+                             {**shape, "attention_dropout": 0.0, "hidden_dropout": 0.0}, kernels="megatron")[0])
     for b in (1, 3):
         assert with_dropout.sharded.saved_bytes(b) + with_dropout.replicated.saved_bytes(b) == \
             s * b * h * 34 + 5 * a * s * s * b

@@ -1,7 +1,7 @@
 """The registered schedule kinds, and their generators under the argument orders the tests use."""
 from __future__ import annotations
 
-from planner.schedule import Schedule
+from planner.schedule_ir import Schedule
 from planner.schedules import SCHEDULES
 
 KINDS = tuple(SCHEDULES)

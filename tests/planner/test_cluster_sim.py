@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from planner.fill.cluster_sim import Prices, cost_savings, gpus_saved, run_job, simulate
 from planner.fill.packing import BubbleSlot, FillUnit, greedy_pack
-from planner.fill.scheduler import TraceJob, PlanChunk, Rank, RankPlan
+from planner.fill.job_scheduler import TraceJob, PlanChunk, Rank, RankPlan
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_pipefill_sim", ROOT / "bench" / "pipefill_sim.py")

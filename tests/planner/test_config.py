@@ -42,11 +42,11 @@ BASE = dict(tp=2, pp=4, dp=2, b=1, m=8)
 
 
 @pytest.mark.parametrize(("change", "words"), [
-    ({"tp": 0}, ["tensor-parallel degree tp", "got 0"]),
-    ({"m": -3}, ["microbatch count m", "got -3"]),
-    ({"b": 1.5}, ["microbatch size b", "got 1.5"]),
+    ({"tp": 0}, ["tp must be a positive integer", "got 0"]),
+    ({"m": -3}, ["m must be a positive integer", "got -3"]),
+    ({"b": 1.5}, ["b must be a positive integer", "got 1.5"]),
     ({"sp": True, "tp": 1}, ["sequence parallelism", "tp > 1", "tp=1"]),
-    ({"zero": 4}, ["zero=4", "(0, 1, 2, 3)"]),
+    ({"zero": 4}, ["zero must be one of 0, 1, 2, 3", "got 4"]),
     ({"recompute": "some"}, ["'some'", "none, selective, full"]),
     ({"precision": "fp8"}, ["'fp8'", "bf16"]),
     ({"schedule": "zigzag"}, ["'zigzag'", "gpipe", "interleaved"]),
@@ -97,5 +97,5 @@ def test_a_fallback_is_the_configuration_replace_would_make(c: ParallelConfig, c
     extra = {"recompute_layers": 0} if "recompute" in change else {}
     made, checked = c.fallback(**change), dataclasses.replace(c, **change, **extra)
     assert made == checked and hash(made) == hash(checked) and str(made) == str(checked)
-    with pytest.raises(ConfigError, match="zero=5"):
+    with pytest.raises(ConfigError, match="zero must be one of 0, 1, 2, 3, got 5"):
         c.fallback(zero=5)

@@ -11,7 +11,8 @@ pytest.importorskip("transformers")
 
 from costmodels.compute import MEGATRON_MOE_HOST_S  # noqa: E402
 from passes.errors import UserError  # noqa: E402
-from planner.api import MEGATRON_SCHEDULES, make_plan  # noqa: E402
+from planner.api import make_plan  # noqa: E402
+from planner.engines import ENGINES  # noqa: E402
 from planner.plan import save_plan  # noqa: E402
 from planner.runtime import check_plan  # noqa: E402
 from planner.search import Pins  # noqa: E402
@@ -31,7 +32,7 @@ def mixtral(tmp_path_factory):
 def test_megatron_plan_divides_the_experts_where_it_wins(mixtral):
     mega, own, _ = mixtral
     assert mega.source.engine == "megatron" and mega.config.ep > 1
-    assert mega.config.schedule in MEGATRON_SCHEDULES
+    assert mega.config.schedule in ENGINES["megatron"].schedules
     assert mega.predictions.iteration_s < own.predictions.iteration_s  # what EP wins, with the experts' all-to-alls
     assert own.config.ep == 1 and any("expert parallelism, which the fxplanner runtime does not run" in k
                                       for k in own.search.rejected)
@@ -127,7 +128,7 @@ def test_llama3_405b_as_meta_ran_it_plans_an_interleaved_schedule():
     from targets.registry import get_target
 
     hw = Hardware(target=get_target("h100-sxm"))
-    units = analyze(str(EXAMPLES / "hf_llama.py"), {"preset": "llama3-405b", "seq": 8192}, engine="megatron")[0].units
+    units = analyze(str(EXAMPLES / "hf_llama.py"), {"preset": "llama3-405b", "seq": 8192}, kernels="megatron")[0].units
     hw = hw.with_eff(fusion=0.0)
     for gpus in (8192, 16384):
         pins = engine_pins(Pins(engine="megatron", tp=8, pp=16, recompute="none"), hw)

@@ -12,7 +12,7 @@ from planner.cli import app
 from planner.fill.assign import PACKERS
 from planner.plan import load_plan, plan_schedule, save_plan
 from planner.runtime import check_plan
-from planner.schedule import Op, Schedule, check_shape, validate
+from planner.schedule_ir import Op, Schedule, check_shape, validate
 from planner.schedules import SCHEDULES, ScheduleKind, register, unregister
 from planner.schedules.gpipe import flush_analytic_s
 from planner.search import Pins
@@ -90,7 +90,7 @@ def test_every_recompute_mode_keeps_no_more_than_none() -> None:
 
 
 TOY_KIND = """
-from planner.schedule import Op, check_shape
+from planner.schedule_ir import Op, check_shape
 from planner.schedules import ScheduleKind, register
 from planner.schedules.gpipe import flush_analytic_s
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from planner.schedule import (
+from planner.schedule_ir import (
     Action,
     Op,
     Schedule,

@@ -6,7 +6,7 @@ from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
 from torch.distributed.pipelining.schedules import (ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
                                                     ScheduleZBVZeroBubble)
 
-from planner.schedule import Op, Placement, validate
+from planner.schedule_ir import Op, Placement, validate
 from planner.schedules import SCHEDULES
 from planner.simulate import SimCosts, simulate
 
@@ -152,7 +152,7 @@ def test_zbh1_bubble_with_the_units_own_split(t: int, recompute: str) -> None:
 
 
 def test_ranks_are_derived_only_by_the_placement() -> None:
-    """No code outside planner/schedule.py's Placement turns a stage into a rank with `% p` (strings and
+    """No code outside planner/schedule_ir.py's Placement turns a stage into a rank with `% p` (strings and
     comments aside): a new placement changes one class."""
     import io
     import re
@@ -163,7 +163,7 @@ def test_ranks_are_derived_only_by_the_placement() -> None:
     pattern = re.compile(r"\b(stage|k|j|s|idx)(\.stage)? *% *[a-z_.]*\bp(p|p_size)?\b")
     found = []
     for path in [*root.glob("planner/**/*.py"), *root.glob("costmodels/*.py"), *root.glob("passes/*.py")]:
-        if path.name == "schedule.py" and path.parent.name == "planner":
+        if path.name == "schedule_ir.py" and path.parent.name == "planner":
             continue
         code: dict[int, list[str]] = {}
         for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):

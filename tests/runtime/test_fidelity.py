@@ -35,12 +35,17 @@ CASES = {  # name: pins; all on GPT tiny with 2 layers, 2 processes
     # sequence parallelism: norms, dropout and residual on 1/t of the sequence between the split linears
     "t2_sp": dict(t=2, p=1, d=1, b=2, v=1, schedule="1f1b", sp=True),
     "t2_sp_selective": dict(t=2, p=1, d=1, b=2, v=1, schedule="1f1b", sp=True, recompute="selective"),
+    # the vocabulary split (issue 47): the tied embedding and head hold half of its 1027 rows each (padded to 1028),
+    # without and with sequence parallelism (the head then reads 1/t of the sequence)
+    "t2_vocab": dict(t=2, p=1, d=1, b=2, v=1, schedule="1f1b"),
+    "t2_sp_vocab": dict(t=2, p=1, d=1, b=2, v=1, schedule="1f1b", sp=True),
     # context parallelism: each rank holds half of every sequence (Megatron's two load-balanced chunks); the
     # optimizer sharded over dp x cp. Written-out attention (Q K^T, mask, softmax, . V), then the fused one
     "cp2_zero": dict(t=1, p=1, d=1, b=2, v=1, schedule="1f1b", cp=2, zero=1, overlap=True),
     "cp2_flash_selective": dict(t=1, p=1, d=1, b=2, v=1, schedule="1f1b", cp=2, recompute="selective"),
 }
-MODEL_ARGS = {"t2_flash_selective": {**gpt_args(2), "flash": True}, "cp2_flash_selective": {**gpt_args(2), "flash": True}}
+MODEL_ARGS = {"t2_flash_selective": {**gpt_args(2), "flash": True}, "cp2_flash_selective": {**gpt_args(2), "flash": True},
+              "t2_vocab": {**gpt_args(2), "vocab": 1027}, "t2_sp_vocab": {**gpt_args(2), "vocab": 1027}}
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +233,26 @@ def test_sequence_parallelism_splits_the_norms_and_residual_over_the_sequence(ru
         for pname, value in _dump(run, "t2_sp", rank)["params"].items():
             tol = STEPS * LR if pname.endswith("qkv.bias") else 1e-5  # see the flash test
             assert torch.allclose(value, ref["params"][pname], rtol=0, atol=tol), pname
+
+
+def test_the_tied_embedding_and_head_split_by_vocabulary_rows_train_as_one_process_does(run):
+    """Megatron's VocabParallelEmbedding and column-parallel output layer, the logits gathered for loss_fn: each rank
+    holds its rows of the one tied weight (V/t rounded up), and after three Adam steps every weight, gathered in the
+    model's order, is the single process's."""
+    ref = reference(GPT, MODEL_ARGS["t2_vocab"], global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
+    for name in ("t2_vocab", "t2_sp_vocab"):
+        entry, plan = run["runs"][name], run["plans"][name]
+        assert plan.config.sp == (name == "t2_sp_vocab")
+        assert plan.partition[0].tensor_parallel["embedding.tok"] == "vocab"
+        assert entry.loss == pytest.approx(ref["loss"], abs=1e-5)
+        assert not mismatches(plan, entry)
+        for h in _holds(run, name):  # 514 of the 1027 rows of the tied weight, 64 wide
+            assert h.parameters == _holds(run, "t2")[0].parameters + (514 - 128) * 64
+            assert "embedding.tok" in h.tensor_parallel
+        for rank in range(2):
+            for pname, value in _dump(run, name, rank)["params"].items():
+                tol = STEPS * LR if pname.endswith("qkv.bias") else 1e-5  # see the flash test
+                assert torch.allclose(value, ref["params"][pname], rtol=0, atol=tol), pname
 
 
 def test_context_parallel_ranks_hold_half_of_each_sequence_and_train_as_one_process_does(run):

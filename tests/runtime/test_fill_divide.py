@@ -24,7 +24,7 @@ from planner.api import make_plan
 from planner.fill.spec import FillJobSpec, FillSpec, Work
 from planner.metrics import FillReport, RunEntry, load_metrics
 from planner.plan import Plan, save_plan
-from planner.runtime.fill_executor import TaskSpec
+from planner.runtime.fill_executor import TaskOptions
 from planner.runtime.fill_task import UnitRunner
 from planner.search import Pins
 
@@ -179,9 +179,8 @@ def _train_job(run: dict, name: str):
 
 def _plain_run(job) -> UnitRunner:
     """The job's units run plain in this process for one iteration: the baseline of what each keeps."""
-    runner = UnitRunner(TaskSpec(job=job.name, model_file=job.model_file, model_sha256=job.model_sha256,
-                                 model_args=dict(job.model_args), kind=job.kind, batch_size=job.batch_size,
-                                 units=tuple(job.units), device="cpu", interface="iterative", iterations=None))
+    plain = job.model_copy(update={"config": "plain", "resident": True, "load_groups": []})
+    runner = UnitRunner(plain, TaskOptions(device="cpu", interface="iterative", iterations=None))
     while not runner.step():
         pass
     return runner

@@ -28,7 +28,7 @@ from planner.fill.waterwave import PairLedger
 from planner.fill.spec import FillJobSpec, FillSpec, Work
 from planner.metrics import FillJobReport, FillReport, RunEntry, load_metrics
 from planner.plan import Plan, plan_hardware, save_plan
-from planner.runtime.fill_executor import TaskSpec
+from planner.runtime.fill_executor import TaskOptions
 from planner.runtime.fill_task import UnitRunner
 from planner.search import Pins
 
@@ -112,12 +112,10 @@ def _faulty(plan: Plan, args: dict[str, Any]) -> Plan:
     """The plan with its fill job's model replaced by the faulty fixture (same name, chunks, bubbles).
     The planner cannot price that model (its misbehaviour reads a tensor's value, which the meta
     shape pass has not got), so its linearized units come from the runtime's own tracing."""
-    job = plan.fill.jobs[0]
-    units = UnitRunner(TaskSpec(job=job.name, model_file=str(FAULTY), model_sha256="", model_args=args,
-                                kind=job.kind, batch_size=job.batch_size, units=(), device="cpu",
-                                interface="iterative", iterations=None)).linearized
-    faulty = job.model_copy(update={"model_file": str(FAULTY), "model_sha256": file_sha256(FAULTY),
-                                    "model_args": args, "units": units, "unit_time_s": [1e-4] * len(units)})
+    job = plan.fill.jobs[0].model_copy(update={"model_file": str(FAULTY), "model_sha256": file_sha256(FAULTY),
+                                               "model_args": args, "units": []})
+    units = UnitRunner(job, TaskOptions(device="cpu", interface="iterative", iterations=None)).linearized
+    faulty = job.model_copy(update={"units": units, "unit_time_s": [1e-4] * len(units)})
     return plan.model_copy(update={"fill": plan.fill.model_copy(update={"jobs": [faulty]})})
 
 

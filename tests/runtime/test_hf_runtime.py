@@ -28,7 +28,7 @@ CASES = {"p2": dict(tp=1, pp=2, dp=1, b=1, schedule="1f1b"), "d2": dict(tp=1, pp
          "t2_sp": dict(tp=2, pp=1, dp=1, b=2, schedule="1f1b", sp=True),
          # Qwen2: q, k and v projections with biases (each rank keeps its rows of them), sequence-parallel
          "qwen2_t2_sp": dict(tp=2, pp=1, dp=1, b=2, schedule="1f1b", sp=True),
-         # multi-token prediction (planner.hf.MultiTokenPrediction) on the last stage, with the loss: its own copy of
+         # multi-token prediction (_hf_models.MultiTokenPrediction) on the last stage, with the loss: its own copy of
          # the embedding, whose gradient joins the first stage's as a tied weight's does
          "mtp_p2": dict(tp=1, pp=2, dp=1, b=1, schedule="1f1b")}
 MODELS = {"qwen2_t2_sp": ROOT / "examples" / "hf_qwen2.py"}

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from passes.pipeline import analyze
-from planner.runtime.megatron_tp import Refusal, Rows, plan_shards
+from passes.sharding import Rows
+from passes.sharding.walk import Refusal, plan_shards
 
 from ._util import ROOT
 

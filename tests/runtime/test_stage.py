@@ -16,7 +16,7 @@ from planner.plan import Plan, load_plan
 from planner.runtime import check_plan, summarize
 from planner.runtime.executor import ActionError, failure_text
 from planner.runtime.stage import StageModule, TensorSpec, boundary_specs, build_split
-from planner.schedule import Action
+from planner.schedule_ir import Action
 
 from ._util import GPT, SKIPNET, gpt_args, plan_file
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from planner.runtime.fill_executor import TaskSpec
+from planner.plan import FillJob
+from planner.runtime.fill_executor import TaskOptions
 from planner.runtime.fill_task import UnitRunner
 from planner.runtime.optim import GradSync
 
@@ -48,10 +49,10 @@ def test_offloaded_optimizer_state_lives_in_pinned_host_memory_and_the_steps_mat
         assert torch.equal(a, b)
 
 
-def _runner(**kw) -> UnitRunner:
-    kind = kw.pop("kind", "infer")
-    return UnitRunner(TaskSpec(job="mlp", model_file=MLP, model_sha256="", model_args=ARGS, kind=kind, batch_size=64,
-                               units=(), device="cuda:0", interface="iterative", iterations=None, **kw))
+def _runner(kind: str = "infer", **job) -> UnitRunner:
+    job = FillJob(name="mlp", model_file=MLP, model_sha256="", model_args=ARGS, kind=kind, batch_size=64,
+                  units=[], unit_time_s=[], **{"config": "plain", "resident": True, **job})
+    return UnitRunner(job, TaskOptions(device="cuda:0", interface="iterative", iterations=None))
 
 
 def test_streamed_job_loads_its_groups_onto_the_gpu_and_leaves_with_the_bubble():

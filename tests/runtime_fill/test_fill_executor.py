@@ -23,7 +23,8 @@ from planner.plan import (Bubble, ConfigModel, Fill, FillChunk, FillJob, FillPre
                           SearchInfo, Source)
 from planner.runtime import fill_executor
 from planner.runtime.fill_client import FillClient
-from planner.runtime.fill_executor import BubbleBegin, BubbleEnd, Executor, ExecutorOptions, Request, TaskSpec
+from planner.runtime.fill_executor import (BubbleBegin, BubbleEnd, FillExecutor, FillExecutorOptions, Request,
+                                           TaskOptions)
 from planner.runtime.fill_task import UnitRunner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +43,13 @@ def _job(name: str, path: str, args: dict, kind: str, units: int, batch: int = 4
         names += [f"B:{i}" for i in reversed(range(units))] + ["OPT"]
     return FillJob(name=name, model_file=path, model_sha256=file_sha256(path), model_args=args, kind=kind,
                    batch_size=batch, config="plain", units=names, unit_time_s=[1e-3] * len(names), resident=True)
+
+
+def _runner(path: str, args: dict, **options: object) -> UnitRunner:
+    """The unit runner of a training job made by hand, on the CPU (no plan: its units are the model's own)."""
+    job = FillJob(name="j", model_file=path, model_sha256=file_sha256(path), model_args=args, kind="train",
+                  batch_size=3, config="plain", units=[], unit_time_s=[], resident=True)
+    return UnitRunner(job, TaskOptions(device="cpu", interface="iterative", iterations=None, **options))
 
 
 def _plan(jobs: list[FillJob], placement: dict[int, str], durations: dict[int, float], margin: float) -> Plan:
@@ -97,7 +105,7 @@ def _assert_main_job_on_time(main: dict) -> None:
 
 
 def _start(plan: Plan, grace_s: float = 0.1, **options) -> FillClient:
-    client = FillClient.start(plan, 0, 0, "cpu", grace_s=grace_s, options=ExecutorOptions(**options))
+    client = FillClient.start(plan, 0, 0, "cpu", grace_s=grace_s, options=FillExecutorOptions(**options))
     assert client is not None
     assert client.wait_ready(120.0), "fill jobs did not load"
     return client
@@ -119,9 +127,7 @@ def _scenario(plan: Plan, durations: dict[int, float], rounds: int, grace_s: flo
                                             (str(ROOT / "examples/gpt.py"), {"preset": "tiny", "layers": 2,
                                                                              "dropout": 0.0})])
 def test_linearized_units_give_the_whole_models_gradients(path: str, args: dict) -> None:
-    spec = TaskSpec(job="j", model_file=path, model_sha256=file_sha256(path), model_args=args, kind="train",
-                    batch_size=3, units=(), device="cpu", interface="iterative", iterations=None)
-    runner = UnitRunner(spec)
+    runner = _runner(path, args)
     n = len(runner.unit_names)
     assert runner.linearized[:n] == [f"F:{u}" for u in runner.unit_names] and runner.linearized[-1] == "OPT"
     profile = runner.profile(1)
@@ -145,10 +151,8 @@ def test_a_batch_runs_the_same_stream_as_single_steps() -> None:
     and its units' times tile the batch."""
     from planner.runtime.fill_task import _timed_steps
 
-    spec = TaskSpec(job="j", model_file=MLP, model_sha256=file_sha256(MLP), model_args=MLP_ARGS, kind="train",
-                    batch_size=3, units=(), device="cpu", interface="iterative", iterations=None)
     torch.manual_seed(0)
-    single, batched = UnitRunner(spec), UnitRunner(spec)
+    single, batched = _runner(MLP, MLP_ARGS), _runner(MLP, MLP_ARGS)
     batched.module.load_state_dict(single.module.state_dict())
     n = len(single.linearized) + 3
     for _ in range(n):
@@ -164,10 +168,7 @@ def test_a_batch_runs_the_same_stream_as_single_steps() -> None:
 def test_the_next_batch_is_made_on_a_thread_while_units_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """UnitRunner._batch: each of this GPU's batches (first 1, stride 2) is made once, all but the first on the
     runner's loader thread, and profiling passes reuse iteration 0's."""
-    spec = TaskSpec(job="j", model_file=MLP, model_sha256=file_sha256(MLP), model_args=MLP_ARGS, kind="train",
-                    batch_size=3, units=(), device="cpu", interface="iterative", iterations=None, batch_first=1,
-                    batch_stride=2)
-    runner = UnitRunner(spec)
+    runner = _runner(MLP, MLP_ARGS, batch_first=1, batch_stride=2)
     made: list[tuple[int, str]] = []
     sample = runner.mf.module.sample_batch
 
@@ -185,11 +186,9 @@ def test_the_next_batch_is_made_on_a_thread_while_units_run(monkeypatch: pytest.
 
 
 def test_the_plans_linearization_must_match_the_model() -> None:
-    spec = TaskSpec(job="bert", model_file=BERT, model_sha256=file_sha256(BERT), model_args={"preset": "tiny"},
-                    kind="infer", batch_size=2, units=("a", "b"), device="cpu", interface="iterative",
-                    iterations=None)
+    job = _job("bert", BERT, {"preset": "tiny"}, "infer", 2, batch=2)
     with pytest.raises(Exception, match="lists 2 linearized units for fill job 'bert'.* 4 for a infer job"):
-        UnitRunner(spec)
+        UnitRunner(job, TaskOptions(device="cpu", interface="iterative", iterations=None))
 
 
 def test_no_fill_for_the_rank_starts_nothing() -> None:
@@ -372,8 +371,8 @@ def test_imperative_task_that_does_not_stop_is_killed(monkeypatch: pytest.Monkey
     cmd_r, cmd_w = mp.Pipe(duplex=False)
     out_r, out_w = mp.Pipe(duplex=False)
     grace = 0.05
-    executor = Executor(plan, 0, 0, "cpu", {0: 0.15}, grace, ExecutorOptions(default_interface="imperative"),
-                        cmd_r, out_w)
+    executor = FillExecutor(plan, 0, 0, "cpu", {0: 0.15}, grace,
+                            FillExecutorOptions(default_interface="imperative"), cmd_r, out_w)
     thread = threading.Thread(target=executor.run, daemon=True)
     thread.start()
     try:
@@ -408,4 +407,5 @@ def test_a_streamed_or_paired_job_is_refused_the_imperative_interface() -> None:
     job = _job("stream", MLP, MLP_ARGS, "infer", 4).model_copy(update={"resident": False, "load_groups": [[0, 2]]})
     plan = _plan([job], {0: "stream"}, {0: 0.25}, margin=0.2)
     with pytest.raises(ValueError, match="fill job stream is loaded per bubble .* only the iterative interface"):
-        Executor(plan, 0, 0, "cpu", None, 0.05, ExecutorOptions(default_interface="imperative"), None, None)
+        FillExecutor(plan, 0, 0, "cpu", None, 0.05, FillExecutorOptions(default_interface="imperative"), None,
+                     None)

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from passes.load import file_sha256
-from planner.runtime.fill_executor import Executor, ExecutorOptions, TaskSpec
+from planner.plan import FillJob
+from planner.runtime.fill_executor import FillExecutor, FillExecutorOptions, TaskOptions
 from planner.runtime.fill_task import UnitRunner
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,9 +20,9 @@ MLP_ARGS = {"features": 32, "width": 64, "depth": 2}
 
 def _runner(path: str, args: dict, kind: str, precision: str) -> UnitRunner:
     torch.manual_seed(0)
-    return UnitRunner(TaskSpec(job="j", model_file=path, model_sha256=file_sha256(path), model_args=args, kind=kind,
-                               batch_size=4, units=(), device="cpu", interface="iterative", iterations=None,
-                               precision=precision))
+    job = FillJob(name="j", model_file=path, model_sha256=file_sha256(path), model_args=args, kind=kind,
+                  batch_size=4, config="plain", units=[], unit_time_s=[], resident=True)
+    return UnitRunner(job, TaskOptions(device="cpu", interface="iterative", iterations=None, precision=precision))
 
 
 def test_inference_runs_in_the_plans_dtype() -> None:
@@ -69,5 +70,5 @@ def test_the_executor_gives_its_tasks_the_plans_precision() -> None:
     plan = _plan([_job("mlp", MLP, MLP_ARGS, "train", 4)], {0: "mlp"}, {0: 0.2}, 0.1)
     for precision in ("bf16", "fp32"):
         p = plan.model_copy(update={"config": plan.config.model_copy(update={"precision": precision})})
-        ex = Executor(p, 0, 0, "cpu", None, 0.01, ExecutorOptions(), None, None)
-        assert ex._spec(p.fill.jobs[0]).precision == precision
+        ex = FillExecutor(p, 0, 0, "cpu", None, 0.01, FillExecutorOptions(), None, None)
+        assert ex._task_options(p.fill.jobs[0]).precision == precision

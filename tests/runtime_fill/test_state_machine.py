@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from planner.runtime.fill_executor import (TRANSITIONS, ExecutorOptions, IllegalTransition, Occurrence,
+from planner.runtime.fill_executor import (TRANSITIONS, FillExecutorOptions, IllegalTransition, Occurrence,
                                            SideTaskState, State, Transition)
 
 LEGAL = {
@@ -94,24 +94,22 @@ def test_pause_points_of_a_bubble() -> None:
 
 
 def test_options_are_checked() -> None:
-    assert ExecutorOptions(interface={"a": "imperative"}).interface_of("a") == "imperative"
-    assert ExecutorOptions().interface_of("b") == "iterative"
+    assert FillExecutorOptions(interface={"a": "imperative"}).interface_of("a") == "imperative"
+    assert FillExecutorOptions().interface_of("b") == "iterative"
     with pytest.raises(ValueError, match="iterative"):
-        ExecutorOptions(interface={"a": "threaded"})  # type: ignore[dict-item]
+        FillExecutorOptions(interface={"a": "threaded"})  # type: ignore[dict-item]
     with pytest.raises(ValueError, match="step_safety=0.5"):
-        ExecutorOptions(step_safety=0.5)
+        FillExecutorOptions(step_safety=0.5)
 
 
 def test_a_slow_observation_relaxes_back_to_the_profile():
     """One inflated timing must not hold a unit (and the stream behind it) out of every bubble."""
     from planner.plan import FillJob
-    from planner.runtime.fill_executor import TaskHandle, TaskSpec
+    from planner.runtime.fill_executor import TaskHandle, TaskOptions
 
     job = FillJob(name="j", model_file="m.py", model_sha256="", model_args={}, kind="infer", batch_size=1,
                   config="plain", units=["F:a", "F:b"], unit_time_s=[1e-3, 2e-3], resident=True)
-    spec = TaskSpec(job="j", model_file="m.py", model_sha256="", model_args={}, kind="infer", batch_size=1,
-                    units=("F:a", "F:b"), device="cpu", interface="iterative", iterations=None)
-    handle = TaskHandle(spec, job, [])
+    handle = TaskHandle(job, TaskOptions(device="cpu", interface="iterative", iterations=None), [])
     handle.profile = [1e-3, 2e-3]
     handle.observed = {0: 9e-3}
     handle.relax(2)  # position 2 is unit 0 of the second iteration

@@ -8,7 +8,7 @@ import pytest
 
 from planner.fill.cluster_sim import simulate
 from planner.fill.packing import BubbleSlot
-from planner.fill.scheduler import (
+from planner.fill.job_scheduler import (
     POLICIES,
     ExecutorState,
     TraceJob,
@@ -18,7 +18,7 @@ from planner.fill.scheduler import (
     SchedulerState,
     Unplaceable,
     choose,
-    job_info,
+    job_view,
     load_score_function,
     placement,
     resolve_policy,
@@ -72,7 +72,7 @@ def test_makespan_score_is_pipefills_formula():
     # leaves 5 s until all are idle, an 8 s job 8 s: the 3 s job wins, and rank 0 over rank 1 for it.
     ranks = [rank(0), rank(1)]
     short, long_ = job("short", 3, 2), job("long", 8, 2)
-    infos = [job_info(j, ranks, i) for i, j in enumerate((long_, short))]
+    infos = [job_view(j, ranks, i) for i, j in enumerate((long_, short))]
     state = SchedulerState(now_s=0.0, executors=(ExecutorState(rank=0, busy_until_s=0.0, running=None, assigned_s=0),
                                                  ExecutorState(rank=1, busy_until_s=5.0, running="x", assigned_s=5)))
     picked, at = choose(infos, [0], state, POLICIES["makespan"], {i.name: (0, 1) for i in infos})
@@ -103,7 +103,7 @@ def test_edf_meets_more_deadlines_than_fifo():
 
 def test_sjf_score_is_pipefills_min_processing_time():
     ranks = [rank(0), rank(1)]
-    info = job_info(job("j", 6, 2, rates=(1.0, 3.0)), ranks, 0)
+    info = job_view(job("j", 6, 2, rates=(1.0, 3.0)), ranks, 0)
     assert info.proc_times == (6 * PERIOD, 2 * PERIOD)
     state = SchedulerState(now_s=0.0, executors=tuple(
         ExecutorState(rank=i, busy_until_s=0.0, running=None, assigned_s=0.0) for i in range(2)))
@@ -220,7 +220,7 @@ def test_missing_score_file(tmp_path):
 
 
 def test_score_returning_nan_is_a_clear_error():
-    info = job_info(job("j", 1), [rank(0)], 0)
+    info = job_view(job("j", 1), [rank(0)], 0)
     state = SchedulerState(now_s=0.0, executors=(
         ExecutorState(rank=0, busy_until_s=0.0, running=None, assigned_s=0.0),))
     with pytest.raises(ValueError, match="score for job 'j' on rank 0 is nan"):
@@ -228,7 +228,7 @@ def test_score_returning_nan_is_a_clear_error():
 
 
 def test_choose_returns_none_without_a_runnable_pair():
-    info = job_info(job("j", 1, 2), [rank(0), rank(1)], 0)
+    info = job_view(job("j", 1, 2), [rank(0), rank(1)], 0)
     state = SchedulerState(now_s=0.0, executors=())
     assert choose([info], [1], state, POLICIES["fifo"], {"j": (0,)}) is None
     assert choose([], [0], state, POLICIES["fifo"], {}) is None

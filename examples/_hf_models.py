@@ -1,4 +1,7 @@
-"""Hugging Face models for the planner: built from transformers configs, never downloaded.
+"""The Hugging Face models of the hf_*.py example model files: built from transformers configs, never downloaded.
+
+Each example is `build_model, example_inputs, sample_batch, loss_fn = hf.model_file(family, default_preset)`;
+the model loader (passes/load.py) puts this folder on sys.path, so they import it as `_hf_models`.
 
 A family names a transformers model class; a preset is a published configuration written out here
 (or pass `config=path/to/config.json`, e.g. a checkpoint's own). Models are built with

@@ -17,7 +17,7 @@ Built-in policies (``POLICIES``): 'fifo' (earliest arrival), 'sjf' (PipeFill's
 ``1 / min(proc_times)``), 'makespan' (PipeFill's ``1 / max(proc_times[i], s.rem_times)``: the pair that
 leaves the least time until every Executor is idle again), 'edf' (earliest
 deadline; jobs without one after all jobs with one), each after the job's priority (higher first). Built-ins
-return tuples compared lexicographically; user functions return a float (and see the priority in JobInfo).
+return tuples compared lexicographically; user functions return a float (and see the priority in JobView).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ __all__ = [
     "POLICIES",
     "ExecutorState",
     "TraceJob",
-    "JobInfo",
+    "JobView",
     "PlanChunk",
     "Rank",
     "RankPlan",
@@ -44,7 +44,7 @@ __all__ = [
     "Unplaceable",
     "choose",
     "next_on_rank",
-    "job_info",
+    "job_view",
     "load_score_function",
     "placement",
     "resolve_policy",
@@ -207,8 +207,10 @@ class Unplaceable:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class JobInfo:
-    """What a score function sees of a job (PipeFill: arrival, processing times, deadline)."""
+class JobView:
+    """What a score function sees of a job (PipeFill: arrival, processing times, deadline): a view of it made where
+    the decision is, from a trace's TraceJob (job_view), from a job's profiles while planning (planner/fill/assign.py)
+    or from the plan's FillJob at run time (planner/runtime/fill_executor.py)."""
 
     name: str
     kind: str
@@ -244,7 +246,7 @@ class SchedulerState:
         return tuple(max(0.0, e.busy_until_s - self.now_s) for e in self.executors)
 
 
-ScoreFn = Callable[[JobInfo, SchedulerState, int], Union[float, tuple]]
+ScoreFn = Callable[[JobView, SchedulerState, int], Union[float, tuple]]
 
 
 def proc_time(job: TraceJob, rank: Rank, plan: RankPlan | None) -> float:
@@ -254,10 +256,10 @@ def proc_time(job: TraceJob, rank: Rank, plan: RankPlan | None) -> float:
     return job.work / plan.work_per_cycle * rank.period_s
 
 
-def job_info(job: TraceJob, ranks: Sequence[Rank], index: int) -> JobInfo:
+def job_view(job: TraceJob, ranks: Sequence[Rank], index: int) -> JobView:
     times = tuple(proc_time(job, r, p) if r.max_free_bytes >= job.mem_bytes else math.inf
                   for r, p in zip(ranks, job.plans))
-    return JobInfo(name=job.name, kind=job.kind, arrival_s=job.arrival_s, deadline_s=job.deadline_s,
+    return JobView(name=job.name, kind=job.kind, arrival_s=job.arrival_s, deadline_s=job.deadline_s,
                    priority=job.priority, work=job.work, proc_times=times, index=index)
 
 
@@ -290,21 +292,21 @@ def _least_loaded(state: SchedulerState, rank: int) -> float:
 # PipeFill's hierarchical policy (001 l.172), a user's ordering above the scheduler's.
 
 
-def fifo_score(job: JobInfo, state: SchedulerState, rank: int) -> tuple:
+def fifo_score(job: JobView, state: SchedulerState, rank: int) -> tuple:
     return (job.priority, -job.arrival_s, _least_loaded(state, rank))
 
 
-def sjf_score(job: JobInfo, state: SchedulerState, rank: int) -> tuple:
+def sjf_score(job: JobView, state: SchedulerState, rank: int) -> tuple:
     return (job.priority, -min(job.proc_times), _least_loaded(state, rank))
 
 
-def makespan_score(job: JobInfo, state: SchedulerState, rank: int) -> tuple:
+def makespan_score(job: JobView, state: SchedulerState, rank: int) -> tuple:
     """PipeFill 4.4 (001 l.169-172): 1 / max(j.proc_times[i], s.rem_times), the longest any Executor stays busy
     once the job starts on executor i; higher is better, so the key is its negation."""
     return (job.priority, -max((job.proc_times[rank], *state.rem_times)), _least_loaded(state, rank))
 
 
-def edf_score(job: JobInfo, state: SchedulerState, rank: int) -> tuple:
+def edf_score(job: JobView, state: SchedulerState, rank: int) -> tuple:
     deadline = -math.inf if job.deadline_s is None else -job.deadline_s
     return (job.priority, deadline, -job.arrival_s, _least_loaded(state, rank))
 
@@ -353,7 +355,7 @@ def load_score_function(path: str | Path) -> ScoreFn:
     return fn
 
 
-def _checked(value: object, job: JobInfo, rank: int) -> float | tuple:
+def _checked(value: object, job: JobView, rank: int) -> float | tuple:
     if isinstance(value, tuple):
         return value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
@@ -363,9 +365,9 @@ def _checked(value: object, job: JobInfo, rank: int) -> float | tuple:
 
 
 def choose(
-    pending: Sequence[JobInfo], idle: Sequence[int], state: SchedulerState, score: ScoreFn,
+    pending: Sequence[JobView], idle: Sequence[int], state: SchedulerState, score: ScoreFn,
     allowed: dict[str, tuple[int, ...]],
-) -> tuple[JobInfo, int] | None:
+) -> tuple[JobView, int] | None:
     """The (job, rank) with the highest score among pending jobs and idle ranks they may run on.
 
     Ties go to the earlier job in ``pending`` and then the earlier rank in ``idle``.
@@ -382,7 +384,7 @@ def choose(
     return best
 
 
-def next_on_rank(pending: Sequence[JobInfo], rank: int, ranks: int, now_s: float, score: ScoreFn) -> JobInfo | None:
+def next_on_rank(pending: Sequence[JobView], rank: int, ranks: int, now_s: float, score: ScoreFn) -> JobView | None:
     """The job one rank's executor runs next when its job ends: the pull model with that rank the idle Executor.
     It cannot see the other ranks (they run their own queues), so their state reads idle. The planner predicts
     each rank's turns and the runtime's fill executor picks them with this same function."""

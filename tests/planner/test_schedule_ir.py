@@ -1,4 +1,4 @@
-"""Schedule IR, generators, validator and grid (planner/schedule.py)."""
+"""Schedule IR, generators, validator and grid (planner/schedule_ir.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from planner.schedule import (
+from planner.schedule_ir import (
     COMPUTE_OPS,
     Action,
     Op,
@@ -314,7 +314,7 @@ def test_each_chunks_in_flight_microbatches_are_the_generated_orders(p, v, m):
     rank's inflight (so a rank whose chunks keep alike needs what it needed before)."""
     import random
 
-    from planner.schedule import placement_of
+    from planner.schedule_ir import placement_of
     from planner.schedules.interleaved import chunk_peaks
 
     kind = SCHEDULES["interleaved"]

@@ -1,0 +1,77 @@
+"""What runs a plan: one `Engine` record per engine, registered by name in ``ENGINES``.
+
+fxplanner's own runtime (`python -m planner.runtime`) runs the plan as the model file writes it; an exported engine
+(Megatron-LM / Megatron-Core with Transformer Engine, torchtitan) runs the plan's export. A plan for an engine chooses
+among what that engine runs, priced as its kernels run it. The CLI's --engine and `planner export --to`, the plan
+file, the search's choices, the pricing and the launch read these records; adding an engine is adding its record here
+(and its exporter in planner.export). Light: importable without torch or pydantic (the CLI's argument checks and the
+runtime's top level read it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from operator import attrgetter
+from typing import Callable, Collection, Mapping
+
+from costmodels.fp8 import Fp8Recipe, default_recipe
+
+__all__ = ["Engine", "ENGINES"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Engine:
+    """One engine: what it is called, what it runs and how, how a plan for it is launched."""
+
+    name: str
+    """As --engine, `planner export --to` and the plan's source.engine spell it."""
+    title: str
+    """As sentences name it ("Megatron-Core")."""
+    export: str = ""
+    """The function of planner.export that writes a plan as this engine's job; the plan's launch runs that job's
+    script on every node (planner.api.engine_launch). "": the fxplanner runtime, which runs the plan itself, launched
+    with torchrun (planner.launch)."""
+    schedules: tuple[str, ...] | None = None
+    """The pipeline schedule kinds (planner.schedules) it runs; None: every registered kind."""
+    schedule_names: Mapping[str, str] = field(default_factory=dict)
+    """Its own names of the schedule kinds it has one for (torchtitan's schedule classes, read beside the plan's
+    schedule CSV)."""
+    kernels: str = "traced"
+    """How its units are priced: a key of passes.kernels.KERNELS ("traced": op by op as the model file writes them;
+    "megatron": as Transformer Engine's fused kernels run them, with Megatron's own cross-entropy)."""
+    fp8: str = ""
+    """How it runs the linear layers' GEMMs in FP8, as sentences name it; "": it runs none."""
+    fp8_recipe: Callable[[Fp8Recipe], str] | None = None
+    """With fp8: its own name of an FP8 recipe (costmodels.fp8), "" for one it does not run."""
+    fp8_default: Callable[[Collection[str]], str] | None = None
+    """With fp8: the recipe --fp8 auto means on a GPU with these peak keys."""
+    fsdp: str = ""
+    """How it shards the parameters over the data-parallel ranks (ZeRO-3, FSDP), as sentences name it; "": it runs
+    up to ZeRO-2."""
+    expert_parallel: bool = False
+    """It divides the experts of mixture-of-experts layers over expert-parallel ranks (--ep)."""
+    moe_capacity: bool = False
+    """It pads experts to a capacity factor (--moe-capacity); the others route every token to its experts."""
+    grad_fp32: bool = False
+    """By default it accumulates and reduces bf16 training's gradients in fp32 (else in the weights' dtype)."""
+    recompute_block: bool = True
+    """It recomputes the first N blocks of each model chunk (recompute "block"), which the search tries where
+    recomputing nothing does not fit."""
+    fill: str = ""
+    """The module that runs fill jobs in its pipeline bubbles; "": it runs none (a plan with fill jobs is refused).
+    Fill adapters for the exported engines are modules of this package."""
+
+
+ENGINES: dict[str, Engine] = {e.name: e for e in (
+    Engine(name="fxplanner", title="the fxplanner runtime", fill="planner.runtime.fill_client"),
+    Engine(name="megatron", title="Megatron-Core", export="to_megatron", schedules=("1f1b", "interleaved"),
+           kernels="megatron", fp8="Transformer Engine's recipes", fp8_recipe=attrgetter("megatron_recipe"),
+           fp8_default=default_recipe, fsdp="Megatron-FSDP", expert_parallel=True, moe_capacity=True, grad_fp32=True),
+    Engine(name="torchtitan", title="torchtitan", export="to_torchtitan",
+           schedule_names={"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"},
+           fp8="torchao's float8", fp8_recipe=attrgetter("titan_recipe"), fp8_default=lambda peaks: "torchao-rowwise",
+           fsdp="FSDP2", expert_parallel=True, recompute_block=False),
+)}
+"""Megatron-Core runs forward_backward_pipelining_without_interleaving / with_interleaving; torchtitan runs any of the
+plan's schedules from the CSV of its actions the export writes. Megatron accumulates and reduces bf16 training's
+gradients in fp32 unless told --grad-reduce-in-bf16 (megatron/training/arguments.py). torchtitan's activation
+checkpointing checkpoints every block or every k-th one, not the first N."""
