@@ -32,13 +32,13 @@ MODELS = {
     "moe_small": (STYLES / "moe_small.py", {}),  # router, top-k gates, an nn.ModuleList of experts
     # issue 47: ops the rules once refused, each now one rule (passes/sharding/)
     "titan_complex": (STYLES / "titan_llama.py", {}),  # torchtitan's own RoPE: view_as_complex / view_as_real
-    "hf_phi3": (STYLES / "hf_phi3.py", {}),  # qkv_proj cut by slices, gate_up_proj by chunk
-    "hf_gemma2": (STYLES / "hf_gemma2.py", {}),  # repeat_kv's expand, soft-capped scores
+    "hf_phi3": (STYLES / "hf_causal.py", {"family": "phi3"}),  # qkv_proj cut by slices, gate_up_proj by chunk
+    "hf_gemma2": (STYLES / "hf_causal.py", {"family": "gemma2"}),  # repeat_kv's expand, soft-capped scores
     # issue 47: vocabularies of 1024 tokens split over the tensor-parallel ranks (embedding rows, LM head outputs)
     "plain_llama": (STYLES / "plain_llama.py", {}),  # an untied nn.Linear head, read sequence-parallel
     "nanogpt_vocab": (STYLES / "nanogpt.py", {"vocab_size": 1024}),  # wte and lm_head: two modules, one weight
     "albert_vocab": (STYLES / "albert_tied.py", {"vocab": 1024}),  # F.linear(h, word_embeddings.weight)
-    "hf_olmo2": (STYLES / "hf_olmo2.py", {}),  # from its torch.export graph (weights read as inputs), a padding row
+    "hf_olmo2": (STYLES / "hf_causal.py", {"family": "olmo2"}),  # from its torch.export graph (weights read as inputs), a padding row
 }
 CONFIGS = {"tp2": Pins(tp=2), "pp2": Pins(pp=2)}
 TP_ONLY = {"titan_complex", "hf_phi3", "hf_gemma2"}  # (their pipeline split is test_as_written's and hf tests')

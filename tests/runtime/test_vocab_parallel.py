@@ -24,7 +24,7 @@ MODELS = {
     # refused at plan time there: nothing runs unlike it was priced)
     "plain_llama": (STYLES / "plain_llama.py", {}),  # the issue's: 4 layers, hidden 256, GQA, vocabulary 1024
     "hf_llama_small": (ROOT / "examples" / "hf_llama.py", HF_LLAMA),  # Llama-3's 128,256 tokens, hidden 64
-    "hf_olmo2": (STYLES / "hf_olmo2.py", {}),
+    "hf_olmo2": (STYLES / "hf_causal.py", {"family": "olmo2"}),
     "nanogpt_vocab": (STYLES / "nanogpt.py", {"vocab_size": 1024}),  # head and embedding tied (two modules)
     "albert_vocab": (STYLES / "albert_tied.py", {"vocab": 1024}),  # F.linear(h, word_embeddings.weight)
     "gpt_odd_vocab": (GPT, {**gpt_args(2), "vocab": 1027}),  # tied; 1027 rows padded to 2 x 514
