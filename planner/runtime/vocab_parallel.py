@@ -44,7 +44,7 @@ from passes.sharding.vocab import VOCAB_STYLES, vocab_use
 from .megatron_tp import (_CopyToTP, _GatheredLinear, _GatheredLinearOp, _GatheredReplicatedLinear, _ReduceFromTP,
                           _gather, swap)
 
-__all__ = ["VOCAB_STYLES", "VocabParallelEmbedding", "VocabParallelLinear", "vocab_rows", "split_vocab"]
+__all__ = ["VocabParallelEmbedding", "VocabParallelLinear", "vocab_rows", "split_vocab"]
 
 
 def vocab_rows(vocab: int, t: int, rank: int) -> tuple[int, int]:

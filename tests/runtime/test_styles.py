@@ -35,7 +35,8 @@ MODELS = {
     "hf_phi3": (STYLES / "hf_causal.py", {"family": "phi3"}),  # qkv_proj cut by slices, gate_up_proj by chunk
     "hf_gemma2": (STYLES / "hf_causal.py", {"family": "gemma2"}),  # repeat_kv's expand, soft-capped scores
     # issue 47: vocabularies of 1024 tokens split over the tensor-parallel ranks (embedding rows, LM head outputs)
-    "plain_llama": (STYLES / "plain_llama.py", {}),  # an untied nn.Linear head, read sequence-parallel
+    # the issue's plain Llama (4 layers, hidden 256, vocabulary 1024): an untied nn.Linear head, read sequence-parallel
+    "plain_llama": (ROOT / "tests" / "fixtures" / "llama_unfused.py", {"layers": 4}),
     "nanogpt_vocab": (STYLES / "nanogpt.py", {"vocab_size": 1024}),  # wte and lm_head: two modules, one weight
     "albert_vocab": (STYLES / "albert_tied.py", {"vocab": 1024}),  # F.linear(h, word_embeddings.weight)
     "hf_olmo2": (STYLES / "hf_causal.py", {"family": "olmo2"}),  # from its torch.export graph (weights read as inputs), a padding row

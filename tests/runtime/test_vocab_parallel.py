@@ -11,7 +11,7 @@ from passes.errors import UserError
 from passes.load import load_model_file
 from planner.api import make_plan
 from planner.runtime.executor import RunOptions, held_parameters, prepare, stage_parameters
-from planner.runtime.vocab_parallel import VOCAB_STYLES
+from passes.sharding.vocab import VOCAB_STYLES
 from planner.search import Pins
 from planner.validate import _held
 
@@ -22,7 +22,7 @@ HF_LLAMA = dict(layers=2, hidden_size=64, intermediate_size=128, num_attention_h
 MODELS = {
     **{name: spec for name, spec in STYLES_MODELS.items() if (name, "tp2") not in REFUSED},  # test_styles' (tp2
     # refused at plan time there: nothing runs unlike it was priced)
-    "plain_llama": (STYLES / "plain_llama.py", {}),  # the issue's: 4 layers, hidden 256, GQA, vocabulary 1024
+    "plain_llama": (ROOT / "tests" / "fixtures" / "llama_unfused.py", {"layers": 4}),  # the issue's: 4 layers, hidden 256, GQA, vocabulary 1024
     "hf_llama_small": (ROOT / "examples" / "hf_llama.py", HF_LLAMA),  # Llama-3's 128,256 tokens, hidden 64
     "hf_olmo2": (STYLES / "hf_causal.py", {"family": "olmo2"}),
     "nanogpt_vocab": (STYLES / "nanogpt.py", {"vocab_size": 1024}),  # head and embedding tied (two modules)
