@@ -15,6 +15,7 @@ from passes.errors import UserError, load_document, write_atomic
 
 from .config import FIELDS, ParallelConfig
 from .engines import ENGINES
+from .fill.physics import FillPolicy, GpuSharing
 from .simulate import Bubble
 
 __all__ = ["SCHEMA", "Plan", "ConfigModel", "load_plan", "save_plan", "json_schema", "plan_hardware",
@@ -251,9 +252,9 @@ class FillPair(_Model):
 
 class Fill(_Model):
     safety_margin: float
-    policy: Literal["fifo", "sjf", "makespan", "edf"] = Field("sjf", description="which of a rank's fill jobs runs next when one ends (planner/fill/"
-                        "job_scheduler.py POLICIES: fifo, sjf, makespan, edf)")
-    gpu_sharing: Literal["timeslice", "mps", "none"] = Field(
+    policy: FillPolicy = Field("sjf", description="which of a rank's fill jobs runs next when one ends (planner/fill/"
+                               "job_scheduler.py POLICIES: fifo, sjf, makespan, edf)")
+    gpu_sharing: GpuSharing = Field(
         "timeslice", description="how the fill processes share a GPU with the main job: time slices, MPS (start "
                                  "nvidia-cuda-mps-control -d on every node before torchrun), or none (the main job "
                                  "waits on the host: the CPU runtime); planner/fill/physics.py")

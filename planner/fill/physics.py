@@ -59,12 +59,14 @@ from typing import Literal, Sequence
 
 __all__ = ["SAFE_FILL_FRACTION", "DEFAULT_SAFETY_MARGIN", "STEP_SAFETY", "STEP_ALLOWANCE_S", "STEP_IPC_S",
            "FILL_CONTEXT_BYTES", "TIMESLICE_S", "HOST_UNIT_S", "HOST_KERNEL_S", "HOST_OPTIMIZER_TENSOR_S",
-           "host_unit_s", "GpuSharing", "chunk_overhead_s", "unit_overhead_s",
+           "host_unit_s", "GpuSharing", "FillPolicy", "chunk_overhead_s", "unit_overhead_s",
            "shortest_bubble_s", "shared_unit_s", "BATCH_WORK_S", "batched", "runtime_unit_s"]
 
 GpuSharing = Literal["timeslice", "mps", "none"]
 """timeslice: the fill's process beside the main job's, whose receive spins on the GPU (NCCL); mps: the same under
 MPS; none: the main job waits on the host (the CPU runtime's gloo receive), the fill has the device to itself."""
+FillPolicy = Literal["fifo", "sjf", "makespan", "edf"]
+"""Which of a rank's fill jobs runs next when one ends: the names of planner/fill/job_scheduler.py POLICIES."""
 
 SAFE_FILL_FRACTION = 0.68
 """PipeFill 6.1 (001 l.231): the main job's overhead stays under 2% up to 68% of each bubble filled."""

@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from passes.errors import UserError, invalid_file
 
-from .physics import DEFAULT_SAFETY_MARGIN, GpuSharing
+from .physics import DEFAULT_SAFETY_MARGIN, FillPolicy, GpuSharing
 
 if TYPE_CHECKING:
     from planner.plan import Fill
@@ -89,7 +89,7 @@ class FillSpec(_Strict):
     jobs: list[FillJobSpec] = Field(min_length=1)
     safety_margin: float = Field(DEFAULT_SAFETY_MARGIN, ge=0, lt=1,
                                  description="share of every bubble left unused (planner/fill/physics.py)")
-    policy: Literal["fifo", "sjf", "makespan", "edf"] = Field(
+    policy: FillPolicy = Field(
         "sjf", description="which of a rank's jobs runs next when one ends (planner/fill/job_scheduler.py)")
     gpu_sharing: GpuSharing = Field(
         "timeslice", description="how a fill process shares its GPU with the main job waiting in a bubble: time "

@@ -232,3 +232,12 @@ def test_choose_returns_none_without_a_runnable_pair():
     state = SchedulerState(now_s=0.0, executors=())
     assert choose([info], [1], state, POLICIES["fifo"], {"j": (0,)}) is None
     assert choose([], [0], state, POLICIES["fifo"], {}) is None
+
+
+def test_every_policy_the_plan_file_names_is_a_policy():
+    """The plan file's and the fill YAML's policy names (planner/fill/physics.py FillPolicy) are POLICIES' keys."""
+    from typing import get_args
+
+    from planner.fill.physics import FillPolicy
+
+    assert set(get_args(FillPolicy)) == set(POLICIES)
