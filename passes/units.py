@@ -403,8 +403,8 @@ def lower_units(gm: fx.GraphModule, root: nn.Module, kernels: str = "traced") ->
         split, whole = _saved_by_layout(nodes, selective, role_of)
         layout = _tp_layout(nodes, root)
         # a row-parallel linear's bias is added after the all-reduce: every tensor-parallel rank holds all of it
-        row_bias = sum(b.numel() for path, style in layout if style == "rowwise"
-                       for b in [root.get_submodule(path).bias] if b is not None)
+        row_bias = sum(b.numel() for path in {path for path, style in layout if style == "rowwise"}  # (a layer
+                       for b in [root.get_submodule(path).bias] if b is not None)  # called twice: its bias once)
         sh, rep = _part(sharded, selective), _part(replicated, selective)
         sh, rep = replace(sh, params=sh.params - row_bias, **split), replace(rep, params=rep.params + row_bias, **whole)
         logits = [n for n in sharded if n.meta[TP] == "vocab-col"]

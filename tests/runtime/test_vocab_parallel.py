@@ -31,12 +31,6 @@ MODELS = {
 }
 SPLIT = {"plain_llama", "hf_llama_small", "hf_olmo2", "nanogpt_vocab", "albert_vocab", "gpt_odd_vocab"}
 """Vocabularies of at least VOCAB_MIN (1024) tokens: the plan splits them (passes/tp.py)."""
-PRICING = {"albert_tied": 64, "albert_vocab": 64}
-"""Parameters the plan prices that no rank holds, the pricing's own (passes/units.py lower_units): ALBERT's one shared
-layer runs in every block unit, and each unit moves the row-parallel biases (dense, ffn_output: 2 x 64) from its
-split part (/t) to its whole part, the units past the first too, which hold none of the layer's weights: +64."""
-
-
 def _holdings(plan, path, args) -> list[tuple[int, list[str]]]:
     """(parameters, modules split) of each tensor-parallel rank's stages, built on meta by the runtime."""
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
@@ -76,7 +70,7 @@ def test_each_tensor_parallel_rank_holds_the_parameters_its_plan_priced(name):
     assert plan.config.tp == 2
     styles = plan.partition[0].tensor_parallel
     assert (name in SPLIT) == any(s in VOCAB_STYLES for s in styles.values()), styles
-    planned = _held(plan, 0)["parameters"] - PRICING.get(name, 0)
+    planned = _held(plan, 0)["parameters"]
     for params, split in _holdings(plan, path, args):
         assert split == sorted(styles)  # the modules the plan split, and no other
         assert planned <= params <= planned + _padding(plan, path, args), (params, planned)
