@@ -49,14 +49,25 @@ def export(
         path = Path(output) if output else Path(plan_file).with_name(f"{to}.toml" if toml else f"{to}.sh")
         # beside the job: job.sh -> job.schedule.csv; beside the plan without -o: plan.json -> plan.schedule.csv
         schedule_csv = (path if output else Path(plan_file)).with_suffix(".schedule.csv")
-        titan = dict(module=titan_module, config=titan_config, toml=toml, schedule_csv=str(schedule_csv))
-        ex = getattr(exporters, ENGINES[to].export)(plan, **(titan if to == "torchtitan" else {}))
+        # the fill trainer reads the plan: this one, or with -o a copy beside the job
+        fill_plan = path.with_suffix(".plan.json") if output else Path(plan_file)
+        kwargs = dict(module=titan_module, config=titan_config, toml=toml, schedule_csv=str(schedule_csv))
+        if to != "torchtitan":
+            kwargs = {}
+        if not toml:
+            kwargs["fill_plan"] = str(fill_plan)
+        ex = getattr(exporters, ENGINES[to].export)(plan, **kwargs)
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, ex.text, "export")
         if not toml:
             path.chmod(0o755)
         out.print(f"{to} configuration written to {path}", highlight=False)
         for name, text in ex.files.items():
+            if name == str(fill_plan):
+                if output:
+                    write_atomic(name, text, "plan")
+                    out.print(f"the plan its fill trainer reads written to {name}", highlight=False)
+                continue
             write_atomic(name, text, "schedule")
             out.print(f"the plan's pipeline order (torch's compute-only schedule CSV, one row per pipeline rank) "
                       f"written to {name}", highlight=False)

@@ -89,12 +89,11 @@ def schedule_rows(plan: Plan) -> list[list[str]]:
     return [[a for a in acts if _COMPUTE.fullmatch(a)] for acts in plan.actions]
 
 
-def _common_unexpressed(plan: Plan, engine: str) -> list[str]:
+def _common_unexpressed(plan: Plan, engine: str, why: str = "runs no work in the pipeline bubbles") -> list[str]:
     out = []
     if plan.fill is not None:
         jobs = ", ".join(j.name for j in plan.fill.jobs)
-        out.append(f"fill jobs ({jobs}): {engine} runs no work in the pipeline bubbles; run the plan with "
-                   "`python -m planner.runtime` to fill them")
+        out.append(f"fill jobs ({jobs}): {engine} {why}; run the plan with `python -m planner.runtime` to fill them")
     return out
 
 
@@ -138,7 +137,7 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
     """(module, config function, the parallelism and training sections every torchtitan version reads, what
     they leave out, the schedule CSV by its path)."""
     c, src = plan.config, plan.source
-    unexpressed = _common_unexpressed(plan, "torchtitan")
+    unexpressed = []
     if n := src.model_shape.get("mtp_layers"):
         unexpressed.append(f"the {n} multi-token-prediction layer(s) the plan prices: torchtitan's models have none "
                            "(its job trains the model without them)")
@@ -180,6 +179,9 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
         else:
             parallel["pipeline_parallel_schedule_csv"] = schedule_csv
             files[schedule_csv] = "".join(",".join(row) + "\n" for row in schedule_rows(plan))
+    if schedule_csv not in files and plan.fill is not None and plan.fill.chunks:
+        unexpressed += _common_unexpressed(plan, "torchtitan", "runs the fill in the plan's own pipeline order only, "
+                                           "which this export cannot give it")
     # per data-parallel rank and step: b*m samples (split into m microbatches by the pipeline schedule,
     # or accumulated m times without pipelining)
     local = c.microbatch * c.microbatches if c.pp > 1 else c.microbatch
@@ -207,15 +209,21 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
 
 
 def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None = None, toml: bool = False,
-                  schedule_csv: str = "schedule.csv") -> Export:
+                  schedule_csv: str = "schedule.csv", fill_plan: str = "plan.json") -> Export:
     """torchtitan >= 0.3's command line, or with `toml` the job file of torchtitan 0.1-0.2
     (`--job.config_file job.toml`; `config` is then the model flavor, or a 0.3 config name mapped to it).
     With pipelining the job reads the plan's schedule from `schedule_csv` (in `files`; the shell script finds it
-    beside itself, the TOML job at that path from where torchtitan runs)."""
+    beside itself, the TOML job at that path from where torchtitan runs). A plan with fill jobs runs in the fill
+    trainer (planner.engines.titan: torchtitan's trainer, the config function derived with a `fill` section), which
+    reads the plan from `fill_plan` (in `files` too)."""
     if toml:
         return _titan_toml(plan, module, config, schedule_csv)
     c = plan.config
     module, config, sections, unexpressed, files = _titan_job(plan, module, config, schedule_csv, "lm_head")
+    if plan.fill is not None and plan.fill.chunks and schedule_csv in files:
+        module, config = "planner.engines.titan", f"{module}.{config}"
+        sections["fill"] = {"plan": fill_plan}
+        files[fill_plan] = plan.model_dump_json(by_alias=True, indent=1) + "\n"
     sections["parallelism"]["enable_sequence_parallel"] = c.sp  # 0.3 only: 0.2 always runs SP with TP
     if c.pp > 1:
         sections["training"]["disable_cuda_graphs"] = True  # torchtitan refuses CUDA graphs with pipelining
@@ -239,6 +247,9 @@ def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None =
 def _titan_toml(plan: Plan, module: str | None, flavor: str | None, schedule_csv: str) -> Export:
     c, src = plan.config, plan.source
     name, fn, sections, unexpressed, files = _titan_job(plan, module, flavor, schedule_csv, "output")
+    if plan.fill is not None and plan.fill.chunks and not any("fill jobs" in u for u in unexpressed):
+        unexpressed += _common_unexpressed(plan, "torchtitan 0.1-0.2", "runs no work in the pipeline bubbles (its "
+                                           "fill trainer is torchtitan >= 0.3's: export without --toml)")
     if c.tp > 1 and not c.sp:
         unexpressed.append("tensor parallelism without sequence parallelism: torchtitan 0.2 always runs it with "
                            "sequence parallelism")
@@ -285,9 +296,21 @@ def _even_split(rows: list[list[tuple[str, int]]], p: int) -> bool:
     return ends and len(set(counts)) == 1 and len(rows) >= p
 
 
-def to_megatron(plan: Plan) -> Export:
+def to_megatron(plan: Plan, *, fill_plan: str = "plan.json") -> Export:
+    """Megatron-LM's `pretrain_gpt.py` arguments. A plan with fill jobs runs the script under the fill adapter
+    (`python -m planner.engines.megatron_fill PLAN pretrain_gpt.py ...`), which reads the plan from `fill_plan` (in
+    `files`)."""
     c, src, shape = plan.config, plan.source, plan.source.model_shape
-    unexpressed = _common_unexpressed(plan, "Megatron-LM")
+    unexpressed, files = [], {}
+    if plan.fill is not None and plan.fill.chunks:
+        from .engines.megatron_fill import bubble_receives
+
+        try:  # every bubble ends at a receive of Megatron's own schedule (Megatron-LM overlaps p2p when interleaved)
+            for rank in range(c.pp):
+                bubble_receives(plan, rank, overlap_p2p_comm=c.vp > 1)
+            files[fill_plan] = plan.model_dump_json(by_alias=True, indent=1) + "\n"
+        except ValueError as e:
+            unexpressed += _common_unexpressed(plan, "Megatron-LM", f"cannot mark the plan's bubbles ({e})")
     argv = ["--tensor-model-parallel-size", str(c.tp), "--pipeline-model-parallel-size", str(c.pp),
             "--context-parallel-size", str(c.cp), "--micro-batch-size", str(c.microbatch),
             "--global-batch-size", str(src.global_batch)]
@@ -382,10 +405,12 @@ def to_megatron(plan: Plan) -> Export:
     else:
         unexpressed.append(f"the model: {src.model_file} is not a transformer stack the exporter can describe; add "
                            "your model's --num-layers/--hidden-size/... arguments")
+    fill = (f"-m planner.engines.megatron_fill \"$(dirname \"$0\")\"/{shlex.quote(PurePath(fill_plan).name)} "
+            if files else "")
     launch = (f"torchrun --nnodes {plan.launch.nnodes} --nproc-per-node {plan.launch.nproc_per_node} "
-              "--rdzv-backend c10d --rdzv-endpoint ${RDZV_ENDPOINT:-localhost:29500} pretrain_gpt.py")
+              f"--rdzv-backend c10d --rdzv-endpoint ${{RDZV_ENDPOINT:-localhost:29500}} {fill}pretrain_gpt.py")
     env = _megatron_env(argv)
-    return Export(engine="megatron", argv=argv, unexpressed=unexpressed, env=env,
+    return Export(engine="megatron", argv=argv, unexpressed=unexpressed, env=env, files=files,
                   text=_script(plan, "Megatron-LM", launch, argv, unexpressed, env=env,
                                tail="  # data, tokenizer, optimizer and checkpoint arguments: your own"))
 
@@ -489,6 +514,8 @@ def check_torchtitan(ex: Export, world: int, plan: Plan | None = None) -> dict[s
         seen.update(schedule=par.pipeline_parallel_schedule, schedule_csv=par.pipeline_parallel_schedule_csv or None)
         if plan is not None and par.pipeline_parallel_schedule_csv:
             check_schedule_csv(plan, par.pipeline_parallel_schedule_csv, par.pipeline_parallel_schedule)
+        if getattr(cfg, "fill", None) is not None:  # the fill trainer's (planner.engines.titan)
+            seen["fill_plan"] = cfg.fill.plan or None
     model = getattr(getattr(cfg, "model_spec", None), "model", None)  # torchtitan >= 0.3's model config
     if model is not None and hasattr(model, "layers") and hasattr(model, "dim"):
         seen.update(layers=len(model.layers) if hasattr(model.layers, "__len__") else int(model.layers),
@@ -515,8 +542,9 @@ def _torch_reads(cell: str) -> str:
 def check_schedule_csv(plan: Plan, path: str | Path, schedule: str) -> dict[int, int]:
     """Read the schedule CSV as torchtitan does (torch's `_PipelineScheduleRuntime._load_csv`: parse each cell with
     `_Action.from_str`, validate, infer the stage -> rank mapping, lower to sends and receives) and compare it with
-    the plan: its compute actions cell by cell, its stage -> rank mapping, and the stages torchtitan builds on each
-    rank under `schedule`. Returns the mapping torch inferred; a difference is a UserError naming rank and cell."""
+    the plan: its compute actions cell by cell, its stage -> rank mapping, the stages torchtitan builds on each
+    rank under `schedule`, and with fill jobs that every bubble of the plan falls before an action that waits for a
+    receive in torch's lowered order (planner.engines.pipelining.check_bubbles). Returns the mapping torch inferred; a difference is a UserError naming rank and cell."""
     from types import SimpleNamespace
 
     from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
@@ -560,6 +588,13 @@ def check_schedule_csv(plan: Plan, path: str | Path, schedule: str) -> dict[int,
         if built != mine:
             raise UserError(f"torchtitan builds stages {built} on rank {r} under pipeline_parallel_schedule "
                             f"{schedule}, but the schedule CSV {path} runs stages {mine} there")
+    if plan.fill is not None and plan.fill.chunks:  # the fill adapter marks each bubble where its receive is waited
+        from .engines.pipelining import check_bubbles
+
+        try:
+            check_bubbles(runtime, plan)
+        except ValueError as e:
+            raise UserError(f"schedule CSV {path}: the fill adapter cannot mark a bubble of the plan: {e}") from None
     return inferred
 
 

@@ -64,9 +64,10 @@ class Engine:
 ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine(name="fxplanner", title="the fxplanner runtime", fill="planner.runtime.fill_client"),
     Engine(name="megatron", title="Megatron-Core", export="to_megatron", schedules=("1f1b", "interleaved"),
+           fill="planner.engines.megatron_fill",
            kernels="megatron", fp8="Transformer Engine's recipes", fp8_recipe=attrgetter("megatron_recipe"),
            fp8_default=default_recipe, fsdp="Megatron-FSDP", expert_parallel=True, moe_capacity=True, grad_fp32=True),
-    Engine(name="torchtitan", title="torchtitan", export="to_torchtitan",
+    Engine(name="torchtitan", title="torchtitan", export="to_torchtitan", fill="planner.engines.titan",
            schedule_names={"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"},
            fp8="torchao's float8", fp8_recipe=attrgetter("titan_recipe"), fp8_default=lambda peaks: "torchao-rowwise",
            fsdp="FSDP2", expert_parallel=True, recompute_block=False),

@@ -33,16 +33,11 @@ gradients are averaged over dp x cp. CUDA-only, untested here: nccl, the ``ready
 """
 from __future__ import annotations
 
-import importlib.util
 import math
-import os
-import socket
-import statistics
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,6 +48,7 @@ from ..plan import Plan, plan_schedule
 from ..schedule_ir import Action, Op, grid
 from passes.errors import UserError
 
+from .bubbles import Bubbles, FillHooks, NullFill, load_fill_client, start_fill
 from .context_parallel import ContextParallel
 from .fill_executor import GRACE_S
 from .groups import Groups, make_groups, make_shared_groups
@@ -93,43 +89,6 @@ class RunOptions:
             raise ValueError(f"--optimizer must be adam or sgd, got {self.optimizer!r}")
 
 
-class FillHooks(Protocol):
-    def bubble_begin(self, bubble_id: int, duration_s: float, free_bytes: int, **kw: Any) -> None: ...
-    def bubble_end(self, bubble_id: int) -> None: ...
-    def report(self) -> dict: ...
-    def close(self) -> None: ...
-
-
-class NullFill:
-    """Fill hooks that do nothing: step 0, --no-fill, or no fill client installed."""
-
-    def bubble_begin(self, bubble_id: int, duration_s: float, free_bytes: int, ready: Any = None) -> None:
-        pass
-
-    def bubble_end(self, bubble_id: int) -> None:
-        pass
-
-    def report(self) -> dict:
-        return {}
-
-    def close(self) -> None:
-        pass
-
-
-def load_fill_client() -> Any:
-    """``planner.runtime.fill_client.FillClient`` if that module exists and imports, else None (the
-    main job then runs without fill; a broken fill client is reported, never fatal)."""
-    if importlib.util.find_spec("planner.runtime.fill_client") is None:
-        return None
-    try:
-        from .fill_client import FillClient  # noqa: PLC0415 - optional, written separately
-    except Exception as exc:  # noqa: BLE001
-        print(f"warning: fill client unavailable ({type(exc).__name__}: {exc}); running without fill",
-              file=sys.stderr, flush=True)
-        return None
-    return FillClient
-
-
 class ActionError(RuntimeError):
     """An action failed; names the pipeline rank and the step index into its action list."""
 
@@ -159,34 +118,8 @@ class _Step:
     pending: list[Any] = field(default_factory=list)
     weight_grads: dict[tuple[int, int], tuple[Any, ...]] = field(default_factory=dict)  # what each W step needs
     loss: torch.Tensor | None = None
-    bubble: tuple[int, float] | None = None
     bubbles: list[dict[str, Any]] = field(default_factory=list)
     times: dict[int, list[float]] = field(default_factory=dict)
-
-
-def mps_running() -> bool:
-    """Whether an MPS control daemon serves this node: it listens on the socket `control` in
-    CUDA_MPS_PIPE_DIRECTORY (default /tmp/nvidia-mps), which its `quit` leaves behind (seen on an H200: the file
-    stays, so only a connection tells)."""
-    path = Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")) / "control"
-    with socket.socket(socket.AF_UNIX) as s:
-        try:
-            s.connect(str(path))
-        except OSError:
-            return False
-    return True
-
-
-def sharing_mismatch(planned: str, mps: bool) -> str | None:
-    """One sentence where the node does not share its GPUs the way the plan priced its fill, else None."""
-    if planned == "mps" and not mps:
-        return ("the plan priced its fill under MPS and no MPS control daemon serves this node: the fill runs "
-                "time-sliced beside the main job, slower than planned (start `nvidia-cuda-mps-control -d` first, "
-                "as the plan's launch commands do)")
-    if planned == "timeslice" and mps:
-        return ("an MPS control daemon serves this node and the plan priced its fill time-sliced: the fill may run "
-                "faster than planned (plan it with `gpu_sharing: mps`)")
-    return None
 
 
 def stage_parameters(stages: list[StageModule]) -> dict[str, torch.nn.Parameter]:
@@ -231,14 +164,9 @@ class Executor:
             if a.op is Op.B or a.op is Op.W:
                 self._last_backward[a.stage] = i
         self._stage_params = {k: [p for _, p in st.named_parameters()] for k, st in self.stages.items()}
-        self.bubble_info = {b.id: b for b in plan.bubbles if b.rank == self.c.pp}
-        self.measured: dict[int, float] = {}
-        self.bubble_samples: dict[int, list[float]] = {}
-        """Bubble id -> duration observed in step 0 (seconds, this rank)."""
-        self.fill: Any = NullFill()
+        self.bubbles = Bubbles(plan, self.c.pp, options.device)
         self.fill_options: Any = None  # the fill executor's ExecutorOptions (None: its defaults)
         self.cuda = options.device.startswith("cuda")
-        self.device_bytes = torch.cuda.get_device_properties(options.device).total_memory if self.cuda else 0
         self._slots = slots  # tags must agree between sender and receiver: from all stages' programs
         self._mail: dict[int, torch.Tensor] = {}
         self.recorded: dict[str, torch.Tensor] = {}  # RunOptions.record
@@ -274,7 +202,7 @@ class Executor:
         return {"step": index, "iteration_s": time.perf_counter() - st.t0, "loss": loss, "bubbles": st.bubbles,
                 "stages": {str(k): {"forward_s": v[0], "backward_s": v[1]} for k, v in sorted(st.times.items())},
                 "peak_memory_bytes": torch.cuda.max_memory_allocated() if self.cuda else None,
-                "fill": self.options.fill and not isinstance(self.fill, NullFill),
+                "fill": self.options.fill and self.bubbles.filling,
                 "loss_scale": self.scaler.applied if self.scaler else None, "skipped": self._skipped,
                 "optimizer_offloaded_bytes": offloaded}
 
@@ -453,7 +381,7 @@ class Executor:
             bufs.append(self._recv_remote(st, spec, peer, tag + j))
             if self.options.record:  # debug: what this rank received, for a rehearsal to replay (planner rehearse)
                 self.recorded[f"{st.index}:{tag + j}"] = bufs[-1].detach().cpu().clone()
-        if self.cuda and st.bubble is not None:
+        if self.cuda and self.bubbles.open is not None:
             torch.cuda.current_stream().synchronize()
         return bufs
 
@@ -502,34 +430,11 @@ class Executor:
             until = time.perf_counter() + self.hold[1]  # occupy the device inside the bubble, as fill would
             while time.perf_counter() < until:
                 pass
-        now = time.perf_counter()
-        st.bubble = (bubble_id, now)
-        info = self.bubble_info.get(bubble_id)
-        planned = info.duration_s if info else 0.0
-        duration = self.measured.get(bubble_id, planned)
-        kwargs = {}
-        free = info.free_bytes if info else 0
-        if self.cuda and not isinstance(self.fill, NullFill):
-            # CUDA-only, as PipeFill does at every bubble (4.2): hand the allocator's cached free blocks back so
-            # the fill job can use them, and give it no more than the device has beside what the main job holds
-            torch.cuda.empty_cache()
-            free = min(free, max(0, self.device_bytes - torch.cuda.memory_reserved()))
-            ev = torch.cuda.Event()  # the fill job may start once the compute stream reaches this point
-            ev.record(torch.cuda.current_stream())
-            kwargs["ready"] = ev
-        self.fill.bubble_begin(bubble_id, duration, free, **kwargs)
+        self.bubbles.begin(bubble_id)
 
     def _end_bubble(self, st: _Step) -> None:
-        if st.bubble is None:
-            return
-        bubble_id, start = st.bubble
-        st.bubble = None
-        self.fill.bubble_end(bubble_id)
-        now = time.perf_counter()
-        info = self.bubble_info.get(bubble_id)
-        st.bubbles.append({"id": bubble_id, "start_s": start - st.t0, "duration_s": now - start,
-                           "predicted_start_s": info.start_s if info else None,
-                           "predicted_s": info.duration_s if info else None})
+        if (record := self.bubbles.end(st.t0)) is not None:
+            st.bubbles.append(record)
 
     # -- data, timing, run ---------------------------------------------------------------------
 
@@ -557,9 +462,7 @@ class Executor:
                 self.fill = self._start_fill(client)
                 dist.barrier()  # ranks with and without fill jobs start step 1 together
             record = self.run_step(index)
-            for b in record["bubbles"]:  # each bubble's duration: the median of every step's so far
-                self.bubble_samples.setdefault(b["id"], []).append(b["duration_s"])
-            self.measured = {i: statistics.median(d) for i, d in self.bubble_samples.items()}
+            self.bubbles.measured(record["bubbles"])  # each bubble's duration: the median of every step's so far
             steps.append(record)
             if record["loss"] is not None and self.c.dp == 0 and self.c.tp == 0 and self.c.cp == 0:
                 log(f"step {index}: loss {record['loss']:.6f}, iteration {record['iteration_s'] * 1e3:.1f} ms")
@@ -604,20 +507,16 @@ class Executor:
                 "baseline_s": found.baseline_s, "probes": [list(p) for p in found.probes]}
 
     def _start_fill(self, client: Any) -> Any:
-        try:
-            started = client.start(self.plan, self.c.pp, self.c.rank, self.options.device,  # durations come with
-                                   grace_s=self.options.fill_grace_s, options=self.fill_options)  # each bubble_begin
-        except Exception as exc:  # noqa: BLE001 - fill is best effort; the main job goes on
-            print(f"warning: rank {self.c.rank}: fill client did not start ({type(exc).__name__}: {exc})",
-                  file=sys.stderr, flush=True)
-            return NullFill()
-        if started is None:
-            return NullFill()
-        if self.cuda and (why := sharing_mismatch(self.plan.fill.gpu_sharing, mps_running())):
-            print(f"warning: rank {self.c.rank}: {why}", file=sys.stderr, flush=True)
-        if hasattr(started, "wait_ready"):  # fill models load once, outside the timed steps
-            started.wait_ready()
-        return started
+        return start_fill(client, self.plan, self.c.pp, self.c.rank, self.options.device,
+                          grace_s=self.options.fill_grace_s, options=self.fill_options)
+
+    @property
+    def fill(self) -> Any:
+        return self.bubbles.fill
+
+    @fill.setter
+    def fill(self, hooks: Any) -> None:
+        self.bubbles.fill = hooks
 
     def dump(self, path: Path) -> None:
         """Debug: this rank's parameters and gradients, full tensors under canonical names."""

@@ -335,7 +335,8 @@ def rehearse(plan_path: str | Path, options: RehearseOptions, log: Any = print) 
         fills = [(True, f) for f in options.fill_fractions] if filled else [(False, None)]
         for fill, fraction in ([(False, None)] if options.compare_no_fill and filled else []) + fills:
             ex.options, ex.fill_fraction = replace(run_opts, fill=fill), fraction
-            ex.fill, ex.measured, ex.bubble_samples, ex.trace = NullFill(), {}, {}, []
+            ex.bubbles.reset()
+            ex.trace = []
             ex.replay.frozen = fill and options.compare_no_fill  # the peers the run without fill saw
             label = _label(fill, fraction)
             record = ex.run(log=lambda text, label=label: log(f"rank {options.rank} ({label}): {text}"))

@@ -212,7 +212,7 @@ def test_a_node_that_shares_its_gpus_otherwise_than_planned_is_told(monkeypatch)
     import socket
     import tempfile
 
-    from planner.runtime.executor import mps_running, sharing_mismatch
+    from planner.runtime.bubbles import mps_running, sharing_mismatch
 
     with tempfile.TemporaryDirectory(prefix="mps", dir="/tmp") as tmp:  # short: unix socket paths take ~100 chars
         pipes = Path(tmp)

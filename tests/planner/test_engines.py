@@ -72,11 +72,12 @@ def test_what_fxplanners_runtime_cannot_run_is_refused_at_plan_time():
     kw = dict(gpus=8, global_batch=16, target="h100-sxm")
     with pytest.raises(UserError, match=r"expert parallelism \(--ep 2\) runs in Megatron-Core or torchtitan"):
         make_plan(str(EXAMPLES / "hf_mixtral.py"), model_args={"layers": 2}, pins=Pins(ep=2), **kw)
-    with pytest.raises(UserError, match="fill jobs run in the pipeline bubbles of the fxplanner runtime"):
-        from planner.fill.spec import load_fill_spec
+    from planner.fill.spec import load_fill_spec
 
-        make_plan(str(EXAMPLES / "gpt.py"), pins=Pins(engine="megatron"),
-                  fill=load_fill_spec(EXAMPLES / "fill" / "jobs.yaml"), **kw)
+    # fill runs in the engines' bubbles too (planner/engines/megatron_fill.py, titan.py): the plan carries its fill
+    filled, _ = make_plan(str(EXAMPLES / "gpt.py"), pins=Pins(engine="megatron", pp=2),
+                          fill=load_fill_spec(EXAMPLES / "fill" / "jobs.yaml"), **kw)
+    assert filled.source.engine == "megatron" and filled.fill is not None and filled.config.pp == 2
     with pytest.raises(UserError, match="Megatron-Core runs the 1f1b and interleaved schedules, not zbv"):
         make_plan(str(EXAMPLES / "gpt.py"), pins=Pins(engine="megatron", schedule="zbv"), **kw)
 
