@@ -25,8 +25,8 @@ from .memory import param_count
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
-__all__ = ["MEGATRON_MOE_HOST_S", "UnitTime", "moe_host_wait_s", "unit_time", "tp_allreduce_s", "cp_ring_s",
-           "expert_alltoall_s"]
+__all__ = ["MEGATRON_MOE_HOST_S", "UnitTime", "moe_host_wait_s", "part_forward_s", "unit_time", "tp_allreduce_s",
+           "cp_ring_s", "expert_alltoall_s"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -98,6 +98,11 @@ def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: 
     launches = (part.kernels + casts) * eff.launch_s
     return ((fwd + launches) * eff.calibration, (bwd + 2 * launches) * eff.calibration,
             (wgrad + wgrad_kernels * eff.launch_s) * eff.calibration)
+
+
+def part_forward_s(part: Part, b: float, t: int, hw: Hardware, precision: str) -> float:
+    """Forward seconds of one part divided over t GPUs, as unit_time prices a forward (what a recomputation reruns)."""
+    return _part_time(part, b, t, hw, precision)[0]
 
 
 def _gemm_s(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: Fp8Recipe | None = None,

@@ -146,6 +146,7 @@ class UnitBytes:
     full_acts: tuple[float, ...]  # activation_bytes recomputing the unit in full (what partial recomputation redoes)
     held: tuple[float, ...]  # held_bytes
     plain: tuple[float, ...]  # RECOMPUTE["none"].kept_bytes (the working set of a unit being recomputed)
+    rebuilt: tuple[float, ...]  # the mode's rebuilt_bytes (what a per-op checkpointed block's backward holds again)
     static: tuple[float, ...]  # static_bytes
 
 
@@ -159,6 +160,8 @@ def unit_bytes(units: Sequence[Unit], cfg: ParallelConfig) -> UnitBytes:
                      full_acts=tuple(activation_bytes(u, full) for u in units),
                      held=tuple(held_bytes(u, cfg) for u in units),
                      plain=tuple(plain(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units),
+                     rebuilt=tuple(cfg.recompute_mode.rebuilt_bytes(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp)
+                                   for u in units),
                      static=tuple(static_bytes(u, cfg) for u in units))
 
 
@@ -195,6 +198,10 @@ def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int
             acts += max((plain(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units), default=0.0)
         else:
             acts += max([table.plain[i] for i in at], default=0.0)
+    elif table is None:  # what the backward of one unit rebuilds beyond what it kept (one unit at a time)
+        acts += max((mode.rebuilt_bytes(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units), default=0.0)
+    else:
+        acts += max([table.rebuilt[i] for i in at], default=0.0)
     if table is None:
         fp8 = sum(fp8_weight_bytes(u, cfg) for u in units)
         experts_each = [expert_count(u, cfg) for u in units]

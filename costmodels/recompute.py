@@ -36,6 +36,9 @@ class RecomputeMode:
     partial: bool = False
     """Per unit as mode "none"; the evaluator recomputes in full the first N blocks of every model chunk
     (ParallelConfig.recompute_layers), which depends on the partition, not on the unit alone."""
+    rebuilt_bytes: Callable[..., float] = lambda u, b, t, r=1, cp=1: 0.0
+    """(unit, b, t, r=1, cp=1) -> where working_set is False, the bytes the unit's backward holds again beyond what
+    it kept: what its recomputation rebuilds (per-op checkpointing reruns most of the block's forward)."""
 
 
 def _plain_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
@@ -64,9 +67,29 @@ def weight_grad_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> flo
 
 
 def _selective_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
+    if u.checkpoint == "op":
+        return _op_bytes(u, b, t, r, cp)
     s, w = u.sharded, u.replicated
     return ((s.saved_bytes(b) - s.selective_bytes(b)) / t + (w.saved_bytes(b) - w.selective_bytes(b)) / r
             + u.loss_bytes(b) + _kv_copies(u, b, t))
+
+
+def _op_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
+    """Per-op checkpointing (passes.units.op_checkpoint): a block keeps its inputs and the saved ops' outputs; a unit
+    torchtitan does not checkpoint (embedding, head: only its blocks are wrapped) keeps everything."""
+    op = u.op_checkpoint
+    if op is None:
+        return _plain_bytes(u, b, t, r, cp)
+    return op.kept_sharded(b) / t + op.kept(b) / r + u.loss_bytes(b)
+
+
+def _op_rebuilt(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
+    """What a per-op checkpointed block's backward holds again: its rerun forward saves for autograd what the block
+    saves without checkpointing, the kept outputs handed over to it (torch.utils.checkpoint's selective cache pops
+    each as the rerun reaches it)."""
+    if u.checkpoint != "op" or u.op_checkpoint is None:
+        return 0.0
+    return max(0.0, _plain_bytes(u, b, t, r, cp) - _op_bytes(u, b, t, r, cp))
 
 
 def _full_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
@@ -75,13 +98,26 @@ def _full_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
 
 
 def _selective_s(u: Unit, b: float, t: int, hw: Hardware, precision: str, fwd_s: float) -> float:
-    """Redo the oversized cheap tensors (attention scores, softmax, dropout) of the sharded part."""
+    """Redo the oversized cheap tensors (attention scores, softmax, dropout) of the sharded part; under per-op
+    checkpointing, the forward of every op the block did not keep, priced as its forward is (its GEMMs at the training
+    precision; the replicated part whole, as without sequence parallelism: the mode is not told r)."""
+    if u.checkpoint == "op":
+        if u.op_checkpoint is None:
+            return 0.0
+        from .compute import part_forward_s  # (here: compute imports memory, which imports this registry)
+        op = u.op_checkpoint
+        return part_forward_s(op.redo_sharded, b, t, hw, precision) + part_forward_s(op.redo, b, 1, hw, precision)
     part, eff = u.sharded, hw.eff
     flops = part.selective_flops(b)
     if not flops:
         return 0.0
     rate = hw.matmul_rate(flops / t, precision, attention=part.fused_attention)
     return (flops / t / rate + 2 * part.selective_bytes(b) / t / (hw.gpu.hbm_bw * eff.hbm)) * eff.calibration
+
+
+def _op_flops(u: Unit) -> float:
+    op = u.op_checkpoint
+    return 0.0 if op is None else op.redo_sharded.fwd_flops(1) + op.redo.fwd_flops(1)
 
 
 RECOMPUTE: dict[str, RecomputeMode] = {}
@@ -105,10 +141,13 @@ register_recompute(RecomputeMode(
     working_set=False))
 
 register_recompute(RecomputeMode(
-    name="selective", help="recompute the attention core in the backward (Korthikanti et al. 2022)",
-    kept_bytes=_selective_bytes, extra_backward_s=_selective_s,
-    extra_flops=lambda u: u.sharded.selective_flops(1) + u.replicated.selective_flops(1),
-    working_set=False))  # the runtime checkpoints each block's attention core (planner/runtime/stage.py)
+    name="selective", help="recompute the attention core in the backward (Korthikanti et al. 2022); under --engine "
+    "torchtitan, its per-op selective activation checkpointing (every op but the matrix products it saves and the "
+    "attention kernel)",
+    kept_bytes=_selective_bytes, extra_backward_s=_selective_s, extra_flops=lambda u: _op_flops(u) if u.checkpoint ==
+    "op" else u.sharded.selective_flops(1) + u.replicated.selective_flops(1),
+    working_set=False, rebuilt_bytes=_op_rebuilt))  # the runtime checkpoints each block's attention core
+# (planner/runtime/stage.py); torchtitan's selective activation checkpointing, per op (Unit.checkpoint "op")
 
 register_recompute(RecomputeMode(
     name="full", help="keep each block's input only and redo its whole forward in the backward",

@@ -24,7 +24,7 @@ from .shape import model_shape
 from .trace import trace_model
 from .poly import Poly
 from .shapes import B, tensor_info
-from .sharding.check import DEGREES, tp_refusals
+from .sharding.check import DEGREES, cp_refusal, tp_refusals
 from .kernels import KERNELS
 from .units import Unit, expert_layers, lower_units
 from .sharding.vocab import VOCAB_STYLES, vocab_refusal
@@ -73,7 +73,8 @@ class ModelProfile:
     pass_times: tuple[tuple[str, float], ...]
     tp_refusals: dict[str, str] = field(default_factory=dict)
     """{"t" or "t+sp": the op and source line} the fxplanner runtime's Megatron layout refuses at that tensor-parallel
-    degree (with sequence parallelism); a degree missing runs (passes/sharding/check.py). Empty for a model the
+    degree (with sequence parallelism); a degree missing runs (passes/sharding/check.py). "cp": what its context
+    parallelism refuses, at any degree. Empty for a model the
     runtime cannot train, or one priced as another engine's kernels."""
 
 
@@ -194,9 +195,9 @@ def _check(ctx: Context) -> None:
 
 def _runtime(ctx: Context) -> None:
     """The graph fxplanner's runtime splits stages from (a torch.fx.symbolic_trace graph, else the torch.export one:
-    noted when symbolic tracing fails), walked with the sharding rules for what of a tensor-parallel split it would
-    refuse (ctx.tp_refusals). Only for a model the runtime can train (its file defines sample_batch and loss_fn),
-    priced as traced."""
+    noted when symbolic tracing fails), walked with the sharding rules for what of a tensor-parallel or a
+    context-parallel split it would refuse (ctx.tp_refusals). Only for a model the runtime can train (its file
+    defines sample_batch and loss_fn), priced as traced."""
     runs = ctx.kernels == "traced" and all(ctx.model_file.has(fn) for fn in ("sample_batch", "loss_fn"))
     if ctx.frontend != "export" and not runs:
         return
@@ -214,6 +215,8 @@ def _runtime(ctx: Context) -> None:
             styles = {path: style for u in ctx.priced for path, style in u.tp_layout if style in ("colwise", "rowwise")}
             ctx.tp_refusals = tp_refusals(gm, _inputs(ctx, 2), styles, [(u.heads, u.kv_heads) for u in ctx.priced],
                                           ctx.path)
+            if (op := cp_refusal(gm, _inputs(ctx, 2), ctx.path)) is not None:  # at every degree
+                ctx.tp_refusals["cp"] = op
             vocab = {path for u in ctx.priced for path, style in u.tp_layout if style in VOCAB_STYLES}
             if vocab and (op := vocab_refusal(gm, ctx.model, vocab, ctx.path)) is not None:  # its rows split: every t
                 ctx.tp_refusals.update({key: op for t in DEGREES for key in (str(t), f"{t}+sp")})

@@ -23,7 +23,7 @@ from .poly import Poly
 from .shapes import B, TensorInfo
 from .tp import Heads, activation_input, annotate_tp_roles, linear_shape
 
-__all__ = ["Part", "Unit", "attention_core", "expert_layers", "group_nodes", "lower_units"]
+__all__ = ["OpCheckpoint", "Part", "Unit", "attention_core", "expert_layers", "group_nodes", "lower_units", "op_checkpoint"]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -76,6 +76,21 @@ class Part:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class OpCheckpoint:
+    """A block under per-op selective activation checkpointing as torchtitan runs it (torchtitan/distributed/
+    activation_checkpoint.py, SelectiveAC: the block wrapped in torch.utils.checkpoint with a
+    create_selective_checkpoint_contexts policy): the forward keeps the block's inputs and the outputs of the ops the
+    policy saves, the backward reruns the rest of the forward (`op_checkpoint`)."""
+
+    kept_sharded: Poly = field(default_factory=Poly)  # saved outputs made on a shard (column-parallel products, the
+    # attention kernel): each tensor-parallel rank keeps 1/t of them
+    kept: Poly = field(default_factory=Poly)  # the block's inputs and the other saved outputs (over the sequence-
+    # parallel degree r)
+    redo_sharded: Part = field(default_factory=Part)  # the forward nodes the backward reruns, of the sharded part
+    redo: Part = field(default_factory=Part)  # and of the replicated part
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class Unit:
     index: int
     name: str
@@ -105,6 +120,10 @@ class Unit:
     # what one all-to-all of the dispatch (or of the combine) moves under expert parallelism
     loss_bytes: Poly = field(default_factory=Poly)  # the last unit only: what the model file's loss_fn keeps for its
     # backward (cross-entropy: an fp32 log-softmax of the logits), measured on meta tensors
+    op_checkpoint: OpCheckpoint | None = None  # blocks: the unit under per-op selective checkpointing (torchtitan's)
+    checkpoint: str = "core"  # what recompute "selective" checkpoints in this unit: "core", the attention core
+    # (Megatron-Core's --recompute-modules core_attn, the fxplanner runtime's); "op", per op as torchtitan's selective
+    # activation checkpointing does (op_checkpoint; planner.engines.Engine.selective)
 
     @property
     def params(self) -> int:
@@ -421,8 +440,62 @@ def lower_units(gm: fx.GraphModule, root: nn.Module, kernels: str = "traced") ->
                           heads=heads[index].heads, kv_heads=heads[index].kv_heads,
                           kv=_kv_part(nodes, heads[index], gm, selective), attn_kv_bytes=Poly.of(_attention_kv_bytes(nodes), B),
                           matmuls=sum(1 for n in nodes if n.meta[COST].mm_flops != 0),
+                          op_checkpoint=op_checkpoint(nodes, role_of, root) if kind == "block" else None,
                           **_moe(nodes, moe_layers, selective)))
     return units
+
+
+def _sac_policy(n: fx.Node, root: nn.Module) -> str:
+    """What torchtitan's per-op policy does with the kernel a node dispatches (SelectiveAC._get_custom_policy, its
+    save list _get_default_save_ops: torch._functorch.partitioners' compute-intensive ops and the SDPA kernels):
+    "mm" for an aten.mm (the F.linear of a weight without bias, a 2-D product), which it saves or recomputes by its
+    count; "save" for a kernel it always saves (the fused attention kernels, aten.addmm: a linear with a bias over a
+    contiguous input; aten.bmm: a product of two batched activations; convolutions); "" for the rest, recomputed."""
+    c: NodeCost = n.meta[COST]
+    if c.kind in ("attention", "conv"):
+        return "save"
+    if c.mm_flops == 0 or c.kind not in ("matmul", "linear"):
+        return ""
+    if c.wgrad_mm_flops != 0 or any(a.op == "get_attr" for a in n.all_input_nodes):
+        if n.op == "call_module":
+            bias = getattr(root.get_submodule(str(n.target)), "bias", None) is not None
+        else:
+            bias = (len(n.args) > 2 and n.args[2] is not None) or n.kwargs.get("bias") is not None
+        return "save" if bias else "mm"
+    info = n.meta.get(TENSOR)
+    return "save" if isinstance(info, TensorInfo) and len(info.shape) >= 3 else "mm"
+
+
+def op_checkpoint(nodes: list[fx.Node], role_of: dict[str, str], root: nn.Module) -> OpCheckpoint:
+    """The block under torchtitan's per-op selective activation checkpointing: the policy saves the outputs of the
+    kernels it always saves (_sac_policy) and of every aten.mm but the second, fourth, ... of the block's forward
+    (its count restarts in each block's checkpoint), and recomputes every other op in the backward. The checkpoint
+    keeps the block's inputs (only those that need a gradient: the others, rotary tables and masks, are the model's
+    and passed to every block). A Llama block keeps its input and the outputs of wq, wv, the attention kernel (with
+    its log-sum-exp), w1 and w2, and reruns wk, wo, w3, the norms, rotary embedding and SwiGLU's elementwise ops.
+    torch.distributed._tools.sac_estimator.SACEstimator measures the same policy's memory op by op."""
+    inside = {n.name for n in nodes}
+    kept: dict[str, sympy.Expr] = {}
+    for n in nodes:
+        for a in n.all_input_nodes:
+            info = a.meta.get(TENSOR)
+            if (a.name not in inside or a.op == "placeholder") and a.op != "get_attr" and isinstance(info, TensorInfo) \
+                    and info.requires_grad:
+                kept[storage_of(a).name] = info.nbytes
+    redo, count = [], 0
+    for n in nodes:
+        policy = _sac_policy(n, root)
+        count += policy == "mm"
+        if policy == "save" or policy == "mm" and count % 2:
+            c: NodeCost = n.meta[COST]
+            own = [(k, v) for k, v in c.saved if k.split(".")[0] == n.name]  # the kernel's own outputs it saved
+            kept.update(own if c.kind == "attention" and own else [(n.name, c.out_bytes)])
+        else:
+            redo.append(n)
+    split = lambda name: role_of.get(name, "replicated") in SPLIT_OUTPUTS  # noqa: E731
+    return OpCheckpoint(kept_sharded=_tensor_bytes(kept, split), kept=_tensor_bytes(kept, lambda k: not split(k)),
+                        redo_sharded=_part([n for n in redo if n.meta[TP] != "replicated"], set()),
+                        redo=_part([n for n in redo if n.meta[TP] == "replicated"], set()))
 
 
 def _attention_kv_bytes(nodes: list[fx.Node]) -> sympy.Expr:

@@ -163,6 +163,8 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     profile, _ = analyze(model, model_args, leaves=leaves, dtype=pins.precision, kernels=engine.kernels,
                          progress=(lambda name: progress(f"{'tracing' if name in TRACE_PASSES else 'pricing'}: {name}"))
                          if progress else None)
+    if engine.selective != "core":  # what the engine's selective recomputation checkpoints (planner.engines)
+        profile = replace(profile, units=tuple(replace(u, checkpoint=engine.selective) for u in profile.units))
     if (pins.ep or 1) > 1:  # (after the model: a dense one is told so first, whatever the engine)
         if not any(u.experts for u in profile.units):
             raise UserError(f"--ep {pins.ep} divides the experts of mixture-of-experts layers over expert-parallel "
@@ -245,8 +247,11 @@ def _gc_frozen() -> Iterator[None]:
 
 
 def _check_pinned_split(pins: Pins, refused: dict[str, str]) -> None:
-    """A tensor-parallel degree (with sequence parallelism) the user pinned and the runtime cannot split the model at:
-    one sentence naming the op and its source line. Where the search chooses, it leaves them out (Evaluator.refused)."""
+    """A tensor-parallel degree (with sequence parallelism) or a context-parallel one the user pinned and the runtime
+    cannot split the model at: one sentence naming the op and its source line. Where the search chooses, it leaves
+    them out (Evaluator.refused)."""
+    if (pins.cp or 1) > 1 and (op := refused.get("cp")) is not None:
+        raise UserError(refusal_sentence("context", op))
     if not pins.tp or pins.tp == 1:
         return
     if pins.sp and (op := refused.get(f"{pins.tp}+sp")) is not None and str(pins.tp) not in refused:

@@ -118,8 +118,8 @@ class Evaluator:
     n_gpus: int
     tokens_per_sample: int = 0  # sequence length of token-id input (context parallelism splits it); 0: none
     layout: str = ""  # a stated partition (planner.layout: Megatron-Core's layout string, or "even"); "": searched
-    refused: dict[str, str] = field(default_factory=dict)  # tensor-parallel splits the engine refuses (ModelProfile.
-    # tp_refusals: "t" or "t+sp" -> the op and its source line); the search leaves them out
+    refused: dict[str, str] = field(default_factory=dict)  # tensor- and context-parallel splits the engine refuses
+    # (ModelProfile.tp_refusals: "t", "t+sp" or "cp" -> the op and its source line); the search leaves them out
     _cache: dict = field(default_factory=dict)
 
     @property
@@ -491,7 +491,7 @@ class Evaluator:
         k = c.stages
         table = self.unit_bytes(c)
         static = list(table.static)
-        work = max(act, default=0.0) if c.recompute_mode.working_set else 0.0
+        work = max(act, default=0.0) if c.recompute_mode.working_set else max(table.rebuilt, default=0.0)
         place = c.placement
         rank_of, ranks = place.rank_of, [place.stages(r) for r in range(c.pp)]
         peaks = [c.chunk_peaks(r) for r in range(c.pp)]

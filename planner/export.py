@@ -193,7 +193,7 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
                 "mixed_precision_param": precision, "dtype": "float32"}
     if src.model_shape.get("seq"):
         training["seq_len"] = src.model_shape["seq"]
-    if c.recompute == "selective":
+    if c.recompute == "selective" and src.engine != "torchtitan":  # (a torchtitan plan prices torchtitan's)
         unexpressed.append("selective recomputation: torchtitan's selective AC recomputes per op (every second "
                            "matmul and cheap ops), not the attention core the plan prices")
     if c.recompute == "block":

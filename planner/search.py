@@ -103,7 +103,8 @@ def ep_choices(experts: int, ranks: int, pins: Pins, rejected: Counter) -> list[
 def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int, pins: Pins,
                rejected: Counter, heads: Iterable[tuple[int, int]] = (), seq: int = 0,
                experts: int = 0, refused: dict[str, str] | None = None) -> Iterator[ParallelConfig]:
-    """`refused`: {"t" or "t+sp": the op and source line} of the splits the engine cannot run (Evaluator.refused)."""
+    """`refused`: {"t" or "t+sp" or "cp": the op and source line} of the splits the engine cannot run
+    (Evaluator.refused; "cp": context parallelism at any degree)."""
     heads, refused = set(heads), refused or {}
     t_pool = divisors(n_gpus) if pins.allow_cross_node_tp else divisors(min(gpus_per_node, n_gpus))
     if pins.tp is not None and pins.tp not in t_pool:
@@ -121,6 +122,9 @@ def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int,
             rejected[f"tensor parallelism, which the runtime cannot run for this model ({op})"] += 1
             continue
         for cp in cp_choices(t, n_gpus // t, gpus_per_node, seq, pins, rejected):
+            if cp > 1 and (op := refused.get("cp")) is not None:
+                rejected[f"context parallelism, which the runtime cannot run for this model ({op})"] += 1
+                continue
             for p in divisors(n_gpus // (t * cp)):
                 d = n_gpus // (t * cp * p)
                 if pins.pp not in (None, p) or pins.dp not in (None, d):

@@ -102,6 +102,21 @@ H200 = GPUSpec(name="H200 SXM 141GB", peak_flops=_H100_SXM_FLOPS, hbm_bytes=141 
                hbm_bw=4800 * GB, pcie_bw=64 * GB,  # the same die: the H100's bf16 shares ("H200 is the same")
                **(_HOPPER_SHARES | {"fp8_matmul_ceiling": 1453.4 / 1979}))  # MAMF FP8 table
 
+# H100 96GB HBM2e at a 500 W power limit, as Meta's Grand Teton hosts run it (pytorch/torchtitan benchmarks/
+# llama3_h100_202412_torchtitan.md, "Hardware": "96GB HBM2e with 2.4 TB/sec peak memory bandwidth", "the default 500W
+# power limit", 8 GPUs per host on NVLink, 400 Gb/s RDMA per GPU). Its footnote 2: "HBM2e-based SXM H100 with lower
+# TDP, the actual peak TFLOPs number is between SXM and NVL, and we don't know its exact value". The peaks are
+# therefore ESTIMATED: the midpoint of the H100 SXM datasheet's (above) and the H100 NVL's (H100 datasheet, H100 NVL
+# column: BF16 1,671*, FP8 3,341*, TF32 835*, FP64 TC 60, FP32 60 TFLOPS; * with sparsity, halved here), the
+# estimate whose error is least in the worst case (at most half the gap, 8% of the bf16 peak) given only that the
+# peak lies between them. Memory 96 GB (six 16 GiB stacks: binary, as the 80 GB part's five). The SM count and the
+# measured shares are the SXM die's (_HOPPER_SHARES), an ASSUMPTION (no measurement at 500 W is published).
+_H100_500W_FLOPS = {k: (_H100_SXM_FLOPS[k] + nvl) / 2 for k, nvl in
+                    (("fp64", 60 * TFLOPS), ("fp32", 60 * TFLOPS), ("tf32", 835 / 2 * TFLOPS),
+                     ("bf16", 1671 / 2 * TFLOPS), ("fp16", 1671 / 2 * TFLOPS), ("fp8", 3341 / 2 * TFLOPS))}
+H100_96GB_500W = GPUSpec(name="H100 SXM 96GB HBM2e 500W", peak_flops=_H100_500W_FLOPS, hbm_bytes=96 * GiB,
+                         hbm_bw=2400 * GB, pcie_bw=64 * GB, **_HOPPER_SHARES)
+
 # DGX H100 / DGX H200 (NVIDIA DGX H100 and DGX H200 datasheets): 8 GPUs on NVSwitch, NVLink4
 # 18 links x 25 GB/s = 450 GB/s per direction per GPU (900 GB/s bidirectional); 8 single-port
 # ConnectX-7 at 400 Gb/s (NDR) for compute = 50 GB/s per GPU.
@@ -199,6 +214,10 @@ BUILTIN_TARGETS: tuple[Target, ...] = (
            description="A100 80GB SXM in DGX A100 nodes (8 GPUs, NVLink3 300 GB/s, 8x HDR 200 Gb/s IB)"),
     Target(name="h100-sxm", gpu=H100_SXM, cluster=DGX_H100,
            description="H100 SXM 80GB in DGX H100 nodes (8 GPUs, NVLink4 450 GB/s, 8x NDR 400 Gb/s IB)"),
+    # Grand Teton: 8 GPUs on NVLink (taken as the DGX H100's NVSwitch, 450 GB/s per direction), 400 Gb/s per GPU
+    Target(name="h100-96gb-hbm2e-500w", gpu=H100_96GB_500W, cluster=DGX_H100,
+           description="H100 SXM 96GB HBM2e at 500 W in Grand Teton hosts (8 GPUs, NVLink4, 400 Gb/s RDMA per GPU; "
+                       "peak FLOP/s estimated between H100 SXM and NVL)"),
     Target(name="h100-pcie", gpu=H100_PCIE, cluster=PCIE5_SERVER,
            description="H100 PCIe 80GB, 8 per server over PCIe Gen5, one NDR 400 Gb/s NIC per 2 GPUs"),
     Target(name="h200", gpu=H200, cluster=DGX_H100,

@@ -14,8 +14,8 @@ from targets.registry import TargetError, get_target, list_targets, load_target_
 from targets.specs import DTYPES, GPUSpec
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "targets" / "my-cluster.yaml"
-NAMES = ["a100-40gb", "a100-80gb", "b200", "gb200-nvl72", "h100-pcie", "h100-sxm", "h200", "rtx3080", "rtx6000-ada", "v100-16gb",
-         "v100-32gb"]
+NAMES = ["a100-40gb", "a100-80gb", "b200", "gb200-nvl72", "h100-96gb-hbm2e-500w", "h100-pcie", "h100-sxm", "h200",
+         "rtx3080", "rtx6000-ada", "v100-16gb", "v100-32gb"]
 
 
 def write(tmp_path: Path, text: str, name: str = "t.yaml") -> Path:

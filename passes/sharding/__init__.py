@@ -10,10 +10,11 @@ op is adding its rule to the family's module (or a new module imported below) an
 """
 from __future__ import annotations
 
-from .base import RULES, Div, Refuse, Rows, Rule, Split, register, shard_rows, size_args, unregister
+from .base import RULES, Div, Refuse, Rows, Rule, Split, call, register, shard_rows, size_args, swap, unregister
 from . import heads, pointwise, select, views  # noqa: E402,F401  (each registers its rules)
 
-__all__ = ["RULES", "Div", "Refuse", "Rows", "Rule", "Split", "register", "rule_for", "shard_rows", "size_args", "unregister"]
+__all__ = ["RULES", "Div", "Refuse", "Rows", "Rule", "Split", "call", "register", "rule_for", "shard_rows", "size_args", "swap",
+           "unregister"]
 
 
 def rule_for(kind: str) -> Rule | None:

@@ -5,8 +5,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch.fx as fx
+from torch import nn
 
-__all__ = ["Div", "Refuse", "Rows", "Rule", "Split", "register", "shard_rows", "unregister"]
+__all__ = ["Div", "Refuse", "Rows", "Rule", "Split", "call", "register", "shard_rows", "swap", "unregister"]
 
 
 class Refuse(Exception):
@@ -152,3 +153,23 @@ def unregister(rule: Rule) -> None:
     for kind in rule.kinds:
         if RULES.get(kind) is rule:
             del RULES[kind]
+
+
+# -- inserting modules into a piece's graph (the runtime's rewrites) -------------------------------------------
+
+def call(piece: fx.GraphModule, module: nn.Module, args: tuple, *, before: fx.Node | None = None,
+         after: fx.Node | None = None, prefix: str = "_sp") -> fx.Node:
+    """`module` added to `piece` under a fresh name, and a call of it on `args` next to a node."""
+    name = f"{prefix}{len(list(piece.named_children()))}"
+    piece.add_submodule(name, module)
+    with piece.graph.inserting_before(before) if before is not None else piece.graph.inserting_after(after):
+        return piece.graph.call_module(name, args)
+
+
+def swap(piece: fx.GraphModule, node: fx.Node, module: nn.Module, args: tuple, prefix: str = "_sp") -> None:
+    """Make `node` a call of `module` on `args`, in place: later rewrites that name the node (a replicated head's
+    output scattered again into the sequence) find it still."""
+    name = f"{prefix}{len(list(piece.named_children()))}"
+    piece.add_submodule(name, module)
+    node.op, node.target, node.kwargs = "call_module", name, {}
+    node.args = args

@@ -1,5 +1,6 @@
 """At trace time, what the fxplanner runtime would refuse of a tensor-parallel split: the graph it runs walked with the
-sharding rules, for each tensor-parallel degree the heads allow, with and without sequence parallelism. The result is
+sharding rules, for each tensor-parallel degree the heads allow, with and without sequence parallelism; and of a
+context-parallel split, the same graph walked with context parallelism's rules (passes/sharding/context.py). The result is
 plain data on the model's profile, so the search never proposes a split the runtime cannot run, and planning needs
 no runtime, no second trace and no second search."""
 from __future__ import annotations
@@ -11,9 +12,12 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 
+from torch import nn
+
+from .context import ContextWalk, Unsupported
 from .walk import Refusal, plan_shards
 
-__all__ = ["tp_refusals", "refused_op", "refusal_sentence", "DEGREES"]
+__all__ = ["cp_refusal", "tp_refusals", "refused_op", "refusal_sentence", "DEGREES"]
 
 DEGREES = tuple(range(2, 17)) + (24, 32, 48, 64)  # the tensor-parallel degrees checked (those the heads allow)
 
@@ -66,6 +70,45 @@ def tp_refusals(gm: fx.GraphModule, inputs: tuple[Any, ...], styles: dict[str, s
     return refused
 
 
+class _StandIns:
+    """What the context-parallel walk inserts, for a check: modules never run (the runtime's ring attention and
+    position selection in planner/runtime/context_parallel.py)."""
+
+    size = 2  # the rules place an op or not whatever the degree
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+
+    def attention(self, *, k_transposed: bool, scale: Any) -> nn.Module:
+        return nn.Identity()
+
+    def positions(self, dim: int) -> nn.Module:
+        return nn.Identity()
+
+
+def cp_refusal(gm: fx.GraphModule, inputs: tuple[Any, ...], model_file: str | Path) -> str | None:
+    """The op the runtime's context parallelism refuses and its source line (any cp > 1), else None: the walk the
+    runtime rewrites its pieces with, run on a copy of the graph. The sequence is the first batch-first input's
+    second dim (as the runtime reads it)."""
+    shapes = _shapes(gm, inputs)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    seq = next((s[1] for s in (shapes.get(n.name) for n in placeholders) if isinstance(s, tuple) and len(s) >= 2), 0)
+    if not seq:
+        return "the model's inputs hold no sequence to split"
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    copy = fx.GraphModule(gm, graph)
+    given = [1 if isinstance(s := shapes.get(n.name), tuple) and len(s) >= 2 and s[1] == seq else None
+             for n in placeholders]
+    try:
+        ContextWalk(copy, shapes, _StandIns(seq), given).run()
+    except Unsupported as exc:
+        name = str(exc).split(":", 1)[0]
+        node = next((n for n in gm.graph.nodes if n.name == name), None)
+        return refused_op(Refusal(node=node, why=str(exc)), model_file)
+    return None
+
+
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)')
 
 
@@ -93,9 +136,12 @@ def refused_op(refused: Refusal | None, model_file: str | Path) -> str:
 def refusal_sentence(split: str, op: str, degree: int = 0) -> str:
     """The one sentence refusing a plan whose `split` ("tensor", "sequence" or "context" parallelism) the runtime's
     rules do not place, naming the op and its source line (`op`, refused_op's) and what to do instead."""
+    if split == "context":
+        return (f"the plan runs context parallelism, but this model's graph applies an op to the split sequence that "
+                f"the runtime's context-parallel rules do not place ({op}; passes/sharding/context.py); re-plan with "
+                "--cp 1 to run it here, or with --engine megatron or --engine torchtitan to train it there")
     where = f"a split tensor that the runtime's Megatron layout does not know ({op}; passes/sharding/)"
     if split == "tensor":
         return (f"the plan splits this model over {degree} tensor-parallel ranks, but its graph applies an op to {where}; "
                 "re-plan with --tp 1 to run it here, or with --engine megatron or --engine torchtitan to train it there")
-    fix = "--no-sequence-parallel" if split == "sequence" else "--cp 1"
-    return f"the plan runs {split} parallelism, but this model's graph applies an op to {where}; re-plan with {fix} to run it here"
+    return f"the plan runs {split} parallelism, but this model's graph applies an op to {where}; re-plan with --no-sequence-parallel to run it here"

@@ -53,6 +53,12 @@ class Engine:
     """It pads experts to a capacity factor (--moe-capacity); the others route every token to its experts."""
     grad_fp32: bool = False
     """By default it accumulates and reduces bf16 training's gradients in fp32 (else in the weights' dtype)."""
+    selective: str = "core"
+    """What its selective recomputation checkpoints (passes.units.Unit.checkpoint): "core", the attention core
+    (Megatron-Core's --recompute-granularity selective --recompute-modules core_attn; the fxplanner runtime's); "op",
+    per op as torch.utils.checkpoint's selective checkpointing runs a policy (torchtitan's SelectiveAC, its
+    activation_checkpoint.mode "selective": the outputs of the matrix products but every second one and of the
+    attention kernel are kept, the rest rerun in the backward)."""
     recompute_block: bool = True
     """It recomputes the first N blocks of each model chunk (recompute "block"), which the search tries where
     recomputing nothing does not fit."""
@@ -70,7 +76,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine(name="torchtitan", title="torchtitan", export="to_torchtitan", fill="planner.engines.titan",
            schedule_names={"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"},
            fp8="torchao's float8", fp8_recipe=attrgetter("titan_recipe"), fp8_default=lambda peaks: "torchao-rowwise",
-           fsdp="FSDP2", expert_parallel=True, recompute_block=False),
+           fsdp="FSDP2", expert_parallel=True, recompute_block=False, selective="op"),
 )}
 """Megatron-Core runs forward_backward_pipelining_without_interleaving / with_interleaving; torchtitan runs any of the
 plan's schedules from the CSV of its actions the export writes. Megatron accumulates and reduces bf16 training's

@@ -31,7 +31,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import nn
 
-from passes.sharding import Div, Rows, shard_rows
+from passes.sharding import Div, Rows, call, shard_rows, swap
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "SeqParallel", "TensorParallelOp", "apply_shards", "gather_rows",
            "gather_cols"]
@@ -334,21 +334,3 @@ def _exported_linear(piece: fx.GraphModule, node: fx.Node, style: str, dim: int 
         with piece.graph.inserting_after(reduced):
             out = piece.graph.call_function(operator.add, (reduced, bias))
     node.replace_all_uses_with(out, delete_user_cb=lambda u: u is not reduced)
-
-
-def call(piece: fx.GraphModule, module: nn.Module, args: tuple, *, before: fx.Node | None = None,
-         after: fx.Node | None = None, prefix: str = "_sp") -> fx.Node:
-    """`module` added to `piece` under a fresh name, and a call of it on `args` next to a node."""
-    name = f"{prefix}{len(list(piece.named_children()))}"
-    piece.add_submodule(name, module)
-    with piece.graph.inserting_before(before) if before is not None else piece.graph.inserting_after(after):
-        return piece.graph.call_module(name, args)
-
-
-def swap(piece: fx.GraphModule, node: fx.Node, module: nn.Module, args: tuple, prefix: str = "_sp") -> None:
-    """Make `node` a call of `module` on `args`, in place: later rewrites that name the node (a replicated head's
-    output scattered again into the sequence) find it still."""
-    name = f"{prefix}{len(list(piece.named_children()))}"
-    piece.add_submodule(name, module)
-    node.op, node.target, node.kwargs = "call_module", name, {}
-    node.args = args

@@ -492,7 +492,7 @@ def _shard_work(stages: list[StageModule], plan: Plan, paths: dict[int, str], t:
 def _refusal(stages: list[StageModule], plan: Plan, refused: Any) -> str:
     """Where Megatron's layout does not apply, the sentence refusing the plan, naming the op and its source
     line."""
-    split = "sequence" if plan.config.sp else "context" if plan.config.cp > 1 else "tensor"
+    split = "sequence" if plan.config.sp else "tensor"
     return refusal_sentence(split, refused_op(refused, plan.source.model_file), plan.config.tp)
 
 

@@ -232,3 +232,26 @@ def test_an_op_is_taught_by_registering_its_rule():
         assert not isinstance(out, Refusal), out
     finally:
         unregister(rule)
+
+
+def test_what_context_parallelism_cannot_place_is_known_at_trace_time():
+    """Issue 47: context parallelism's rules (passes/sharding/context.py) run at trace time as the runtime runs them,
+    so the search never proposes a context-parallel split the runtime would refuse at launch (the default GPT's
+    attention dropout), a pinned one is refused in one sentence naming the op and line, and the split that places
+    runs (tests/runtime/test_styles.py, cp2)."""
+    from passes.errors import UserError
+    from planner.api import make_plan
+    from planner.search import Pins
+
+    gpt, tiny = ROOT / "examples" / "gpt.py", {"layers": 2, "hidden": 64, "heads": 4, "seq": 64, "vocab": 256}
+    profile, _ = analyze(gpt, tiny)
+    assert "dropout inside attention" in profile.tp_refusals["cp"] and "gpt.py:" in profile.tp_refusals["cp"]
+    assert "cp" not in analyze(gpt, {**tiny, "dropout": 0.0})[0].tp_refusals
+    assert "cp" not in analyze(ROOT / "tests" / "fixtures" / "llama_unfused.py", {"layers": 2})[0].tp_refusals
+    kw = dict(gpus=4, global_batch=8, target="a100-80gb", gpus_per_node=4, model_args=tiny)
+    with pytest.raises(UserError) as err:
+        make_plan(str(gpt), pins=Pins(cp=2), **kw)
+    why = str(err.value)
+    assert "dropout inside attention" in why and why.count(";") == 2 and "re-plan with --cp 1" in why
+    plan, _ = make_plan(str(gpt), pins=Pins(tp=1, pp=1), **kw)
+    assert plan.config.cp == 1

@@ -205,8 +205,13 @@ def test_context_parallelism_refuses_an_op_along_the_sequence_it_cannot_split(tm
 
     model = tmp_path / "cumulative.py"
     model.write_text(CUMULATIVE)
-    plan = plan_file(tmp_path / "plan.json", model, {}, gpus=2, global_batch=4, t=1, p=1, d=1, b=2, v=1,
-                     schedule="1f1b", cp=2)
+    with pytest.raises(UserError, match=r"context-parallel rules do not place \(`cumsum` \(cumsum along the sequence\) "
+                                        r"at .*cumulative.py:\d+.*re-plan with --cp 1"):  # known at plan time
+        plan_file(tmp_path / "plan.json", model, {}, gpus=2, global_batch=4, t=1, p=1, d=1, b=2, v=1,
+                  schedule="1f1b", cp=2)
+    # and the runtime's own walk (the same rules) refuses it when its ranks build their stages
+    plan = plan_file(tmp_path / "plan.json", model, {}, gpus=1, global_batch=4, t=1, p=1, d=1, b=2, v=1,
+                     schedule="1f1b", cp=1)
     mf = load_model_file(model, {})
     split = build_split(mf.build("cpu", torch.float32), plan, mf)
     whole: dict = {}
