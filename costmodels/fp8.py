@@ -43,7 +43,8 @@ class Fp8Recipe:
     weight_cache: bool  # FP8 weights (row- and column-wise) cached from the first microbatch to the optimizer step
     saves_fp8_input: bool  # the forward keeps the FP8 column-wise input for wgrad instead of the bf16 one
     megatron_recipe: str  # Megatron-LM --fp8-recipe, "" if Megatron cannot run it
-    titan_recipe: str  # torchtitan's converter (torchtitan.components.quantization), "" if torchtitan cannot run it
+    titan_recipe: str  # torchtitan's float8 recipe_name (torchtitan.components.quantization.float8), "" if torchtitan
+    # cannot run it
     help: str
 
     def weight_copy_bytes(self) -> float:
@@ -67,12 +68,12 @@ FP8_RECIPES: dict[str, Fp8Recipe] = {r.name: r for r in (
     Fp8Recipe(name="mxfp8", gemm_dtype="mxfp8", amax_pass=False, scale_bytes=1 / 32, megatron_recipe="mxfp8",
               help="Transformer Engine MXFP8 (E8M0 scale per 32 elements), Blackwell", **_TE),
     Fp8Recipe(name="torchao-rowwise", engine="torchao", gemm_dtype="fp8", amax_pass=True, scale_bytes=0.0,
-              weight_cache=False, saves_fp8_input=False, megatron_recipe="",
-              titan_recipe="Float8LinearConverter",
+              weight_cache=False, saves_fp8_input=False, megatron_recipe="", titan_recipe="rowwise",
               help="torchao float8 dynamic row-wise scaling (torchtitan's float8 converter)"),
     Fp8Recipe(name="torchao-tensorwise", engine="torchao", gemm_dtype="fp8", amax_pass=True, scale_bytes=0.0,
-              weight_cache=False, saves_fp8_input=False, megatron_recipe="", titan_recipe="",
-              help="torchao float8 dynamic per-tensor scaling"),
+              weight_cache=False, saves_fp8_input=False, megatron_recipe="", titan_recipe="tensorwise",
+              help="torchao float8 dynamic per-tensor scaling (torchtitan's float8 recipe through 0.2, with FSDP's "
+                   "float8 all-gather)"),
 )}
 
 

@@ -199,13 +199,32 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
     if c.recompute == "block":
         unexpressed.append(f"partial recomputation of the first {c.recompute_layers} blocks of each model chunk: "
                            "torchtitan's AC checkpoints every block or every k-th one; exported as full")
-    if c.fp8:  # torchtitan 0.3 sets converters in the model spec its config function builds, not on the command line
-        recipe = FP8_RECIPES[c.fp8]
-        unexpressed.append(f"FP8 ({c.fp8}): add converters=[{recipe.titan_recipe}.Config(...)] to the model spec of "
-                           f"your config function (torchtitan's float8 converters)" if recipe.titan_recipe else
-                           f"the FP8 recipe {c.fp8} is Transformer Engine's (or one torchtitan's converters do not "
-                           "offer); torchtitan runs torchao's float8 rowwise: re-plan with --fp8 torchao-rowwise")
+    if c.fp8 and not FP8_RECIPES[c.fp8].titan_recipe:
+        unexpressed.append(f"the FP8 recipe {c.fp8} is Transformer Engine's; torchtitan runs torchao's float8: re-plan "
+                           "with --fp8 torchao-rowwise (or torchao-tensorwise)")
     return module, config, {"parallelism": parallel, "training": training}, unexpressed, files
+
+
+def _titan_float8(plan: Plan, toml: bool) -> tuple[dict[str, dict], list[str]]:
+    """torchao's float8 as a torchtitan job sets it: torchtitan 0.1-0.2 (`toml`) turn it on with the `float8` model
+    converter and its [float8] section (tensorwise, the default recipe then, with FSDP's float8 all-gather of the
+    weights under FSDP and their scales precomputed in one all-reduce: torchtitan docs/float8.md); torchtitan 0.3 sets
+    converters in the config function's model spec, with Float8LinearConverter's recipe_name rowwise only."""
+    c = plan.config
+    recipe = FP8_RECIPES[c.fp8].titan_recipe if c.fp8 else ""
+    if not recipe:
+        return {}, []
+    fsdp = c.zero == 3
+    if toml:
+        section = {"recipe_name": recipe} if recipe != "tensorwise" else {
+            "enable_fsdp_float8_all_gather": fsdp, "precompute_float8_dynamic_scale_for_fsdp": fsdp}
+        return {"model": {"converters": ["float8"]}, "float8": section}, []
+    if recipe == "tensorwise":
+        return {}, [f"FP8 ({c.fp8}): torchtitan 0.3's Float8LinearConverter runs the rowwise recipes only; tensorwise "
+                    "scaling with FSDP's float8 all-gather is torchtitan 0.2's (export with --toml), or re-plan with "
+                    "--fp8 torchao-rowwise"]
+    return {}, [f"FP8 ({c.fp8}): add converters=[Float8LinearConverter.Config(recipe_name=\"{recipe}\")] to the "
+                "model spec of your config function (torchtitan 0.3 sets its float8 converters there)"]
 
 
 def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None = None, toml: bool = False,
@@ -220,6 +239,7 @@ def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None =
         return _titan_toml(plan, module, config, schedule_csv)
     c = plan.config
     module, config, sections, unexpressed, files = _titan_job(plan, module, config, schedule_csv, "lm_head")
+    unexpressed += _titan_float8(plan, toml=False)[1]
     if plan.fill is not None and plan.fill.chunks and schedule_csv in files:
         module, config = "planner.engines.titan", f"{module}.{config}"
         sections["fill"] = {"plan": fill_plan}
@@ -253,8 +273,9 @@ def _titan_toml(plan: Plan, module: str | None, flavor: str | None, schedule_csv
     if c.tp > 1 and not c.sp:
         unexpressed.append("tensor parallelism without sequence parallelism: torchtitan 0.2 always runs it with "
                            "sequence parallelism")
-    sections = {"model": {"name": name, "flavor": TITAN_FLAVORS.get(fn, fn)}, **sections,
-                "activation_checkpoint": {"mode": c.recompute}}
+    float8, _ = _titan_float8(plan, toml=True)
+    sections = {"model": {"name": name, "flavor": TITAN_FLAVORS.get(fn, fn), **float8.pop("model", {})}, **sections,
+                **float8, "activation_checkpoint": {"mode": c.recompute}}
     head = [f"# torchtitan (0.1-0.2) job of an fxplanner plan ({src.model_file}, {src.gpus} GPUs: t={c.tp} p={c.pp} "
             f"d={c.dp} cp={c.cp} b={c.microbatch} m={c.microbatches} v={c.vp} {c.schedule} recompute={c.recompute}; "
             f"predicted {plan.predictions.iteration_s:.3f} s/iteration)",

@@ -393,7 +393,8 @@ def _no_candidates_message(ev: Evaluator, pins: Pins, rejected: Counter) -> str:
     if (arithmetic := _pins_arithmetic(ev.n_gpus, ev.global_batch, pins, gpus=not rejected)) is not None:
         return arithmetic
     why = "; ".join(f"{k}: {v}" for k, v in rejected.items()) or "the pins exclude every configuration"
-    if "global batch not divisible by d" in rejected and len(rejected) == 1:
+    others = [k for k in rejected if "which the runtime cannot run" not in k]  # (the model's splits: said elsewhere)
+    if others == ["global batch not divisible by d"]:
         return (f"global batch {ev.global_batch} is not divisible by d*b for any data-parallel degree d "
                 f"allowed here{' (d pinned to ' + str(pins.dp) + ')' if pins.dp else ''}; choose a global batch "
                 f"that is a multiple of {pins.dp or ev.n_gpus}")

@@ -203,7 +203,7 @@ def test_megatron_runs_the_plans_fp8_recipe(plans, recipe):
     torchao = plan.model_copy(update={"config": plan.config.model_copy(update={"fp8": "torchao-rowwise"})})
     ex = to_megatron(torchao)
     assert "--fp8-recipe" not in ex.argv and any("torchao's" in u for u in ex.unexpressed)
-    assert any("Float8LinearConverter" in u for u in to_torchtitan(torchao).unexpressed)
+    assert any('Float8LinearConverter.Config(recipe_name="rowwise")' in u for u in to_torchtitan(torchao).unexpressed)
 
 
 @needs_megatron
@@ -309,3 +309,21 @@ def test_a_hand_broken_megatron_argument_list_fails_with_the_rule_it_breaks(mega
     msg = str(e.value)
     assert msg.startswith("Megatron-LM's validate_args (core_v0.16.1) requires that ") and rule in msg, msg
     assert ". " not in msg and "\n" not in msg  # one sentence
+
+
+@needs_titan
+def test_torchaos_tensorwise_float8_plans_for_torchtitan_and_exports_as_its_versions_run_it(plans):
+    """Issue 49: torchao's dynamic tensorwise scaling, torchtitan's float8 recipe through 2025, plans under --engine
+    torchtitan; torchtitan 0.2's job turns it on with FSDP's float8 all-gather, torchtitan 0.3 (rowwise only) is told
+    so in one line."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    plan, _ = make_plan(str(EXAMPLES / "hf_llama.py"), gpus=8, global_batch=16, target="h100-sxm",
+                        model_args={"layers": 2}, pins=Pins(engine="torchtitan", fp8="torchao-tensorwise", zero=3))
+    assert (plan.config.fp8, plan.config.zero) == ("torchao-tensorwise", 3)
+    modern = plans["modern"]
+    f8 = modern.model_copy(update={"config": modern.config.model_copy(update={"fp8": "torchao-tensorwise", "zero": 3})})
+    (line,) = [u for u in to_torchtitan(f8).unexpressed if "FP8" in u]
+    assert "rowwise recipes only" in line and "--toml" in line
+    toml = to_torchtitan(f8, toml=True)
+    assert 'converters = ["float8"]' in toml.text and "enable_fsdp_float8_all_gather = true" in toml.text
+    assert "precompute_float8_dynamic_scale_for_fsdp = true" in toml.text and not any("FP8" in u for u in toml.unexpressed)
