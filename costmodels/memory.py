@@ -21,8 +21,66 @@ from .recompute import RECOMPUTE, weight_grad_bytes
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
-__all__ = ["StageMemory", "UnitBytes", "activation_bytes", "expert_count", "fp8_weight_bytes", "held_bytes",
-           "in_flight_bytes", "param_count", "rank_param_count", "stage_memory", "static_bytes", "unit_bytes"]
+__all__ = ["DEFAULT_MEMORY", "ENGINE_MEMORY", "EngineMemory", "StageMemory", "UnitBytes", "activation_bytes",
+           "expert_count", "fp8_weight_bytes", "held_bytes", "held_numerics", "in_flight_bytes", "param_count",
+           "rank_param_count", "stage_memory", "static_bytes", "static_of", "sweeps_grads", "unit_bytes"]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineMemory:
+    """How an engine holds parameters and gradients where the engines differ (the default: Megatron-Core's and the
+    fxplanner runtime's, persistent gradient buffers and a training-precision weight copy beside the optimizer's
+    fp32 master)."""
+
+    master_shard: bool = False
+    """Under ZeRO-3 the sharded parameter is the fp32 master weight the optimizer steps, and the training-precision
+    copy exists only unsharded, while a unit runs (torch FSDP2 with a MixedPrecisionPolicy: fully_shard keeps the
+    module's fp32 parameter as its sharded DTensor, torch/distributed/fsdp/_fully_shard/_fsdp_param.py FSDPParam.
+    _init_sharded_param, and casts to param_dtype in its all-gather input, foreach_all_gather_copy_in); the
+    optimizer keeps Adam's two moments only."""
+    step_frees_grads: bool = False
+    """Each step starts with its gradients freed (torchtitan's train_step calls optimizers.zero_grad(), torch.optim.
+    Optimizer.zero_grad's set_to_none=True; FSDP2 assigns each sharded gradient anew after its reduce-scatter,
+    _fsdp_collectives.py foreach_reduce): with one microbatch per step none exists before the backward, and each
+    unit's appears as its backward ends, when its activations are freed (stage_memory's backward sweep)."""
+    loss_backward: bool = False
+    """The backward of the model file's loss is priced: Unit.loss_work, the gradients torch.nn.functional.
+    cross_entropy's backward holds (aten.nll_loss_backward's and aten._log_softmax_backward_data's, fp32 and of the
+    logits' size each) beside the saved log-softmax and every kept activation, a working set of the last unit's
+    backward. torchtitan computes that loss (torchtitan/components/loss.py cross_entropy_loss: the logits cast to
+    fp32, over the whole vocabulary). The fxplanner runtime computes it too, the same physics; it is left off there
+    for now because pricing it moves the free search's choices in bench/thesis_tables.py (issue 49: for the lead to
+    accept). Megatron-Core runs its own fused vocabulary-parallel cross-entropy (no loss_work is measured for kernels
+    "megatron")."""
+
+
+ENGINE_MEMORY: dict[str, EngineMemory] = {
+    "torchtitan": EngineMemory(master_shard=True, step_frees_grads=True, loss_backward=True),
+}
+"""The engines (planner.engines names) that hold memory otherwise than the default EngineMemory."""
+
+DEFAULT_MEMORY = EngineMemory()
+
+ADAM_MOMENTS_BYTES = 8.0
+"""Adam's exp_avg and exp_avg_sq in fp32, per parameter (costmodels.precision: the optimizer bytes beyond them are
+the fp32 master weight of mixed precision)."""
+
+
+def held_numerics(cfg: ParallelConfig, held: EngineMemory = DEFAULT_MEMORY) -> tuple[float, float, float]:
+    """(Bytes per parameter of a rank's kept weights, gradients and optimizer state) as the engine holds them: under
+    EngineMemory.master_shard and ZeRO-3 the kept weight is the fp32 master and the optimizer holds the moments
+    only."""
+    num = cfg.numerics
+    if held.master_shard and cfg.zero >= 3:
+        master = max(0.0, num.optimizer_bytes - ADAM_MOMENTS_BYTES)
+        return max(num.weight_bytes, master), num.grad_bytes, num.optimizer_bytes - master
+    return num.weight_bytes, num.grad_bytes, num.optimizer_bytes
+
+
+def sweeps_grads(cfg: ParallelConfig, held: EngineMemory = DEFAULT_MEMORY) -> bool:
+    """No gradient is held before the backward: the engine frees them each step and the step has one microbatch (with
+    more, the first microbatch's gradients are held through the next one's forward and backward)."""
+    return held.step_frees_grads and cfg.m == 1
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -108,28 +166,39 @@ def fp8_weight_bytes(unit: Unit, cfg: ParallelConfig) -> float:
     return param_count(unit, cfg) * (fp8.weight_copy_bytes() - (cfg.numerics.weight_bytes if cfg.fp8_params else 0))
 
 
-def static_bytes(unit: Unit, cfg: ParallelConfig) -> float:
+def static_bytes(unit: Unit, cfg: ParallelConfig, held: EngineMemory = DEFAULT_MEMORY) -> float:
     """Weights + gradients + optimizer state of the unit one rank keeps (its shards under ZeRO), FP8 weight copies
-    included."""
-    num, params, experts = cfg.numerics, param_count(unit, cfg), expert_count(unit, cfg)
-    return (cfg.kept(params, experts, 3) * num.weight_bytes + cfg.kept(params, experts, 2) * num.grad_bytes
-            + cfg.kept(params, experts, 1) * num.optimizer_bytes + fp8_weight_bytes(unit, cfg))
+    included, as the engine holds them (`held`; no gradients where sweeps_grads: they are the backward's)."""
+    params, experts = param_count(unit, cfg), expert_count(unit, cfg)
+    return static_of(params, experts, cfg, held) + fp8_weight_bytes(unit, cfg)
 
 
-def in_flight_bytes(units: list[Unit], cfg: ParallelConfig, table: UnitBytes | None = None) -> tuple[float, float]:
+def static_of(params: float, experts: float, cfg: ParallelConfig, held: EngineMemory = DEFAULT_MEMORY) -> float:
+    """static_bytes of `params` (`experts` of them experts'), FP8 weight copies aside."""
+    weight, grad, opt = held_numerics(cfg, held)
+    grads = 0.0 if sweeps_grads(cfg, held) else cfg.kept(params, experts, 2) * grad
+    return cfg.kept(params, experts, 3) * weight + grads + cfg.kept(params, experts, 1) * opt
+
+
+def in_flight_bytes(units: list[Unit], cfg: ParallelConfig, table: UnitBytes | None = None,
+                    held: EngineMemory = DEFAULT_MEMORY) -> tuple[float, float]:
     """(weights, gradients) a rank holds whole beyond its shards while it computes: under ZeRO-3 the unit being run
     and the next one, prefetched (the two largest of the rank's), under ZeRO-2 and -3 one unit's gradient until
     its reduce-scatter (the largest); torch FSDP2 and Megatron-FSDP gather and reduce unit by unit so. `table`:
-    UnitBytes of `units` under cfg (unit k at position k), if known."""
+    UnitBytes of `units` under cfg (unit k at position k), if known. Under EngineMemory.master_shard a gathered unit
+    is whole beside its fp32 shard, not the rest of it."""
     if table is None:
-        return _in_flight([param_count(u, cfg) for u in units], [expert_count(u, cfg) for u in units], cfg)
-    return _in_flight(table.params, table.experts, cfg)
+        return _in_flight([param_count(u, cfg) for u in units], [expert_count(u, cfg) for u in units], cfg, held)
+    return _in_flight(table.params, table.experts, cfg, held)
 
 
-def _in_flight(params: Sequence[float], experts: Sequence[float], cfg: ParallelConfig) -> tuple[float, float]:
+def _in_flight(params: Sequence[float], experts: Sequence[float], cfg: ParallelConfig,
+               held: EngineMemory = DEFAULT_MEMORY) -> tuple[float, float]:
     """in_flight_bytes from each unit's param_count and expert_count."""
     num = cfg.numerics
-    full = sorted((n - cfg.kept(n, e, 3) for n, e in zip(params, experts)), reverse=True)
+    whole = held.master_shard and cfg.zero >= 3
+    full = sorted((n - (0.0 if whole else cfg.kept(n, e, 3)) for n, e in zip(params, experts) if cfg.zero >= 3),
+                  reverse=True)
     grads = max(params, default=0.0) if cfg.zero >= 2 else 0.0
     return sum(full[:2]) * num.weight_bytes, grads * num.grad_bytes
 
@@ -147,11 +216,13 @@ class UnitBytes:
     held: tuple[float, ...]  # held_bytes
     plain: tuple[float, ...]  # RECOMPUTE["none"].kept_bytes (the working set of a unit being recomputed)
     rebuilt: tuple[float, ...]  # the mode's rebuilt_bytes (what a per-op checkpointed block's backward holds again)
+    loss: tuple[float, ...]  # Unit.loss_work (what the loss's backward holds at once: the last unit's)
+    grads: tuple[float, ...]  # the gradient bytes a rank keeps of the unit (its shard under ZeRO-2 and -3)
     static: tuple[float, ...]  # static_bytes
 
 
-def unit_bytes(units: Sequence[Unit], cfg: ParallelConfig) -> UnitBytes:
-    """UnitBytes of `units` under cfg."""
+def unit_bytes(units: Sequence[Unit], cfg: ParallelConfig, held: EngineMemory = DEFAULT_MEMORY) -> UnitBytes:
+    """UnitBytes of `units` under cfg, as the engine holds them (`held`)."""
     full, plain = cfg.fallback(recompute="full"), RECOMPUTE["none"].kept_bytes
     return UnitBytes(params=tuple(param_count(u, cfg) for u in units),
                      experts=tuple(expert_count(u, cfg) for u in units),
@@ -162,17 +233,22 @@ def unit_bytes(units: Sequence[Unit], cfg: ParallelConfig) -> UnitBytes:
                      plain=tuple(plain(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units),
                      rebuilt=tuple(cfg.recompute_mode.rebuilt_bytes(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp)
                                    for u in units),
-                     static=tuple(static_bytes(u, cfg) for u in units))
+                     loss=tuple(u.loss_work(cfg.local_b) if held.loss_backward else 0.0 for u in units),
+                     grads=tuple(_grad_bytes(u, cfg, held) for u in units),
+                     static=tuple(static_bytes(u, cfg, held) for u in units))
+
+
+def _grad_bytes(unit: Unit, cfg: ParallelConfig, held: EngineMemory = DEFAULT_MEMORY) -> float:
+    return cfg.kept(param_count(unit, cfg), expert_count(unit, cfg), 2) * held_numerics(cfg, held)[1]
 
 
 def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int,
                  full: Collection[int] = (), chunks: Sequence[int] = (), table: UnitBytes | None = None,
-                 at: Sequence[int] = ()) -> StageMemory:
+                 at: Sequence[int] = (), held: EngineMemory = DEFAULT_MEMORY) -> StageMemory:
     """Peak memory of pipeline rank `rank` holding `units` (all its model chunks, `chunks` units in each, in stage
     order); under partial recomputation the units whose index is in `full` are recomputed in full, the others keep
     everything. Without `chunks` every chunk is taken to hold the rank's average microbatches in flight. `table`:
     UnitBytes under cfg, unit k of `units` at position at[k] of it (known already: the same numbers)."""
-    num = cfg.numerics
     mode = cfg.recompute_mode
     if table is None:
         counts = [param_count(u, cfg) for u in units]
@@ -192,25 +268,32 @@ def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int
     if pending := cfg.w_pending(rank):  # split backward: what the weight gradients still owed keep
         acts += sum(held_bytes(u, cfg) for u in units) * pending if table is None else \
             sum([table.held[i] for i in at]) * pending
-    if mode.working_set:  # the unit being recomputed holds its full activations during its backward
-        if table is None:
-            plain = RECOMPUTE["none"].kept_bytes
-            acts += max((plain(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units), default=0.0)
-        else:
-            acts += max([table.plain[i] for i in at], default=0.0)
-    elif table is None:  # what the backward of one unit rebuilds beyond what it kept (one unit at a time)
-        acts += max((mode.rebuilt_bytes(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units), default=0.0)
-    else:
-        acts += max([table.rebuilt[i] for i in at], default=0.0)
     if table is None:
-        fp8 = sum(fp8_weight_bytes(u, cfg) for u in units)
-        experts_each = [expert_count(u, cfg) for u in units]
-    else:
-        fp8 = sum([table.fp8[i] for i in at])
-        experts_each = [table.experts[i] for i in at]
+        table = unit_bytes(units, cfg, held)
+        at = range(len(units))
+    # what one unit's backward holds beyond the kept activations, one unit at a time: the unit being recomputed its
+    # full activations (working_set modes), else what its backward rebuilds (per-op checkpointing); before the last
+    # unit's backward, its loss's gradients. Phases of the backward, so the most of them, not their sum
+    own = [table.plain[i] if mode.working_set else table.rebuilt[i] for i in at]
+    work = [max(w, table.loss[i]) for w, i in zip(own, at)]
+    fp8 = sum([table.fp8[i] for i in at])
+    experts_each = [table.experts[i] for i in at]
     experts = sum(experts_each)
-    gathered, unreduced = _in_flight(counts, experts_each, cfg)
-    return StageMemory(weights=cfg.kept(params, experts, 3) * num.weight_bytes + gathered + fp8,
-                       grads=cfg.kept(params, experts, 2) * num.grad_bytes + unreduced,
-                       optimizer=cfg.kept(params, experts, 1) * num.optimizer_bytes, activations=acts,
-                       reserve=hw.reserve_bytes)
+    gathered, unreduced = _in_flight(counts, experts_each, cfg, held)
+    weight, grad, opt = held_numerics(cfg, held)
+    grads = cfg.kept(params, experts, 2) * grad + unreduced
+    if sweeps_grads(cfg, held):  # one microbatch, its gradients made by the backward (EngineMemory.step_frees_grads):
+        # the most over the backward's phases, from the last unit to the first: before unit k's backward every unit
+        # up to k still holds its activations and those after it hold their gradients; the loss's phase holds no
+        # gradient, a unit's own backward its whole gradient until its reduce-scatter
+        kept = list(accumulate(per_unit))
+        after = [0.0, *accumulate(table.grads[i] for i in reversed(at))][::-1][1:]
+        whole = [table.params[i] * grad if cfg.zero >= 2 else 0.0 for i in at]
+        phases = [(kept[k] + max(table.loss[i], own[k] + whole[k]), after[k]
+                   + (whole[k] if own[k] + whole[k] > table.loss[i] else 0.0)) for k, i in enumerate(at)]
+        acts_k, grads = max(phases, key=sum, default=(0.0, 0.0))
+        acts += acts_k - sum(per_unit)
+    else:
+        acts += max(work, default=0.0)
+    return StageMemory(weights=cfg.kept(params, experts, 3) * weight + gathered + fp8, grads=grads,
+                       optimizer=cfg.kept(params, experts, 1) * opt, activations=acts, reserve=hw.reserve_bytes)

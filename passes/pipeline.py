@@ -6,12 +6,14 @@ error names the passes that had already run.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from .costs import annotate_costs
 from .check import Conservation, PricingError, conservation
@@ -136,23 +138,59 @@ def _costs(ctx: Context) -> None:
 def _units(ctx: Context) -> None:
     with representatives(ctx.model):
         ctx.priced = lower_units(ctx.gm, ctx.model, ctx.kernels)
-        loss = Poly() if ctx.kernels == "megatron" else _loss_bytes(ctx)  # the engine runs its own loss
+        # the engine runs its own loss (Megatron's vocabulary-parallel cross-entropy, priced with the head)
+        kept, work = (Poly(), Poly()) if ctx.kernels == "megatron" else _loss_bytes(ctx)
     ctx.units = expand(ctx.priced, ctx.cuts)
     if ctx.units:
-        ctx.units[-1] = replace(ctx.units[-1], loss_bytes=loss)
+        ctx.units[-1] = replace(ctx.units[-1], loss_bytes=kept, loss_work=work)
 
 
-def _loss_bytes(ctx: Context) -> Poly:
-    """Bytes the model file's loss_fn keeps for its backward, per microbatch (linear in b): the tensors its
-    autograd saves, measured with saved-tensor hooks on meta tensors at b = 1 and 2 (the model's output itself
-    is the last unit's, not counted again)."""
+class _NewBytes(TorchDispatchMode):
+    """The bytes of the storages the ops run under it allocate (an op's output that is a view of one of its inputs
+    allocates none), live at once: now, and the most."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.now = self.peak = 0
+        self._live: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        given = {x.untyped_storage()._cdata for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                 if isinstance(x, torch.Tensor)}
+        for x in torch.utils._pytree.tree_leaves(out):
+            if not isinstance(x, torch.Tensor):
+                continue
+            storage = x.untyped_storage()
+            key = storage._cdata
+            if key in given or key in self._live:
+                continue
+            self._live.add(key)
+            self.now += (n := storage.nbytes())
+            self.peak = max(self.peak, self.now)
+            weakref.finalize(storage, self._freed, key, n)
+        return out
+
+    def _freed(self, key: int, n: int) -> None:
+        self._live.discard(key)
+        self.now -= n
+
+
+def _loss_bytes(ctx: Context) -> tuple[Poly, Poly]:
+    """(Bytes the model file's loss_fn keeps for its backward, the most its backward holds at once beyond them) per
+    microbatch (linear in b): the tensors its autograd saves, measured with saved-tensor hooks on meta tensors at
+    b = 1 and 2 (the model's output itself is the last unit's, not counted again); then the storages its backward
+    allocates down to the gradient of the model's output, live at once at the most (_NewBytes: torch.nn.functional.
+    cross_entropy's backward holds nll_loss_backward's gradient and _log_softmax_backward_data's, each of the fp32
+    logits' size, with the saved log-softmax; torchtitan's train step (torchtitan/train.py, forward_backward_step)
+    drops the logits before loss.backward(), so its peak is there, with every block's kept activations)."""
     if not ctx.model_file.has("loss_fn") or not ctx.model_file.has("sample_batch"):
-        return Poly()
+        return Poly(), Poly()
     result = next(n for n in ctx.gm.graph.nodes if n.op == "output").args[0]
     leaves = [tensor_info(x) for x in torch.utils._pytree.tree_leaves(result)]
     if not leaves or any(info is None for info in leaves):
-        return Poly()
-    sizes = []
+        return Poly(), Poly()
+    sizes, works = [], []
     try:
         for b in (1, 2):  # the model's output as the traced graph describes it, at microbatch b, in fp32 as the
             # runtime hands it to the loss (Megatron computes its cross-entropy in fp32 too)
@@ -169,11 +207,19 @@ def _loss_bytes(ctx: Context) -> Poly:
                 return x
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-                ctx.model_file.module.loss_fn(outs[0] if len(outs) == 1 else tuple(outs), targets)
+                loss = ctx.model_file.module.loss_fn(outs[0] if len(outs) == 1 else tuple(outs), targets)
             sizes.append(sum(saved.values()))
+            grads = [o for o in outs if o.is_floating_point()]
+            work = 0
+            if isinstance(loss, torch.Tensor) and loss.requires_grad and grads:
+                with _NewBytes() as new:  # (autograd.grad: the gradients handed back, not accumulated into .grad)
+                    torch.autograd.grad(loss, grads, allow_unused=True)
+                work = new.peak
+            works.append(work)
     except Exception:  # noqa: BLE001 - a loss that cannot run on meta tensors is left unpriced
-        return Poly()
-    return Poly((2.0 * sizes[0] - sizes[1], float(sizes[1] - sizes[0])))
+        return Poly(), Poly()
+    return (Poly((2.0 * sizes[0] - sizes[1], float(sizes[1] - sizes[0]))),
+            Poly((2.0 * works[0] - works[1], float(works[1] - works[0]))))
 
 
 def _check(ctx: Context) -> None:

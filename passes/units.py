@@ -120,6 +120,9 @@ class Unit:
     # what one all-to-all of the dispatch (or of the combine) moves under expert parallelism
     loss_bytes: Poly = field(default_factory=Poly)  # the last unit only: what the model file's loss_fn keeps for its
     # backward (cross-entropy: an fp32 log-softmax of the logits), measured on meta tensors
+    loss_work: Poly = field(default_factory=Poly)  # the last unit only: the most bytes the backward of the model
+    # file's loss_fn holds at once beyond what it kept (cross-entropy: two fp32 logit-sized gradients, nll_loss's and
+    # log_softmax's), measured on meta tensors; a working set of the last unit's backward, before its own
     op_checkpoint: OpCheckpoint | None = None  # blocks: the unit under per-op selective checkpointing (torchtitan's)
     checkpoint: str = "core"  # what recompute "selective" checkpoints in this unit: "core", the attention core
     # (Megatron-Core's --recompute-modules core_attn, the fxplanner runtime's); "op", per op as torchtitan's selective

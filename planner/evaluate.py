@@ -17,8 +17,9 @@ from itertools import accumulate
 from costmodels.comm import allreduce_time, exposed_reduction_s, megatron_bucket_params, p2p_time
 from costmodels.compute import unit_time
 from costmodels.hardware import Hardware
-from costmodels.memory import (StageMemory, UnitBytes, activation_bytes, expert_count, fp8_weight_bytes, held_bytes,
-                               in_flight_bytes, param_count, stage_memory, static_bytes, unit_bytes)
+from costmodels.memory import (DEFAULT_MEMORY, EngineMemory, StageMemory, UnitBytes, activation_bytes, expert_count,
+                               fp8_weight_bytes, held_bytes, in_flight_bytes, param_count, stage_memory, static_bytes,
+                               static_of, sweeps_grads, unit_bytes)
 from costmodels.recompute import recompute_mode
 from passes.errors import UserError
 from passes.units import Unit
@@ -120,6 +121,8 @@ class Evaluator:
     layout: str = ""  # a stated partition (planner.layout: Megatron-Core's layout string, or "even"); "": searched
     refused: dict[str, str] = field(default_factory=dict)  # tensor- and context-parallel splits the engine refuses
     # (ModelProfile.tp_refusals: "t", "t+sp" or "cp" -> the op and its source line); the search leaves them out
+    memory: EngineMemory = DEFAULT_MEMORY  # how the engine holds parameters and gradients (costmodels.memory.
+    # ENGINE_MEMORY)
     _cache: dict = field(default_factory=dict)
 
     @property
@@ -173,7 +176,7 @@ class Evaluator:
         key = ("unit bytes", c)
         if key not in self._cache:
             kinds = sorted(set(self._twins))
-            rows = unit_bytes([self.units[i] for i in kinds], c)
+            rows = unit_bytes([self.units[i] for i in kinds], c, self.memory)
             where = [kinds.index(i) for i in self._twins]
             self._cache[key] = UnitBytes(*(tuple(col[k] for k in where) for col in
                                            (getattr(rows, f.name) for f in fields(UnitBytes))))
@@ -216,20 +219,19 @@ class Evaluator:
             leanest = c.fallback(recompute="full") if partial else c
             acts = {i: activation_bytes(self.units[i], leanest) for i in set(self._twins)}
             self._cache[key] = sum(acts[i] for i in self._twins)
-        num, params = c.numerics, dense + experts
-        static = (c.kept(params, experts, 3) * num.weight_bytes + c.kept(params, experts, 2) * num.grad_bytes
-                  + c.kept(params, experts, 1) * num.optimizer_bytes + copies)
+        static = static_of(dense + experts, experts, c, self.memory) + copies
         return (static + c.inflight(c.pp - 1) * self._cache[key]) / c.pp + self.hw.reserve_bytes
 
     def _block_bytes(self, c: ParallelConfig) -> tuple[float, float, int]:
         """(The fewest static bytes any block keeps on a rank, the fewest activation bytes any keeps per microbatch
         (partial recomputation: no fewer than recomputing it), the blocks); (0, 0, 0) without blocks."""
         partial = c.recompute_mode.partial
-        key = ("block bytes", c.unit_key("full" if partial else None), c.dp, c.zero, c.grad_fp32, c.fp8_params)
+        key = ("block bytes", c.unit_key("full" if partial else None), c.dp, c.zero, c.grad_fp32, c.fp8_params,
+               sweeps_grads(c, self.memory))
         if key not in self._cache:
             kinds, counts = [i for i in set(self._twins) if self.units[i].kind == "block"], self.twin_counts
             leanest = c.fallback(recompute="full") if partial else c
-            self._cache[key] = (min(static_bytes(self.units[i], c) for i in kinds),
+            self._cache[key] = (min(static_bytes(self.units[i], c, self.memory) for i in kinds),
                                 min(activation_bytes(self.units[i], leanest) for i in kinds),
                                 sum(counts[i] for i in kinds)) if kinds else (0.0, 0.0, 0)
         return self._cache[key]
@@ -491,7 +493,8 @@ class Evaluator:
         k = c.stages
         table = self.unit_bytes(c)
         static = list(table.static)
-        work = max(act, default=0.0) if c.recompute_mode.working_set else max(table.rebuilt, default=0.0)
+        work = max(max(act, default=0.0) if c.recompute_mode.working_set else max(table.rebuilt, default=0.0),
+                   max(table.loss, default=0.0))  # a unit's backward, or the loss's before the last unit's
         place = c.placement
         rank_of, ranks = place.rank_of, [place.stages(r) for r in range(c.pp)]
         peaks = [c.chunk_peaks(r) for r in range(c.pp)]
@@ -500,7 +503,7 @@ class Evaluator:
         fl = [most[rank_of[j]][ranks[rank_of[j]].index(j)] for j in range(k)]
         pending = [c.w_pending(rank_of[j]) for j in range(k)]
         # ZeRO-2/3's whole units (at most the model's largest)
-        room = self.capacity - self.hw.reserve_bytes - work - sum(in_flight_bytes(self.units, c, table))
+        room = self.capacity - self.hw.reserve_bytes - work - sum(in_flight_bytes(self.units, c, table, self.memory))
         caps = tuple(room * fl[j] / sum(most[rank_of[j]]) if fl[j] else room / c.v for j in range(k))
         inp = PartitionInput(time_s=tuple(f + b for f, b in zip(fwd, bwd)), static_bytes=tuple(static),
                              activation_bytes=tuple(act), inflight=tuple(fl), cap_bytes=caps,
@@ -554,7 +557,8 @@ class Evaluator:
         for r in range(c.pp):
             at = [i for j in place.stages(r) for i in stages[j]]
             mems.append(stage_memory([self.units[i] for i in at], self.hw, c, r, full,
-                                     chunks=[len(stages[j]) for j in place.stages(r)], table=table, at=at))
+                                     chunks=[len(stages[j]) for j in place.stages(r)], table=table, at=at,
+                                     held=self.memory))
         return mems
 
     def _p2p_s(self, c: ParallelConfig, bounds: tuple[int, ...]) -> float:

@@ -95,7 +95,8 @@ def check_bubbles(runtime: Any, plan: Plan) -> int:
 
 
 class _Marked(list):
-    """A rank's lowered actions; iterated inside a training step, each action is announced to the adapter first."""
+    """A rank's lowered actions; the first iteration inside a training step announces each action to the adapter
+    first."""
 
     def __init__(self, actions: list, adapter: "PipelineFill") -> None:
         super().__init__(actions)
@@ -105,6 +106,7 @@ class _Marked(list):
         if not self._adapter.in_step:  # evaluation, or torch formatting the order for an error
             yield from super().__iter__()
             return
+        self._adapter.in_step = False  # the step's own walk only (not a second iteration inside it)
         for action in super().__iter__():
             self._adapter.before(action)
             yield action

@@ -103,6 +103,9 @@ def test_every_fill_job_is_accounted_for(tmp_path):
         if any(pair.rank == row["rank"] for pair in fill.pairs):
             continue  # a pair's jobs run together: their shares add up
         jobs = {c.job for c in fill.chunks if c.rank == row["rank"]}  # one at a time: the busiest
+        if not jobs:  # a rank whose bubbles hold no chunk (too short for any unit)
+            assert row["fill_s"] == 0
+            continue
         used = max((sum(c.expected_s for c in fill.chunks if c.rank == row["rank"] and c.job == j) for j in jobs),
                    default=0.0)
         assert used > 0 and row["fill_s"] == used
@@ -220,9 +223,10 @@ def test_plan_says_whether_shrinking_or_filling_the_bubbles_won_with_both_figure
     pr = plan.predictions
     assert f"{pr.iteration_s:.3f} s (MFU {pr.mfu:.1%}, bubbles {pr.bubble_fraction:.1%}" in choice
     assert choice.count(" s (MFU ") == 2 and choice.count("bubbles ") >= 2
-    assert "keeping the bubbles of " in choice and "TFLOP/s/GPU" in choice and "GPU-s/s" in choice
-    assert "--fill-value 0" in choice
-    assert any(f"{kind} (t=" in choice for kind in ("gpipe", "1f1b", "interleaved", "zbh1", "zbv"))
+    assert "TFLOP/s/GPU" in choice and "GPU-s/s" in choice
+    # the other side: the best plan keeping a pipeline's bubbles, or not pipelining at all where that is faster
+    assert any(f"{kind} (t=" in choice for kind in ("gpipe", "1f1b", "interleaved", "zbh1", "zbv", "not pipelining"))
+    assert "keeping the bubbles of " in choice or "leaves no bubbles to fill" in choice
 
 
 def test_a_negative_fill_value_is_one_sentence():

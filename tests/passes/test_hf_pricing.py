@@ -216,6 +216,9 @@ def test_the_losss_saved_tensors_are_priced_on_the_last_unit():
     assert last.loss_bytes(1) == pytest.approx(per_sample, rel=1e-3)
     assert last.loss_bytes(4) == pytest.approx(4 * per_sample, rel=1e-3)
     assert all(not u.loss_bytes(1) for u in prof.units[:-1])
+    # its backward holds two fp32 logit-sized gradients at once (nll_loss's, log_softmax's) beside it
+    assert last.loss_work(2) == pytest.approx(2 * 2 * 4 * SEQ * c["vocab_size"], rel=1e-3)
+    assert all(not u.loss_work(1) for u in prof.units[:-1])
 
 
 def test_multi_head_latent_attention_splits_as_megatron_core_splits_it():

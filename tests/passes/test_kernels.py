@@ -61,7 +61,7 @@ def test_megatron_runs_its_own_cross_entropy(unfused):
     """The head keeps Megatron's fp32 softmax over the (vocabulary-parallel) logits, and the file's loss_fn is not
     what runs."""
     head = unfused["megatron"].units[-1]
-    assert head.loss_bytes(1) == 0
+    assert head.loss_bytes(1) == 0 and head.loss_work(1) == 0  # (nor its backward's gradients)
     assert head.sharded.saved_bytes(1) == 4 * SEQ * VOCAB
     assert head.sharded.fwd_bytes(1) - _head_fwd_bytes(unfused["traced"]) == 38 * SEQ * VOCAB
 
