@@ -15,51 +15,18 @@ from typing import TYPE_CHECKING
 from passes.units import Unit
 
 from .fp8 import runs_fp8
+from .holding import DEFAULT_MEMORY, EngineMemory
 from .hardware import Hardware
 from .recompute import RECOMPUTE, weight_grad_bytes
 
 if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
-__all__ = ["DEFAULT_MEMORY", "ENGINE_MEMORY", "EngineMemory", "StageMemory", "UnitBytes", "activation_bytes",
+__all__ = ["DEFAULT_MEMORY", "EngineMemory", "StageMemory", "UnitBytes", "activation_bytes",
            "expert_count", "fp8_weight_bytes", "held_bytes", "held_numerics", "in_flight_bytes", "param_count",
            "rank_param_count", "stage_memory", "static_bytes", "static_of", "sweeps_grads", "unit_bytes"]
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class EngineMemory:
-    """How an engine holds parameters and gradients where the engines differ (the default: Megatron-Core's and the
-    fxplanner runtime's, persistent gradient buffers and a training-precision weight copy beside the optimizer's
-    fp32 master)."""
-
-    master_shard: bool = False
-    """Under ZeRO-3 the sharded parameter is the fp32 master weight the optimizer steps, and the training-precision
-    copy exists only unsharded, while a unit runs (torch FSDP2 with a MixedPrecisionPolicy: fully_shard keeps the
-    module's fp32 parameter as its sharded DTensor, torch/distributed/fsdp/_fully_shard/_fsdp_param.py FSDPParam.
-    _init_sharded_param, and casts to param_dtype in its all-gather input, foreach_all_gather_copy_in); the
-    optimizer keeps Adam's two moments only."""
-    step_frees_grads: bool = False
-    """Each step starts with its gradients freed (torchtitan's train_step calls optimizers.zero_grad(), torch.optim.
-    Optimizer.zero_grad's set_to_none=True; FSDP2 assigns each sharded gradient anew after its reduce-scatter,
-    _fsdp_collectives.py foreach_reduce): with one microbatch per step none exists before the backward, and each
-    unit's appears as its backward ends, when its activations are freed (stage_memory's backward sweep)."""
-    loss_backward: bool = False
-    """The backward of the model file's loss is priced: Unit.loss_work, the gradients torch.nn.functional.
-    cross_entropy's backward holds (aten.nll_loss_backward's and aten._log_softmax_backward_data's, fp32 and of the
-    logits' size each) beside the saved log-softmax and every kept activation, a working set of the last unit's
-    backward. torchtitan computes that loss (torchtitan/components/loss.py cross_entropy_loss: the logits cast to
-    fp32, over the whole vocabulary). The fxplanner runtime computes it too, the same physics; it is left off there
-    for now because pricing it moves the free search's choices in bench/thesis_tables.py (issue 49: for the lead to
-    accept). Megatron-Core runs its own fused vocabulary-parallel cross-entropy (no loss_work is measured for kernels
-    "megatron")."""
-
-
-ENGINE_MEMORY: dict[str, EngineMemory] = {
-    "torchtitan": EngineMemory(master_shard=True, step_frees_grads=True, loss_backward=True),
-}
-"""The engines (planner.engines names) that hold memory otherwise than the default EngineMemory."""
-
-DEFAULT_MEMORY = EngineMemory()
 
 ADAM_MOMENTS_BYTES = 8.0
 """Adam's exp_avg and exp_avg_sq in fp32, per parameter (costmodels.precision: the optimizer bytes beyond them are

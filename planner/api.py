@@ -12,7 +12,7 @@ from costmodels.calibration import Calibration, apply_calibration
 from costmodels.compute import MEGATRON_MOE_HOST_S, moe_host_wait_s, unit_time
 from costmodels.fp8 import FP8_RECIPES
 from costmodels.hardware import Hardware
-from costmodels.memory import DEFAULT_MEMORY, ENGINE_MEMORY, activation_bytes
+from costmodels.memory import activation_bytes
 from passes.check import PricingError
 from passes.errors import UserError
 from passes.errors import UNLAUNCHABLE
@@ -181,7 +181,7 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     _check_pinned_split(pins, refused)
     ev = Evaluator(units=profile.units, hw=hw, global_batch=global_batch, n_gpus=gpus,
                    tokens_per_sample=profile.tokens_per_sample, layout=pins.layout or "", refused=refused,
-                   memory=ENGINE_MEMORY.get(pins.engine, DEFAULT_MEMORY))  # (how the engine holds its memory)
+                   memory=engine.memory)  # (how the engine holds its memory)
     start = time.perf_counter()
     wide = fill is not None and main_slack > 0
     if progress:

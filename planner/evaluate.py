@@ -121,8 +121,7 @@ class Evaluator:
     layout: str = ""  # a stated partition (planner.layout: Megatron-Core's layout string, or "even"); "": searched
     refused: dict[str, str] = field(default_factory=dict)  # tensor- and context-parallel splits the engine refuses
     # (ModelProfile.tp_refusals: "t", "t+sp" or "cp" -> the op and its source line); the search leaves them out
-    memory: EngineMemory = DEFAULT_MEMORY  # how the engine holds parameters and gradients (costmodels.memory.
-    # ENGINE_MEMORY)
+    memory: EngineMemory = DEFAULT_MEMORY  # how the engine holds parameters and gradients (Engine.memory)
     _cache: dict = field(default_factory=dict)
 
     @property

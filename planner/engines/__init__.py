@@ -14,6 +14,7 @@ from operator import attrgetter
 from typing import Callable, Collection, Mapping
 
 from costmodels.fp8 import Fp8Recipe, default_recipe
+from costmodels.holding import DEFAULT_MEMORY, EngineMemory
 
 __all__ = ["Engine", "ENGINES"]
 
@@ -59,6 +60,8 @@ class Engine:
     per op as torch.utils.checkpoint's selective checkpointing runs a policy (torchtitan's SelectiveAC, its
     activation_checkpoint.mode "selective": the outputs of the matrix products but every second one and of the
     attention kernel are kept, the rest rerun in the backward)."""
+    memory: EngineMemory = DEFAULT_MEMORY
+    """How it holds parameters, gradients and the loss's temporaries where the engines differ (costmodels.holding)."""
     recompute_block: bool = True
     """It recomputes the first N blocks of each model chunk (recompute "block"), which the search tries where
     recomputing nothing does not fit."""
@@ -76,7 +79,8 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine(name="torchtitan", title="torchtitan", export="to_torchtitan", fill="planner.engines.titan",
            schedule_names={"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"},
            fp8="torchao's float8", fp8_recipe=attrgetter("titan_recipe"), fp8_default=lambda peaks: "torchao-rowwise",
-           fsdp="FSDP2", expert_parallel=True, recompute_block=False, selective="op"),
+           fsdp="FSDP2", expert_parallel=True, recompute_block=False, selective="op",
+           memory=EngineMemory(master_shard=True, step_frees_grads=True, loss_backward=True)),
 )}
 """Megatron-Core runs forward_backward_pipelining_without_interleaving / with_interleaving; torchtitan runs any of the
 plan's schedules from the CSV of its actions the export writes. Megatron accumulates and reduces bf16 training's
