@@ -26,7 +26,7 @@ from .shape import model_shape
 from .trace import trace_model
 from .poly import Poly
 from .shapes import B, tensor_info
-from .sharding.check import DEGREES, cp_refusal, tp_refusals
+from .sharding.check import DEGREES, cp_refusal, graph_shapes, tp_refusals
 from .kernels import KERNELS
 from .units import Unit, expert_layers, lower_units
 from .sharding.vocab import VOCAB_STYLES, vocab_refusal
@@ -259,9 +259,9 @@ def _runtime(ctx: Context) -> None:
                 gm = ctx.gm
         if runs:
             styles = {path: style for u in ctx.priced for path, style in u.tp_layout if style in ("colwise", "rowwise")}
-            ctx.tp_refusals = tp_refusals(gm, _inputs(ctx, 2), styles, [(u.heads, u.kv_heads) for u in ctx.priced],
-                                          ctx.path)
-            if (op := cp_refusal(gm, _inputs(ctx, 2), ctx.path)) is not None:  # at every degree
+            shapes = graph_shapes(gm, _inputs(ctx, 2))  # (one meta pass for both walks)
+            ctx.tp_refusals = tp_refusals(gm, shapes, styles, [(u.heads, u.kv_heads) for u in ctx.priced], ctx.path)
+            if (op := cp_refusal(gm, shapes, ctx.path)) is not None:  # at every degree
                 ctx.tp_refusals["cp"] = op
             vocab = {path for u in ctx.priced for path, style in u.tp_layout if style in VOCAB_STYLES}
             if vocab and (op := vocab_refusal(gm, ctx.model, vocab, ctx.path)) is not None:  # its rows split: every t

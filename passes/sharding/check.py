@@ -17,12 +17,12 @@ from torch import nn
 from .context import ContextWalk, Unsupported
 from .walk import Refusal, plan_shards
 
-__all__ = ["cp_refusal", "tp_refusals", "refused_op", "refusal_sentence", "DEGREES"]
+__all__ = ["cp_refusal", "graph_shapes", "tp_refusals", "refused_op", "refusal_sentence", "DEGREES"]
 
 DEGREES = tuple(range(2, 17)) + (24, 32, 48, 64)  # the tensor-parallel degrees checked (those the heads allow)
 
 
-def _shapes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> dict[str, Any]:
+def graph_shapes(gm: fx.GraphModule, inputs: tuple[Any, ...]) -> dict[str, Any]:
     """Every value of the graph on meta tensors: tensors by their shape, other values as they are."""
     interp = fx.Interpreter(gm, garbage_collect_values=False)
     with torch.no_grad():
@@ -36,13 +36,13 @@ def _allowed(t: int, heads: Iterable[tuple[int, int]]) -> bool:
     return all(not (h and h % t) and not (kv and kv % t and t % kv) for h, kv in heads)
 
 
-def tp_refusals(gm: fx.GraphModule, inputs: tuple[Any, ...], styles: dict[str, str],
+def tp_refusals(gm: fx.GraphModule, shapes: dict[str, Any], styles: dict[str, str],
                 heads: Iterable[tuple[int, int]], model_file: str | Path) -> dict[str, str]:
     """{"t" or "t+sp": the op the runtime's Megatron layout refuses and its source line} for each degree the heads
-    allow; a degree missing runs. `styles`: {module path: "colwise" | "rowwise"} of the whole graph."""
+    allow; a degree missing runs. `shapes`: graph_shapes'; `styles`: {module path: "colwise" | "rowwise"} of the
+    whole graph."""
     heads = [(h, kv) for h, kv in heads if h or kv]
     head_sizes = {x for pair in heads for x in pair if x}
-    shapes = _shapes(gm, inputs)
     paths = {id(m): path for path, m in gm.named_modules()}
     weights = {n.name: str(n.target)[:-len(".weight")] for n in gm.graph.nodes
                if n.op == "get_attr" and str(n.target).endswith(".weight")}  # an exported graph's linears
@@ -86,11 +86,10 @@ class _StandIns:
         return nn.Identity()
 
 
-def cp_refusal(gm: fx.GraphModule, inputs: tuple[Any, ...], model_file: str | Path) -> str | None:
+def cp_refusal(gm: fx.GraphModule, shapes: dict[str, Any], model_file: str | Path) -> str | None:
     """The op the runtime's context parallelism refuses and its source line (any cp > 1), else None: the walk the
     runtime rewrites its pieces with, run on a copy of the graph. The sequence is the first batch-first input's
-    second dim (as the runtime reads it)."""
-    shapes = _shapes(gm, inputs)
+    second dim (as the runtime reads it). `shapes`: graph_shapes'."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     seq = next((s[1] for s in (shapes.get(n.name) for n in placeholders) if isinstance(s, tuple) and len(s) >= 2), 0)
     if not seq:
