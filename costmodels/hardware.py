@@ -22,7 +22,7 @@ class Efficiency:
     """How close kernels get to the datasheet.
 
     A matrix product runs at the GPU's measured ceiling (targets: `GPUSpec.matmul_ceiling` for GEMMs,
-    `attention_ceiling` for the flash attention kernel, per GPU generation with their sources) times
+    `GPUSpec.attention(kernel)` for the engine's flash attention kernel, per GPU generation with their sources) times
     gemm_max, the share of that ceiling a whole training step's products reach (smaller, oddly shaped
     GEMMs, clocks under a full step's power draw), less for products too small to fill the device.
     gemm_max = 0.78 was fitted to all 13 rows of ../shared/references/reference_runs.json (the ten SC21
@@ -77,6 +77,9 @@ class Hardware:
     eff: Efficiency = Efficiency()
     reserve_bytes: int = 3 * GiB
     """Device memory the model cannot use: CUDA context, allocator fragmentation, communication buffers."""
+    attention: str = "te"
+    """The fused attention kernel the engine runs (targets.specs.ATTENTION_KERNELS; planner.engines Engine.attention):
+    its share of the peak on this GPU is the target's (GPUSpec.attention)."""
 
     @property
     def name(self) -> str:
@@ -101,10 +104,10 @@ class Hardware:
 
     def matmul_rate(self, flops: float, precision: str, attention: bool = False) -> float:
         """FLOP/s one matrix product of `flops` reaches in a training step: the GPU's measured ceiling (of a
-        GEMM, or of its flash attention kernel) times the share a step's products reach (gemm_max), less for
-        a product too small to fill the device."""
+        GEMM, or of the engine's flash attention kernel, `self.attention`) times the share a step's products reach
+        (gemm_max), less for a product too small to fill the device."""
         peak = self.gpu.peak(precision)
-        ceiling = self.gpu.attention_ceiling if attention else self.gpu.ceiling(precision)
+        ceiling = self.gpu.attention(self.attention) if attention else self.gpu.ceiling(precision)
         return peak * ceiling * self.eff.gemm_max * flops / (flops + peak * self.eff.gemm_half_s)
 
     def with_eff(self, **changes: object) -> Hardware:

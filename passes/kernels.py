@@ -27,6 +27,15 @@ so the same model, however written, is priced as the engine runs it:
 
 FLOPs are unchanged (a fused kernel does the same arithmetic). `megatron_cross_entropy` is the loss Megatron runs
 in place of the model file's `loss_fn`.
+
+torch.compile's Inductor (kernels "inductor": torchtitan's --compile.enable, which compiles each TransformerBlock on
+its own) fuses by the same rule: its scheduler merges the pointwise and reduction nodes that read and write the same
+buffers into one Triton kernel (torch/_inductor/scheduler.py fuse_nodes / can_fuse), and without max-autotune fuses
+nothing into a matrix product (torch/_inductor/kernel/mm.py tuned_mm: the extern cuBLAS kernel) or into the flash
+attention kernel (a fallback kernel). So the fused regions and what they keep are priced as above; what is
+Megatron's alone is not applied: no grouped keys and values (SDPA reads them as the model file passes them: repeated
+where it repeats them, grouped where it passes enable_gqa), no weighted SwiGLU, and the model file's own loss. The
+blocks are fused only: the embedding, final norm, output projection and loss run eagerly, as traced.
 """
 from __future__ import annotations
 
@@ -42,10 +51,11 @@ from .shapes import B, TensorInfo
 
 __all__ = ["KERNELS", "KV_SOURCE", "fuse_kernels", "megatron_cross_entropy"]
 
-KERNELS = ("traced", "megatron")
+KERNELS = ("traced", "megatron", "inductor")
 """How units are priced (passes.pipeline.analyze's `kernels`; planner.engines says each engine's): "traced", op by op
 as the model file writes them; "megatron", as Megatron-Core with Transformer Engine runs them (`fuse_kernels`, and
-`megatron_cross_entropy` in place of the file's loss_fn)."""
+`megatron_cross_entropy` in place of the file's loss_fn); "inductor", the blocks as torch.compile runs each
+(`fuse_kernels(..., megatron=False)`), the rest as traced."""
 KV_SOURCE = "fxp.kv_source"  # on an attention node: {operand index: the grouped tensor a repeat copied it from}
 
 FUSED = {"elementwise", "norm", "view", "none"}  # priced kinds a fused kernel absorbs
@@ -245,11 +255,14 @@ def _weighted_products(nodes: list[fx.Node]) -> None:
         n.meta[COST] = replace(cost, saved=tuple((k, v) for k, v in cost.saved if k.split(".")[0] != product))
 
 
-def fuse_kernels(nodes: list[fx.Node]) -> None:
+def fuse_kernels(nodes: list[fx.Node], megatron: bool = True) -> None:
     """Rewrite the priced costs (node.meta[COST]) of one unit's nodes as Megatron-Core with Transformer Engine runs
-    them (module docstring). Needs the tensor-parallel roles (passes.tp) written."""
-    _weighted_products(nodes)
-    freed = _grouped_attention(nodes)
+    them, or (not `megatron`) as torch.compile's Inductor does: the fused regions without Megatron's grouped keys and
+    values and weighted SwiGLU (module docstring). Needs the tensor-parallel roles (passes.tp) written."""
+    freed: set[str] = set()
+    if megatron:
+        _weighted_products(nodes)
+        freed = _grouped_attention(nodes)
     for n in nodes:
         if n.name in freed:
             n.meta[COST] = replace(n.meta[COST], kind="view", fwd_bytes=ZERO, bwd_bytes=ZERO)

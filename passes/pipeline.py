@@ -232,6 +232,10 @@ def _check(ctx: Context) -> None:
         ctx.notes.append("priced as megatron runs it (Transformer Engine's fused kernels: normalization, "
                          "activation and rotary embedding as one kernel each, grouped keys/values read as they are, "
                          "its vocabulary-parallel cross-entropy in place of the file's loss_fn)")
+    if ctx.kernels == "inductor":
+        ctx.notes.append("priced as torch.compile runs each block (Inductor's fused kernels: normalization, "
+                         "activation, rotary embedding and residual adds fused between the matrix products and "
+                         "attention); the embedding, the head and the file's loss_fn eager, as traced")
     if missing:  # (planner.api keeps it for the plans the fxplanner runtime runs)
         ctx.notes.append(f"{UNLAUNCHABLE}: {ctx.path.name} defines no {' and no '.join(missing)}, "
                          "which the fxplanner runtime calls for each step's data and loss")

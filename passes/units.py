@@ -410,6 +410,10 @@ def lower_units(gm: fx.GraphModule, root: nn.Module, kernels: str = "traced") ->
     if kernels == "megatron":
         for _, _, nodes in groups:
             fuse_kernels(nodes)
+    elif kernels == "inductor":  # torch.compile per block (torchtitan's apply_compile); the rest eager
+        for _, kind, nodes in groups:
+            if kind == "block":
+                fuse_kernels(nodes, megatron=False)
     role_of = {n.name: n.meta.get(TP, "replicated") for n in gm.graph.nodes}
     units = []
     for index, (name, kind, nodes) in enumerate(groups):
@@ -443,7 +447,8 @@ def lower_units(gm: fx.GraphModule, root: nn.Module, kernels: str = "traced") ->
                           heads=heads[index].heads, kv_heads=heads[index].kv_heads,
                           kv=_kv_part(nodes, heads[index], gm, selective), attn_kv_bytes=Poly.of(_attention_kv_bytes(nodes), B),
                           matmuls=sum(1 for n in nodes if n.meta[COST].mm_flops != 0),
-                          op_checkpoint=op_checkpoint(nodes, role_of, root) if kind == "block" else None,
+                          op_checkpoint=op_checkpoint(nodes, role_of, root, compiled=kernels == "inductor")
+                          if kind == "block" else None,
                           **_moe(nodes, moe_layers, selective)))
     return units
 
@@ -469,14 +474,22 @@ def _sac_policy(n: fx.Node, root: nn.Module) -> str:
     return "save" if isinstance(info, TensorInfo) and len(info.shape) >= 3 else "mm"
 
 
-def op_checkpoint(nodes: list[fx.Node], role_of: dict[str, str], root: nn.Module) -> OpCheckpoint:
+def op_checkpoint(nodes: list[fx.Node], role_of: dict[str, str], root: nn.Module,
+                  compiled: bool = False) -> OpCheckpoint:
     """The block under torchtitan's per-op selective activation checkpointing: the policy saves the outputs of the
     kernels it always saves (_sac_policy) and of every aten.mm but the second, fourth, ... of the block's forward
     (its count restarts in each block's checkpoint), and recomputes every other op in the backward. The checkpoint
     keeps the block's inputs (only those that need a gradient: the others, rotary tables and masks, are the model's
     and passed to every block). A Llama block keeps its input and the outputs of wq, wv, the attention kernel (with
     its log-sum-exp), w1 and w2, and reruns wk, wo, w3, the norms, rotary embedding and SwiGLU's elementwise ops.
-    torch.distributed._tools.sac_estimator.SACEstimator measures the same policy's memory op by op."""
+    torch.distributed._tools.sac_estimator.SACEstimator measures the same policy's memory op by op.
+
+    `compiled`: the block compiled with torch.compile (passes.kernels "inductor"), where the policy only tags the
+    graph's nodes (must-save, prefer-recompute) for AOTAutograd's min-cut partitioner, which saves and reruns only
+    what the backward graph reads: the outputs a backward saves (node costs' `saved`, as the fused kernels keep them)
+    and what rebuilds them. An output the policy saves that no backward reads (w2's, added to the residual) is not
+    kept, and what only leads to it (the block's last residual add) is not rerun; eager, the policy's cache holds
+    every saved output until the rerun pops it (torch/utils/checkpoint.py _CachingTorchDispatchMode)."""
     inside = {n.name for n in nodes}
     kept: dict[str, sympy.Expr] = {}
     for n in nodes:
@@ -485,20 +498,43 @@ def op_checkpoint(nodes: list[fx.Node], role_of: dict[str, str], root: nn.Module
             if (a.name not in inside or a.op == "placeholder") and a.op != "get_attr" and isinstance(info, TensorInfo) \
                     and info.requires_grad:
                 kept[storage_of(a).name] = info.nbytes
-    redo, count = [], 0
+    redo, count, saves = [], 0, set()
     for n in nodes:
         policy = _sac_policy(n, root)
         count += policy == "mm"
         if policy == "save" or policy == "mm" and count % 2:
+            saves.add(n.name)
+    read = _backward_reads(nodes, saves) if compiled else inside
+    for n in nodes:
+        if n.name in saves:
+            if n.name not in read:  # (compiled: no backward reads it)
+                continue
             c: NodeCost = n.meta[COST]
             own = [(k, v) for k, v in c.saved if k.split(".")[0] == n.name]  # the kernel's own outputs it saved
             kept.update(own if c.kind == "attention" and own else [(n.name, c.out_bytes)])
-        else:
+        elif n.name in read:
             redo.append(n)
     split = lambda name: role_of.get(name, "replicated") in SPLIT_OUTPUTS  # noqa: E731
     return OpCheckpoint(kept_sharded=_tensor_bytes(kept, split), kept=_tensor_bytes(kept, lambda k: not split(k)),
                         redo_sharded=_part([n for n in redo if n.meta[TP] != "replicated"], set()),
                         redo=_part([n for n in redo if n.meta[TP] == "replicated"], set()))
+
+
+def _backward_reads(nodes: list[fx.Node], saves: set[str]) -> set[str]:
+    """The block's nodes whose outputs a compiled backward reads: those some node saves for its backward (its cost's
+    `saved`, by the producing node's name) and, for one the policy does not save, what the rerun needs to rebuild it,
+    back to the saved outputs and the block's inputs."""
+    by_name = {n.name: n for n in nodes}
+    todo = [name.split(".")[0] for n in nodes for name, _ in n.meta[COST].saved]
+    read: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name in read or name not in by_name:
+            continue
+        read.add(name)
+        if name not in saves:
+            todo += [a.name for a in by_name[name].all_input_nodes]
+    return read
 
 
 def _attention_kv_bytes(nodes: list[fx.Node]) -> sympy.Expr:

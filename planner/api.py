@@ -81,6 +81,9 @@ def engine_pins(pins: Pins, hw: Hardware) -> Pins:
     if pins.fp8 and not engine.fp8:
         where = " or ".join(f"{e.title} ({e.fp8})" for e in ENGINES.values() if e.fp8)
         raise UserError(f"FP8 runs in {where}, not in {engine.title}: add {_elsewhere(lambda e: e.fp8)[1]}")
+    if pins.compile and not engine.compile:
+        raise UserError(f"{engine.title} runs the model as written, without torch.compile (--compile): plan without "
+                        f"--compile, or with {_elsewhere(lambda e: e.compile)[1]}, which compiles each block")
     if pins.zero == 3 and not engine.fsdp:
         where = " or ".join(f"{e.title} ({e.fsdp})" for e in ENGINES.values() if e.fsdp)
         raise UserError(f"parameters sharded over the data-parallel ranks (--zero 3, FSDP) run in {where}, not in "
@@ -157,10 +160,12 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     if calibration is not None:
         hw = apply_calibration(calibration, hw)
     pins, engine = engine_pins(pins, hw), ENGINES[pins.engine]
+    hw = replace(hw, attention=engine.attention)  # (its flash attention kernel's share of the peak: targets)
+    kernels = engine.compile if pins.compile else engine.kernels  # (as it runs the units: passes.kernels)
     if fill is not None and not engine.fill:
         raise UserError(f"fill jobs run in the pipeline bubbles of {_elsewhere(lambda e: e.fill)[0]}, not in "
                         f"{pins.engine}: plan them without --engine (or the main job alone with it)")
-    profile, _ = analyze(model, model_args, leaves=leaves, dtype=pins.precision, kernels=engine.kernels,
+    profile, _ = analyze(model, model_args, leaves=leaves, dtype=pins.precision, kernels=kernels,
                          progress=(lambda name: progress(f"{'tracing' if name in TRACE_PASSES else 'pricing'}: {name}"))
                          if progress else None)
     if engine.selective != "core":  # what the engine's selective recomputation checkpoints (planner.engines)
@@ -174,9 +179,11 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
             raise UserError(f"expert parallelism (--ep {pins.ep}) runs in {where}, not in {engine.title}: add {flags}")
     if pins.layout and (stages := layout_stages(pins.layout)):  # a layout the model cannot take: one sentence now
         layout_bounds(pins.layout, [u.kind for u in profile.units], stages)
-    if engine.kernels != "traced":  # the units are priced as the engine's fused kernels: nothing more to fuse; an
-        # eager Megatron-Core's MoE layers wait for its host
-        hw = hw.with_eff(fusion=0.0, moe_host_s=MEGATRON_MOE_HOST_S)
+    if kernels != "traced":  # the units are priced as the engine's fused kernels (the blocks torch.compile fuses,
+        # the rest as eager as they run): nothing more to fuse
+        hw = hw.with_eff(fusion=0.0)
+    if kernels == "megatron":  # an eager Megatron-Core's MoE layers wait for its host
+        hw = hw.with_eff(moe_host_s=MEGATRON_MOE_HOST_S)
     refused = {} if engine.export else profile.tp_refusals  # (what the fxplanner runtime cannot split)
     _check_pinned_split(pins, refused)
     ev = Evaluator(units=profile.units, hw=hw, global_batch=global_batch, n_gpus=gpus,

@@ -125,7 +125,10 @@ def calibrate(model: str, kwargs: dict[str, Any], *, batch: int, target: Target,
     finally:
         torch.set_num_threads(old)
     rows, sums = [], {}
-    hw, cfg = Hardware(target=target), ParallelConfig(tp=1, pp=1, dp=1, b=batch, m=1, precision=dtype)
+    from .engines import ENGINES
+
+    hw = Hardware(target=target, attention=ENGINES["fxplanner"].attention)  # (as a plan for the runtime prices it)
+    cfg = ParallelConfig(tp=1, pp=1, dp=1, b=batch, m=1, precision=dtype)
     for u, m in zip(prof.units, measured):
         pred = unit_time(u, hw, cfg)
         rows.append({"unit": u.name, "kind": u.kind, "pred_fwd_s": pred.fwd_s, "pred_bwd_s": pred.bwd_s,

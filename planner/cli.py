@@ -148,7 +148,10 @@ def profile(
         why = tp_reason(tp, {(u.heads, u.kv_heads) for u in prof.units})
         if why is not None:
             raise UserError(f"--tp {tp}: {why}; choose a t that divides them")
-        rows = profile_rows(prof, Hardware(target=tg), cfg)
+        from .engines import ENGINES
+
+        rows = profile_rows(prof, Hardware(target=tg, attention=ENGINES["fxplanner"].attention), cfg)  # (op by op, as
+        # the fxplanner runtime runs the file)
         if measure:
             from passes.profile import measure_units
 

@@ -79,6 +79,7 @@ def plan(
                                "runs; the launch commands are the export's)"),
     fp8_params: bool = pin_option("fp8_params"),
     fp8: str = pin_option("fp8"),
+    compile_blocks: bool = pin_option("compile"),
     calibration: Optional[str] = typer.Option(None, "--calibration", help="file from `planner calibrate`"),
     fill: Optional[str] = typer.Option(None, "--fill", help="fill-job YAML: pack these jobs into the bubbles"),
     main_slack: float = typer.Option(0.0, "--main-slack", help="how much slower than the fastest a main "
@@ -115,6 +116,7 @@ def plan(
                     recompute_layers=recompute_layers, schedule=schedule, layout=pipeline_layout,
                     zero=zero if zero is not None else None if shard_optimizer is None else int(shard_optimizer), grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce,
                     tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype, fp8=fp8, engine=engine, fp8_params=fp8_params,
+                    compile=compile_blocks,
                     expert_load=expert_load, moe_capacity=moe_capacity, moe_dispatcher=moe_dispatcher,
                     moe_a2a_overlap=moe_a2a_overlap,
                     allow_cross_node_tp=allow_cross_node_tp)

@@ -127,6 +127,10 @@ class ParallelConfig:
     fp8_params: bool = _field(False, help="the linear layers' weights kept in FP8 only (row- and column-wise), no "
                               "bf16 copy beside them; the fp32 master weights stay in the optimizer (Megatron's "
                               "--fp8-param-gather; Transformer Engine's recipes)", flag="--fp8-params")
+    compile: bool = _field(False, help="each repeated block compiled with torch.compile (torchtitan's "
+                           "--compile.enable: Inductor fuses the elementwise and normalization ops between the matrix "
+                           "products and attention into one kernel each); only where the engine compiles",
+                           flag="--compile")
     moe_dispatcher: str = _field("alltoall", help="how tokens reach their experts: Megatron's all-to-all (one copy "
                                  "per routed expert), or the flex dispatcher's DeepEP / HybridEP (one copy per other "
                                  "node, fanned out over NVLink there)", flag="--moe-dispatcher",
@@ -305,14 +309,14 @@ class ParallelConfig:
         instead."""
         recompute = recompute or ("none" if self.recompute_mode.partial else self.recompute)
         return (self.b, self.tp, self.cp, self.sp, self.tp_comm_overlap, recompute, self.precision, self.fp8,
-                self.ep, self.expert_load, self.moe_capacity, self.moe_dispatcher, self.moe_a2a_overlap)
+                self.ep, self.expert_load, self.moe_capacity, self.moe_dispatcher, self.moe_a2a_overlap, self.compile)
 
     def __str__(self) -> str:
         extra = "".join([f" cp={self.cp}" if self.cp > 1 else "", f" ep={self.ep}" if self.ep > 1 else "", " sp" if self.sp else "",
                          f" zero={self.zero}" if self.zero else "", " grad-fp32" if self.grad_fp32 else "",
                          " overlap" if self.overlap_grad_reduce else "",
                          " tp-overlap" if self.tp_comm_overlap else "", f" fp8={self.fp8}" if self.fp8 else "",
-                         " fp8-params" if self.fp8_params else "",
+                         " fp8-params" if self.fp8_params else "", " compile" if self.compile else "",
                          f" {self.moe_dispatcher}" if self.moe_dispatcher != "alltoall" and self.ep > 1 else "",
                          " a2a-overlap" if self.moe_a2a_overlap and self.ep > 1 else "",
                          f" capacity={self.moe_capacity:g}" if self.moe_capacity else

@@ -202,7 +202,11 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
     if c.fp8 and not FP8_RECIPES[c.fp8].titan_recipe:
         unexpressed.append(f"the FP8 recipe {c.fp8} is Transformer Engine's; torchtitan runs torchao's float8: re-plan "
                            "with --fp8 torchao-rowwise (or torchao-tensorwise)")
-    return module, config, {"parallelism": parallel, "training": training}, unexpressed, files
+    sections = {"parallelism": parallel, "training": training}
+    if c.compile:  # each TransformerBlock compiled (apply_compile), the loss left eager as the plan prices it
+        # (torchtitan's default CompileConfig.components, ["model", "loss"], compiles the loss too)
+        sections["compile"] = {"enable": True, "components": ["model"]}
+    return module, config, sections, unexpressed, files
 
 
 def _titan_float8(plan: Plan, toml: bool) -> tuple[dict[str, dict], list[str]]:
@@ -252,8 +256,9 @@ def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None =
         for key, value in kv.items():
             if isinstance(value, bool):
                 argv.append(f"--{sec}.{key}" if value else f"--{sec}.no_{key}")
-            elif isinstance(value, list):  # module_fqns_per_model_part: one comma-joined list per part
-                argv += [f"--{sec}.{key}", *(",".join(part) for part in value)]
+            elif isinstance(value, list):  # module_fqns_per_model_part: one comma-joined list per part; a list
+                # of names (compile.components): the names
+                argv += [f"--{sec}.{key}", *(part if isinstance(part, str) else ",".join(part) for part in value)]
             else:
                 argv += [f"--{sec}.{key}", str(value)]
     argv.append(TITAN_AC[c.recompute])
@@ -282,6 +287,8 @@ def _titan_toml(plan: Plan, module: str | None, flavor: str | None, schedule_csv
             f"# run: torchrun --nnodes {plan.launch.nnodes} --nproc-per-node {plan.launch.nproc_per_node} "
             "-m torchtitan.train --job.config_file THIS_FILE",
             *(f"# the plan's pipeline order: {p} (read from the directory torchtitan runs in)" for p in files),
+            *(["# torch.compile per block: [compile] is torchtitan 0.2's; 0.1 spells it [training] compile = true"]
+              if c.compile else []),
             "# not expressed:" if unexpressed else "# everything in the plan is expressed",
             *(f"#   - {u}" for u in unexpressed)]
     body = [f"\n[{sec}]\n" + "\n".join(f"{k} = {_toml_value(v)}" for k, v in kv.items())
@@ -529,6 +536,7 @@ def check_torchtitan(ex: Export, world: int, plan: Plan | None = None) -> dict[s
             "local_batch": cfg.training.local_batch_size, "global_batch": cfg.training.global_batch_size,
             "seq": cfg.training.seq_len, "parts": len(par.module_fqns_per_model_part or []),
             "sequence_parallel": par.enable_sequence_parallel,
+            "compile": (cfg.compile.enable, tuple(cfg.compile.components)),
             "recompute": type(cfg.activation_checkpoint).__qualname__.split(".")[0] if cfg.activation_checkpoint
             else "none"}
     if dims.pp > 1:

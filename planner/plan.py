@@ -359,7 +359,8 @@ def plan_hardware(plan: Plan):
     target = Target(name=src.target, gpu=GPUSpec(**src.gpu), cluster=ClusterSpec(**src.cluster))
     eff = dict(src.efficiency)
     eff["unit_factors"] = tuple(tuple(f) for f in eff.get("unit_factors", ()))
-    return Hardware(target=target, eff=Efficiency(**eff), reserve_bytes=src.reserve_bytes)
+    return Hardware(target=target, eff=Efficiency(**eff), reserve_bytes=src.reserve_bytes,
+                    attention=ENGINES[src.engine].attention)  # (the engine's attention kernel)
 
 
 def plan_schedule(plan: Plan):

@@ -186,7 +186,7 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                                                  tp_comm_overlap=pins.tp_comm_overlap and sp,
                                                  recompute=rc, recompute_layers=layers, sp=sp, schedule=name,
                                                  precision=pins.precision,
-                                                 fp8=pins.fp8, fp8_params=pins.fp8_params,
+                                                 fp8=pins.fp8, fp8_params=pins.fp8_params, compile=pins.compile,
                                                  expert_load=pins.moe_capacity or (pins.expert_load or 1.0
                                                                                    if ep > 1 else 1.0),
                                                  moe_capacity=pins.moe_capacity,

@@ -20,6 +20,18 @@ Conventions (applied to every entry below):
   the theoretical maximum FLOPs/s on A100", Dao 2023, arXiv:2307.08691; FlashAttention-3 / cuDNN on Hopper:
   "FP16 reaching up to 740 TFLOPs/s (75% utilization)" on H100, Shah et al. 2024, arXiv:2407.08608, where
   FlashAttention-2 reached 35%). A GPU without a measurement takes the A100's.
+- torch's scaled_dot_product_attention (GPUSpec.sdpa_attention_ceiling; what torchtitan and the fxplanner runtime
+  run) takes its FlashAttention-2 backend on Hopper in bf16/fp16 from torch 2.5.1 to 2.10: its dispatch
+  (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp priority_order) tries flash, efficient, math, cuDNN since
+  cuDNN attention was made opt-in after torch 2.5's bugs (pytorch/pytorch#138522); torch 2.9 put cuDNN first again on
+  sm90/sm100 (pytorch/pytorch#162073), gated on a bundled cuDNN newer than 9.15 (check_prefer_cudnn_attention),
+  which the wheels carry from torch 2.11. FlashAttention-2 on H100 SXM5, bf16/fp16, causal, head dimension 128,
+  sequence 8k: 308 TFLOP/s forward and backward together (FlashAttention-2's H100 benchmark, Dao-AILab/flash-attention
+  README "H100", assets/flash2_h100_fwd_bwd_benchmark.png panel d; the forward alone 333, Shah et al. 2024 Figure 5d,
+  where cuDNN reaches 529 and FlashAttention-3 602). One share prices both passes (Hardware.matmul_rate), so the
+  forward-and-backward figure is the one taken: 308/989 = 31.1%. Blackwell's SDPA prefers cuDNN (the same gate): the
+  fused kernel's share (attention_ceiling) stands. A run on torch >= 2.11 on Hopper takes cuDNN: set
+  sdpa_attention_ceiling in a target file to price it (cuDNN's forward above: 529/989).
 - Latencies are NCCL's own per-step estimates for the ring algorithm, Simple protocol
   (NCCL src/graph/tuning.cc, table hwLat): NVLink 3.4 us, PCI 5.7 us, network 9.6 us.
 """
@@ -91,6 +103,7 @@ _H100_SXM_FLOPS = {"fp64": 67 * TFLOPS, "fp32": 67 * TFLOPS, "tf32": 989 / 2 * T
 # mamf-finder.py): H100 SXM 1402.6 of 1979 TFLOP/s = 70.9% (torch 2.7.0+cu126), H200 SXM 1453.4 = 73.4% (2.7.1+cu128).
 # (DeepSeek's DeepGEMM claims "up to 1550 TFLOPS" = 78.3% on H800 with its own block-scaled kernels: a best case.)
 _HOPPER_SHARES = {"matmul_ceiling": 792.1 / 989, "attention_ceiling": 740 / 989,  # MAMF table; FlashAttention-3
+                  "sdpa_attention_ceiling": 308 / 989,  # torch SDPA's FlashAttention-2 (module docstring)
                   "fp8_matmul_ceiling": 1402.6 / 1979, "sms": 132}  # MAMF FP8 table
 H100_SXM = GPUSpec(name="H100 SXM 80GB", peak_flops=_H100_SXM_FLOPS, hbm_bytes=80 * GiB,
                    hbm_bw=3350 * GB, pcie_bw=64 * GB, **_HOPPER_SHARES)

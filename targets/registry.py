@@ -97,7 +97,8 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-OPTIONAL_GPU_FIELDS = ("name", "matmul_ceiling", "attention_ceiling", "fp8_matmul_ceiling", "sms", "gpus_per_host")
+OPTIONAL_GPU_FIELDS = ("name", "matmul_ceiling", "attention_ceiling", "sdpa_attention_ceiling", "fp8_matmul_ceiling", "sms",
+                       "gpus_per_host")
 
 
 class GPUFile(_Strict):
@@ -110,6 +111,7 @@ class GPUFile(_Strict):
     pcie_bw: float | None = None
     matmul_ceiling: float | None = None  # optional: share of peak the best large GEMM reaches (A100's if absent)
     attention_ceiling: float | None = None  # optional: share of peak the flash attention kernel reaches
+    sdpa_attention_ceiling: float | None = None  # optional: share of peak torch's scaled_dot_product_attention reaches
     fp8_matmul_ceiling: float | None = None  # optional: share of the FP8 peak the best FP8 GEMM reaches
     sms: int | None = None  # optional: streaming multiprocessors (communication kernels beside a GEMM take some)
 

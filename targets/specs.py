@@ -11,12 +11,20 @@ import math
 from dataclasses import dataclass, field, replace
 from collections.abc import Mapping
 
-__all__ = ["DTYPES", "DTYPE_ALIASES", "TargetError", "GPUSpec", "ClusterSpec", "Target", "canonical_dtype"]
+__all__ = ["ATTENTION_KERNELS", "DTYPES", "DTYPE_ALIASES", "TargetError", "GPUSpec", "ClusterSpec", "Target",
+           "canonical_dtype"]
 
 #: Dtype names accepted as keys of ``GPUSpec.peak_flops`` (dense, no structured sparsity).
 DTYPES: tuple[str, ...] = ("fp64", "fp32", "tf32", "fp16", "bf16", "fp8", "mxfp8", "fp4")
 """mxfp8: FP8 with one shared power-of-two scale per 32 elements, run natively by Blackwell's tensor cores (OCP
 Microscaling); a GPU without the key cannot run an MXFP8 recipe. fp4: NVFP4/MXFP4 tensor rate."""
+
+ATTENTION_KERNELS: dict[str, str] = {
+    "te": "Transformer Engine's fused attention (FlashAttention-3 or cuDNN's on Hopper): GPUSpec.attention_ceiling",
+    "sdpa": "torch's scaled_dot_product_attention (its FlashAttention-2 backend): GPUSpec.sdpa_attention_ceiling",
+}
+"""The fused attention kernels an engine runs (planner.engines Engine.attention), each with the GPUSpec share it
+reaches."""
 
 #: Other spellings of the dtypes above (torch names, with or without ``torch.``).
 DTYPE_ALIASES: dict[str, str] = {
@@ -67,8 +75,13 @@ class GPUSpec:
     """Share of the dense peak that the best-shaped large bf16 GEMM reaches on this GPU (a measured maximum
     achievable matmul FLOP/s, not a datasheet figure); where a GPU has no measurement, the A100 SXM's."""
     attention_ceiling: float = 0.73
-    """Share of the dense peak that the fused (flash) attention kernel the engines dispatch on this GPU
-    reaches at its best; where a GPU has no measurement, FlashAttention-2's on the A100."""
+    """Share of the dense peak that the best fused (flash) attention kernel reaches on this GPU (Transformer
+    Engine's: FlashAttention-3 or cuDNN's on Hopper, FlashAttention-2 on Ampere); where a GPU has no measurement,
+    FlashAttention-2's on the A100."""
+    sdpa_attention_ceiling: float = 0.0
+    """Share of the dense peak that torch's scaled_dot_product_attention reaches on this GPU in bf16/fp16: the kernel
+    its dispatch takes there (its FlashAttention-2 backend on Ampere and Hopper); 0: attention_ceiling's (where that
+    is FlashAttention-2 already, or nothing is measured)."""
     fp8_matmul_ceiling: float = 0.0
     """Share of the FP8 peak the best large FP8 GEMM reaches (0: the bf16 matmul_ceiling, an assumption)."""
     sms: int = 0
@@ -77,7 +90,8 @@ class GPUSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.strip():
             raise TargetError(f"GPUSpec: name must be a non-empty string, got {self.name!r}")
-        for share in ("matmul_ceiling", "attention_ceiling") + (("fp8_matmul_ceiling",) if self.fp8_matmul_ceiling else ()):
+        for share in ("matmul_ceiling", "attention_ceiling") + tuple(
+                name for name in ("fp8_matmul_ceiling", "sdpa_attention_ceiling") if getattr(self, name)):
             if not 0 < getattr(self, share) <= 1:
                 raise TargetError(f"GPU {self.name!r}: {share} is a share of the peak in (0, 1], "
                                   f"got {getattr(self, share)!r}")
@@ -117,6 +131,13 @@ class GPUSpec:
         FP4 take it too where nothing else is measured), the bf16 one otherwise."""
         low = dtype in ("fp8", "mxfp8", "fp4") and self.fp8_matmul_ceiling
         return self.fp8_matmul_ceiling if low else self.matmul_ceiling
+
+    def attention(self, kernel: str) -> float:
+        """Share of the peak the fused attention kernel `kernel` (ATTENTION_KERNELS: an engine's, planner.engines
+        Engine.attention) reaches on this GPU."""
+        if kernel not in ATTENTION_KERNELS:
+            raise TargetError(f"unknown attention kernel {kernel!r}; known: {', '.join(ATTENTION_KERNELS)}")
+        return (self.sdpa_attention_ceiling or self.attention_ceiling) if kernel == "sdpa" else self.attention_ceiling
 
     @property
     def dtypes(self) -> tuple[str, ...]:

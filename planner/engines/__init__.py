@@ -39,6 +39,15 @@ class Engine:
     kernels: str = "traced"
     """How its units are priced: a key of passes.kernels.KERNELS ("traced": op by op as the model file writes them;
     "megatron": as Transformer Engine's fused kernels run them, with Megatron's own cross-entropy)."""
+    attention: str = "sdpa"
+    """The fused attention kernel it runs (targets.specs.ATTENTION_KERNELS), whose share of the peak on the GPU is the
+    target's (GPUSpec.attention): "sdpa", torch's scaled_dot_product_attention as the model file calls it (the
+    fxplanner runtime, torchtitan: its FlashAttention-2 backend on Ampere and Hopper); "te", Transformer Engine's
+    fused attention (Megatron-Core: FlashAttention-3 or cuDNN's on Hopper)."""
+    compile: str = ""
+    """How it compiles a model's repeated blocks when told to (--compile, ParallelConfig.compile), as a key of
+    passes.kernels.KERNELS its compiled units are priced as ("inductor": torch.compile's Inductor, each block one
+    compiled region); "": it runs them as written (a plan with --compile is refused)."""
     fp8: str = ""
     """How it runs the linear layers' GEMMs in FP8, as sentences name it; "": it runs none."""
     fp8_recipe: Callable[[Fp8Recipe], str] | None = None
@@ -74,15 +83,19 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine(name="fxplanner", title="the fxplanner runtime", fill="planner.runtime.fill_client"),
     Engine(name="megatron", title="Megatron-Core", export="to_megatron", schedules=("1f1b", "interleaved"),
            fill="planner.engines.megatron_fill",
-           kernels="megatron", fp8="Transformer Engine's recipes", fp8_recipe=attrgetter("megatron_recipe"),
+           kernels="megatron", attention="te", fp8="Transformer Engine's recipes",
+           fp8_recipe=attrgetter("megatron_recipe"),
            fp8_default=default_recipe, fsdp="Megatron-FSDP", expert_parallel=True, moe_capacity=True, grad_fp32=True),
     Engine(name="torchtitan", title="torchtitan", export="to_torchtitan", fill="planner.engines.titan",
            schedule_names={"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"},
            fp8="torchao's float8", fp8_recipe=attrgetter("titan_recipe"), fp8_default=lambda peaks: "torchao-rowwise",
-           fsdp="FSDP2", expert_parallel=True, recompute_block=False, selective="op",
+           fsdp="FSDP2", expert_parallel=True, recompute_block=False, selective="op", compile="inductor",
            memory=EngineMemory(master_shard=True, step_frees_grads=True, loss_backward=True)),
 )}
 """Megatron-Core runs forward_backward_pipelining_without_interleaving / with_interleaving; torchtitan runs any of the
 plan's schedules from the CSV of its actions the export writes. Megatron accumulates and reduces bf16 training's
 gradients in fp32 unless told --grad-reduce-in-bf16 (megatron/training/arguments.py). torchtitan's activation
-checkpointing checkpoints every block or every k-th one, not the first N."""
+checkpointing checkpoints every block or every k-th one, not the first N. torchtitan compiles each TransformerBlock
+on its own (--compile.enable; torchtitan/models/llama3/infra/parallelize.py apply_compile, after activation
+checkpointing and before FSDP), the rest of the model (embedding, final norm, output projection) eager; the fxplanner
+runtime runs the model file eagerly."""

@@ -139,7 +139,9 @@ def profile_job(job: FillJobSpec, hw: Hardware, precision: str,
     as eager PyTorch, op by op: its memory-bound kernels at their own measured speeds (costmodels.eager), none
     fused; on a CUDA device each unit no faster than the host issues it (`host`: by default unless `sharing` is
     "none", the CPU runtime's)."""
-    hw = hw.with_eff(eager=True, fusion=0.0)
+    # (its attention at the fused kernel's share, whatever the main job's engine runs: the fill runtime's measurements
+    # ran torch 2.11, whose SDPA takes cuDNN on Hopper; targets/builtin.py)
+    hw = replace(hw.with_eff(eager=True, fusion=0.0), attention="te")
     host = sharing != "none" if host is None else host
     prof, _ = analyze(job.model, job.model_args, leaves=tuple(job.leaves), dtype=precision)
     configs = tuple(CONFIGS) if job.kind == "train" else ("plain",)

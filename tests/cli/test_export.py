@@ -327,3 +327,62 @@ def test_torchaos_tensorwise_float8_plans_for_torchtitan_and_exports_as_its_vers
     toml = to_torchtitan(f8, toml=True)
     assert 'converters = ["float8"]' in toml.text and "enable_fsdp_float8_all_gather = true" in toml.text
     assert "precompute_float8_dynamic_scale_for_fsdp = true" in toml.text and not any("FP8" in u for u in toml.unexpressed)
+
+
+@needs_titan
+def test_compile_pins_plans_and_exports_for_torchtitan(tmp_path):
+    """Issue 49: --compile (torch.compile of each block) plans under --engine torchtitan, priced as Inductor runs the
+    blocks (fewer bytes moved: faster than the same plan eager), and exports as torchtitan's --compile.enable with the
+    model's blocks only (the loss stays eager, as priced); torchtitan 0.2's job as its [compile] section."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    kw = dict(gpus=8, global_batch=16, target="h100-sxm", model_args={"layers": 2})
+    pins = dict(engine="torchtitan", zero=3, dp=8, b=2, recompute="selective")
+    compiled, _ = make_plan(str(EXAMPLES / "hf_llama.py"), pins=Pins(**pins, compile=True), **kw)
+    eager, _ = make_plan(str(EXAMPLES / "hf_llama.py"), pins=Pins(**pins), **kw)
+    assert compiled.config.compile and not eager.config.compile
+    assert compiled.predictions.iteration_s < eager.predictions.iteration_s
+    assert any("torch.compile" in n for n in compiled.source.notes)
+    names = dict(module="llama3", config="llama3_8b")  # (two layers: no model torchtitan ships)
+    ex = to_torchtitan(compiled, **names)
+    assert "--compile.enable" in ex.argv and not ex.unexpressed
+    assert check_torchtitan(ex, 8)["compile"] == (True, ("model",))
+    assert check_torchtitan(to_torchtitan(eager, **names), 8)["compile"][0] is False
+    toml = to_torchtitan(compiled, toml=True, **names).text
+    assert "\n[compile]\nenable = true\ncomponents = [\"model\"]\n" in toml
+    assert "[compile]" not in to_torchtitan(eager, toml=True, **names).text
+
+
+@pytest.mark.parametrize("engine", ["fxplanner", "megatron"])
+def test_compile_is_refused_in_one_sentence_where_the_engine_does_not_compile(engine):
+    from passes.errors import UserError
+
+    with pytest.raises(UserError) as e:
+        make_plan(str(EXAMPLES / "gpt.py"), gpus=8, global_batch=16, target="h100-sxm",
+                  model_args={"preset": "tiny", "layers": 2}, pins=Pins(engine=engine, compile=True))
+    msg = str(e.value)
+    assert "without torch.compile (--compile)" in msg and "--engine torchtitan" in msg, msg
+    assert msg.count(". ") == 0 and "\n" not in msg  # one sentence
+
+
+@needs_titan
+def test_planner_plan_compile_for_torchtitan_plans_and_exports(tmp_path):
+    """The command line: `planner plan examples/hf_llama.py --model-arg preset=llama3-8b --gpus 8 --engine torchtitan
+    --compile`, then `planner export --to torchtitan` (and --toml)."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    out = tmp_path / "plan.json"
+    runner = CliRunner()
+    result = runner.invoke(app, ["plan", str(EXAMPLES / "hf_llama.py"), "--model-arg", "preset=llama3-8b", "--gpus",
+                                 "8", "--global-batch", "16", "--target", "h100-96gb-hbm2e-500w", "--engine",
+                                 "torchtitan", "--compile", "--zero", "3", "--recompute", "selective", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    from planner.plan import load_plan
+
+    assert load_plan(out).config.compile
+    script = tmp_path / "job.sh"
+    result = runner.invoke(app, ["export", str(out), "--to", "torchtitan", "-o", str(script)])
+    assert result.exit_code == 0, result.output
+    assert "--compile.enable" in script.read_text()
+    toml = tmp_path / "job.toml"
+    result = runner.invoke(app, ["export", str(out), "--to", "torchtitan", "--toml", "-o", str(toml)])
+    assert result.exit_code == 0, result.output
+    assert "[compile]\nenable = true" in toml.read_text()
