@@ -81,9 +81,17 @@ def engine_pins(pins: Pins, hw: Hardware) -> Pins:
     if pins.fp8 and not engine.fp8:
         where = " or ".join(f"{e.title} ({e.fp8})" for e in ENGINES.values() if e.fp8)
         raise UserError(f"FP8 runs in {where}, not in {engine.title}: add {_elsewhere(lambda e: e.fp8)[1]}")
+    if pins.async_tp and not engine.async_tp:
+        where = " or ".join(f"{e.title} ({e.async_tp})" for e in ENGINES.values() if e.async_tp)
+        raise UserError(f"async tensor parallelism (--async-tp) runs in {where}, not in {engine.title}: add "
+                        f"{_elsewhere(lambda e: e.async_tp)[1]}, or plan without --async-tp")
     if pins.compile and not engine.compile:
         raise UserError(f"{engine.title} runs the model as written, without torch.compile (--compile): plan without "
                         f"--compile, or with {_elsewhere(lambda e: e.compile)[1]}, which compiles each block")
+    if pins.dp_replicate > 1 and not engine.hsdp:
+        where = " or ".join(f"{e.title} ({e.hsdp})" for e in ENGINES.values() if e.hsdp)
+        raise UserError(f"hybrid-sharded data parallelism (--dp-replicate {pins.dp_replicate}) runs in {where}, not in "
+                        f"{engine.title}: add {_elsewhere(lambda e: e.hsdp)[1]}, or plan without --dp-replicate")
     if pins.zero == 3 and not engine.fsdp:
         where = " or ".join(f"{e.title} ({e.fsdp})" for e in ENGINES.values() if e.fsdp)
         raise UserError(f"parameters sharded over the data-parallel ranks (--zero 3, FSDP) run in {where}, not in "

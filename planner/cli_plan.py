@@ -66,12 +66,14 @@ def plan(
         "'even' (Megatron's default split)"),
     allow_cross_node_tp: bool = typer.Option(False, "--allow-cross-node-tp", help="let t span nodes"),
     zero: Optional[int] = pin_option("zero"),
+    dp_replicate: int = pin_option("dp_replicate"),
     shard_optimizer: Optional[bool] = typer.Option(
         None, "--shard-optimizer/--no-shard-optimizer", help="pin optimizer state sharded over d x cp (ZeRO-1, "
         "Megatron's distributed optimizer) or replicated; by default sharded wherever there are replicas"),
     grad_fp32: Optional[bool] = pin_option("grad_fp32"),
     overlap_grad_reduce: Optional[bool] = pin_option("overlap_grad_reduce"),
     tp_comm_overlap: bool = pin_option("tp_comm_overlap"),
+    async_tp: bool = pin_option("async_tp"),
     sequence_parallel: Optional[bool] = pin_option("sp"),
     dtype: str = pin_option("precision"),
     engine: str = typer.Option("fxplanner", "--engine", help="what runs the plan: fxplanner (its runtime), "
@@ -116,7 +118,7 @@ def plan(
                     recompute_layers=recompute_layers, schedule=schedule, layout=pipeline_layout,
                     zero=zero if zero is not None else None if shard_optimizer is None else int(shard_optimizer), grad_fp32=grad_fp32, overlap_grad_reduce=overlap_grad_reduce,
                     tp_comm_overlap=tp_comm_overlap, sp=sequence_parallel, precision=dtype, fp8=fp8, engine=engine, fp8_params=fp8_params,
-                    compile=compile_blocks,
+                    compile=compile_blocks, dp_replicate=dp_replicate, async_tp=async_tp,
                     expert_load=expert_load, moe_capacity=moe_capacity, moe_dispatcher=moe_dispatcher,
                     moe_a2a_overlap=moe_a2a_overlap,
                     allow_cross_node_tp=allow_cross_node_tp)

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from planner.schedules import ScheduleKind
 
 __all__ = ["ParallelConfig", "ConfigError", "MOE_DISPATCHERS", "ZERO_STAGES", "FIELDS", "choices_text", "field_error",
-           "options_error"]
+           "options_error", "replicate_error", "async_tp_error"]
 
 MOE_DISPATCHERS = ("alltoall", "deepep", "hybridep")
 """Megatron-Core's token dispatchers priced: its all-to-all, and the flex dispatcher's backends."""
@@ -92,6 +92,13 @@ class ParallelConfig:
                        "before its forward and again before its backward, the next one's prefetched)", flag="--zero",
                        choices=ZERO_STAGES,
                        unpinned="1 wherever there are replicas, 2 or 3 only where less does not fit")
+    dp_replicate: int = _field(1, help="under zero 3, hybrid-sharded data parallelism (HSDP): the d data-parallel "
+                               "ranks as dp_replicate replicas of a group of d/dp_replicate ranks (x cp) that shards "
+                               "the parameters, gradients and optimizer state; each parameter all-gathered and each "
+                               "gradient reduce-scattered within the group, the gradient shards all-reduced over the "
+                               "replicas (torchtitan's --parallelism.data_parallel_replicate_degree, FSDP2 over a 2-D "
+                               "mesh; Megatron-FSDP's --num-distributed-optimizer-instances); 1: FSDP over all d",
+                               flag="--dp-replicate")
     grad_fp32: bool = _field(False, help="gradients accumulated and reduced in fp32 under bf16/fp16 (Megatron's "
                              "main_grad buffer, --accumulate-allreduce-grads-in-fp32: 18 bytes per parameter with "
                              "Adam, not 16), else in the weights' dtype", flag="--grad-fp32/--grad-reduce-in-bf16",
@@ -105,6 +112,11 @@ class ParallelConfig:
                                    "with the linears' GEMMs (Megatron's --tp-comm-overlap, Transformer Engine's "
                                    "userbuffers); it needs sp, and the search runs it wherever sp is on",
                                    flag="--tp-comm-overlap")
+    async_tp: bool = _field(False, help="async tensor parallelism: torch.compile's micro-pipelined TP (Inductor's "
+                            "micro_pipeline_tp pass over symmetric memory: each sequence-parallel all-gather / "
+                            "reduce-scatter split into t per-rank chunks, each copied while the previous chunk's "
+                            "matrix product runs; torchtitan's --compile.enable_async_tensor_parallel); it needs sp "
+                            "and compile", flag="--async-tp")
     b: int = _field(help="microbatch size b", flag="--microbatch", plan="microbatch", unpinned="the search chooses")
     m: int = _field(help="microbatches per iteration m = B / (d b)", plan="microbatches")
     v: int = _field(1, help="model chunks per pipeline rank v (interleaving)", flag="--vp", plan="vp",
@@ -166,9 +178,18 @@ class ParallelConfig:
         if self.sp and self.tp == 1:
             raise ConfigError("sequence parallelism (sp) splits activations over the tensor-parallel group: it "
                              "needs tp > 1, got tp=1")
+        if self.dp_replicate > 1 and (why := replicate_error(self.dp_replicate, self.zero, self.dp)):
+            raise ConfigError(why)
+        if self.dp_replicate > 1 and self.ep > 1 and (self.expert_ranks // self.dp_replicate) % self.ep:
+            raise ConfigError(f"expert-parallel degree ep={self.ep} does not divide the "
+                              f"{self.expert_ranks // self.dp_replicate} ranks of a stage's shard group that hold "
+                              "different tokens (sp_degree*cp*dp/dp_replicate): "
+                              "the experts are sharded within one replica (torchtitan's efsdp mesh)")
         if self.tp_comm_overlap and not self.sp:
             raise ConfigError("tensor-parallel communication overlap (tp_comm_overlap) splits the all-gathers and "
                               "reduce-scatters of sequence parallelism: it needs sp (and tp > 1)")
+        if self.async_tp and (why := async_tp_error(self.sp, self.compile, self.tp_comm_overlap)):
+            raise ConfigError(why)
         if self.recompute_layers and not RECOMPUTE[self.recompute].partial:
             raise ConfigError(f"recompute_layers={self.recompute_layers!r}: the blocks of each model chunk recomputed "
                               "under recompute \"block\" (0 with any other mode)")
@@ -216,15 +237,23 @@ class ParallelConfig:
         return self.pp * self.v
 
     @property
+    def shard_ranks(self) -> int:
+        """The data-parallel ranks a parameter, its gradient and its optimizer state are sharded over (Megatron shards
+        over dp x cp; hybrid sharding over the (dp / dp_replicate) x cp of one replica: torchtitan's "fsdp" mesh
+        dimension, dp_shard x cp, torchtitan/distributed/parallel_dims.py)."""
+        return self.dp * self.cp // self.dp_replicate
+
+    @property
     def optimizer_shards(self) -> int:
-        """Replicas the optimizer state is divided over (Megatron shards over dp x cp)."""
-        return self.dp * self.cp if self.zero >= 1 else 1
+        """Replicas the optimizer state is divided over (shard_ranks under a sharded optimizer)."""
+        return self.shard_ranks if self.zero >= 1 else 1
 
     @property
     def expert_optimizer_shards(self) -> int:
         """Replicas the experts' optimizer state is divided over: the expert-data-parallel ranks (Megatron-Core's
-        distributed optimizer over its expert-data-parallel group)."""
-        return self.expert_dp if self.zero >= 1 else 1
+        distributed optimizer over its expert-data-parallel group), of one replica under hybrid sharding
+        (torchtitan's "efsdp" mesh dimension)."""
+        return self.expert_dp // self.dp_replicate if self.zero >= 1 else 1
 
     def optimizer_owned(self, params: float, experts: float) -> float:
         """Of `params` held by a rank (of which `experts` are experts'), those whose optimizer state it owns: the
@@ -309,13 +338,17 @@ class ParallelConfig:
         instead."""
         recompute = recompute or ("none" if self.recompute_mode.partial else self.recompute)
         return (self.b, self.tp, self.cp, self.sp, self.tp_comm_overlap, recompute, self.precision, self.fp8,
-                self.ep, self.expert_load, self.moe_capacity, self.moe_dispatcher, self.moe_a2a_overlap, self.compile)
+                self.ep, self.expert_load, self.moe_capacity, self.moe_dispatcher, self.moe_a2a_overlap, self.compile,
+                self.async_tp)
 
     def __str__(self) -> str:
         extra = "".join([f" cp={self.cp}" if self.cp > 1 else "", f" ep={self.ep}" if self.ep > 1 else "", " sp" if self.sp else "",
-                         f" zero={self.zero}" if self.zero else "", " grad-fp32" if self.grad_fp32 else "",
+                         f" zero={self.zero}" if self.zero else "",
+                         f" replicate={self.dp_replicate}" if self.dp_replicate > 1 else "",
+                         " grad-fp32" if self.grad_fp32 else "",
                          " overlap" if self.overlap_grad_reduce else "",
-                         " tp-overlap" if self.tp_comm_overlap else "", f" fp8={self.fp8}" if self.fp8 else "",
+                         " tp-overlap" if self.tp_comm_overlap else "", " async-tp" if self.async_tp else "",
+                         f" fp8={self.fp8}" if self.fp8 else "",
                          " fp8-params" if self.fp8_params else "", " compile" if self.compile else "",
                          f" {self.moe_dispatcher}" if self.moe_dispatcher != "alltoall" and self.ep > 1 else "",
                          " a2a-overlap" if self.moe_a2a_overlap and self.ep > 1 else "",
@@ -363,6 +396,33 @@ def field_error(name: str, value: Any, cli: bool = False) -> str | None:
     if ok(value):
         return None
     return f"{FIELDS[name].metadata['flag'].split('/')[0] if cli else name} must be {phrase(cli)}, got {value!r}"
+
+
+def replicate_error(replicate: int, zero: int | None, dp: int | None, say: Callable[[str], str] = str) -> str | None:
+    """Why `replicate` replicas of a hybrid-sharded group (dp_replicate) cannot go with this ZeRO stage (None: not
+    stated) and data-parallel degree (None where the search chooses it), or None. `say` spells a field."""
+    if replicate > 1 and zero != 3:
+        return (f"{say('dp_replicate')} {replicate} replicates a group that shards the parameters (FSDP): it needs "
+                f"{say('zero')} 3" + ("" if zero is None else f", got {zero}"))
+    if replicate > 1 and dp is not None and dp % replicate:
+        return (f"{say('dp_replicate')} {replicate} does not divide the data-parallel degree {say('dp')} {dp} into "
+                "replicas of equal shard groups")
+    return None
+
+
+def async_tp_error(sp: bool | None, compile: bool, tp_comm_overlap: bool,
+                   say: Callable[[str], str] = str) -> str | None:
+    """Why async tensor parallelism cannot go with these fields (sp None: the search chooses it), or None."""
+    if not compile:
+        return (f"async tensor parallelism ({say('async_tp')}) is a pass of torch.compile's Inductor over the compiled "
+                f"blocks: it needs {say('compile')}")
+    if sp is False:
+        return (f"async tensor parallelism ({say('async_tp')}) splits the all-gathers and reduce-scatters of sequence "
+                f"parallelism: it needs {say('sp').split('/')[0]}")
+    if tp_comm_overlap:
+        return (f"{say('async_tp')} and {say('tp_comm_overlap')} are two ways to overlap the same tensor-parallel "
+                "traffic (torch's symmetric memory, Transformer Engine's userbuffers): give one")
+    return None
 
 
 def options_error(fp8: str, fp8_params: bool, precision: str, expert_load: float | None, moe_capacity: float,

@@ -225,8 +225,8 @@ class Evaluator:
         """(The fewest static bytes any block keeps on a rank, the fewest activation bytes any keeps per microbatch
         (partial recomputation: no fewer than recomputing it), the blocks); (0, 0, 0) without blocks."""
         partial = c.recompute_mode.partial
-        key = ("block bytes", c.unit_key("full" if partial else None), c.dp, c.zero, c.grad_fp32, c.fp8_params,
-               sweeps_grads(c, self.memory))
+        key = ("block bytes", c.unit_key("full" if partial else None), c.dp, c.dp_replicate, c.zero, c.grad_fp32,
+               c.fp8_params, sweeps_grads(c, self.memory))
         if key not in self._cache:
             kinds, counts = [i for i in set(self._twins) if self.units[i].kind == "block"], self.twin_counts
             leanest = c.fallback(recompute="full") if partial else c
@@ -584,17 +584,31 @@ class Evaluator:
         acc = self._cache[key]
         return [acc[b] - acc[a] for a, b in zip(bounds, bounds[1:])]
 
-    def _dp_collective_s(self, c: ParallelConfig, dense: float, experts: float, nbytes: float) -> float:
+    def _dp_collective_s(self, c: ParallelConfig, dense: float, experts: float, nbytes: float,
+                         replicas: bool = False) -> float:
         """An all-reduce of `nbytes` per parameter (half of it: a reduce-scatter or an all-gather) of a rank's `dense`
         parameters over the data- and context-parallel ranks, then of its `experts` over the expert-data-parallel
-        ones (every ep-th rank of those holding different tokens; the tensor-parallel ones count under sp)."""
-        node = self.hw.cluster.gpus_per_node
+        ones (every ep-th rank of those holding different tokens; the tensor-parallel ones count under sp). Under
+        hybrid sharding (dp_replicate R > 1) the group is one replica's shard group (d/R x cp ranks, tp apart), and
+        with `replicas` (a gradient's reduce-scatter) each rank's reduced shard, 2 * nbytes per parameter over the
+        shard group's ranks, is then all-reduced over the R replicas, the shard group's size times tp apart: torch
+        FSDP2's HSDP reduces within the shard group, then all-reduces the reduce-scatter's output over the replicate
+        group (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce, all_reduce_group), ranks
+        ordered dp_replicate, dp_shard, cp, tp (torchtitan/distributed/parallel_dims.py); Megatron-FSDP's
+        --num-distributed-optimizer-instances lays its groups out the same way."""
+        node, r = self.hw.cluster.gpus_per_node, c.dp_replicate
 
-        def reduce_s(n: float, ranks: int, stride: int) -> float:
+        def reduce_s(n: float, ranks: int, stride: int, per: float = nbytes) -> float:
             per_node = max(1, min(ranks, node // stride))
-            return allreduce_time(n * nbytes, per_node, ranks // per_node, self.hw.links) if ranks > 1 and n else 0.0
+            return allreduce_time(n * per, per_node, ranks // per_node, self.hw.links) if ranks > 1 and n else 0.0
 
-        return reduce_s(dense, c.dp * c.cp, c.tp) + reduce_s(experts, c.expert_dp, c.ep * c.tp // c.sp_degree)
+        shard, expert_shard = c.dp * c.cp // r, c.expert_dp // r
+        cost = reduce_s(dense, shard, c.tp) + reduce_s(experts, expert_shard, c.ep * c.tp // c.sp_degree)
+        if replicas and r > 1:  # the shards' all-reduce over the replicas, one replica's whole stage apart
+            apart = c.tp * shard
+            cost += reduce_s(dense / shard, r, apart, 2 * nbytes) + reduce_s(experts / expert_shard, r, apart,
+                                                                            2 * nbytes)
+        return cost
 
     def dp_comm_floor(self, c: ParallelConfig) -> float:
         """Under ZeRO-2/3 no iteration is shorter than the average rank's data-parallel communication, which its
@@ -604,7 +618,7 @@ class Evaluator:
             return 0.0
         dense, experts, _ = (x / c.pp for x in self._totals(c))
         num = c.numerics
-        return (c.m * self._dp_collective_s(c, dense, experts, num.grad_bytes / 2)
+        return (c.m * self._dp_collective_s(c, dense, experts, num.grad_bytes / 2, replicas=True)
                 + (2 * c.m if c.zero == 3 else 1) * self._dp_collective_s(c, dense, experts, num.weight_bytes / 2))
 
     def _allreduce_opt(self, c: ParallelConfig, bounds: tuple[int, ...], f_s: tuple[float, ...],
@@ -617,15 +631,17 @@ class Evaluator:
         experts = self._stage_params(c, bounds, expert_count)
         hbm = self.hw.gpu.hbm_bw * self.hw.eff.hbm
 
-        def both_s(j: int, nbytes: float) -> float:  # the dense parameters' reduction, then the experts'
-            return self._dp_collective_s(c, params[j] - experts[j], experts[j], nbytes)
+        def both_s(j: int, nbytes: float, replicas: bool = False) -> float:  # the dense parameters' reduction,
+            # then the experts'
+            return self._dp_collective_s(c, params[j] - experts[j], experts[j], nbytes, replicas)
 
         place = c.placement
         for r in range(c.pp):
             chunks = place.stages(r)
             total, local = sum(params[j] for j in chunks), sum(experts[j] for j in chunks)
             if c.zero:  # a reduce-scatter of the gradients and an all-gather of the weights, each half an all-reduce
-                grads = [both_s(j, num.grad_bytes / 2) for j in chunks]
+                grads = [both_s(j, num.grad_bytes / 2, replicas=True) for j in chunks]  # (and under hybrid
+                # sharding the shards' all-reduce over the replicas)
                 gather = [both_s(j, num.weight_bytes / 2) for j in chunks]
             else:
                 grads, gather = [both_s(j, num.grad_bytes) for j in chunks], [0.0] * c.v

@@ -149,8 +149,10 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
                             f"({src.model_shape.get('family', 'unknown family')}); name the config_registry "
                             "function to use with --titan-module and --titan-config (e.g. llama3 llama3_8b)")
         module, config = module or known[0], config or known[1]
-    parallel = {"data_parallel_replicate_degree": 1 if c.zero else c.dp, "expert_parallel_degree": c.ep,
-                "data_parallel_shard_degree": c.dp if c.zero else 1, "tensor_parallel_degree": c.tp,
+    # FSDP over d / R ranks in each of R replicas (HSDP: fully_shard over torchtitan's (dp_replicate, fsdp) mesh;
+    # R = 1 without --dp-replicate), or DDP over all d ranks without sharding
+    parallel = {"data_parallel_replicate_degree": c.dp_replicate if c.zero else c.dp, "expert_parallel_degree": c.ep,
+                "data_parallel_shard_degree": c.dp // c.dp_replicate if c.zero else 1, "tensor_parallel_degree": c.tp,
                 "pipeline_parallel_degree": c.pp, "context_parallel_degree": c.cp}
     if c.zero:  # torchtitan shards with FSDP: ZeRO-3 reshards after every forward, ZeRO-1/2 never do
         parallel["fsdp_reshard_after_forward"] = "always" if c.zero == 3 else "never"
@@ -160,7 +162,8 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
                                "sharded too, parameters gathered once per step)")
     if c.tp_comm_overlap:
         unexpressed.append("tensor-parallel communication overlap: torchtitan's nearest is async TP "
-                           "(parallelism.enable_async_tensor_parallel, under torch.compile); not set")
+                           "(compile.enable_async_tensor_parallel, under torch.compile; re-plan with --compile "
+                           "--async-tp to price it); not set")
     if c.pp > 1:
         name = titan_schedule(plan)
         parallel.update(pipeline_parallel_schedule=name, pipeline_parallel_microbatch_size=c.microbatch)
@@ -206,6 +209,9 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
     if c.compile:  # each TransformerBlock compiled (apply_compile), the loss left eager as the plan prices it
         # (torchtitan's default CompileConfig.components, ["model", "loss"], compiles the loss too)
         sections["compile"] = {"enable": True, "components": ["model"]}
+        if c.async_tp:  # torch's micro-pipelined TP over the TP group's symmetric memory (torchtitan 0.3's compile
+            # section, distributed/compile.py _maybe_enable_async_tp; 0.2's [parallelism])
+            sections["compile"]["enable_async_tensor_parallel"] = True
     return module, config, sections, unexpressed, files
 
 
@@ -278,6 +284,8 @@ def _titan_toml(plan: Plan, module: str | None, flavor: str | None, schedule_csv
     if c.tp > 1 and not c.sp:
         unexpressed.append("tensor parallelism without sequence parallelism: torchtitan 0.2 always runs it with "
                            "sequence parallelism")
+    if sections.get("compile", {}).pop("enable_async_tensor_parallel", False):  # torchtitan 0.2: a parallelism flag
+        sections["parallelism"]["enable_async_tensor_parallel"] = True
     float8, _ = _titan_float8(plan, toml=True)
     sections = {"model": {"name": name, "flavor": TITAN_FLAVORS.get(fn, fn), **float8.pop("model", {})}, **sections,
                 **float8, "activation_checkpoint": {"mode": c.recompute}}
@@ -364,12 +372,18 @@ def to_megatron(plan: Plan, *, fill_plan: str = "plan.json") -> Export:
         argv += ["--microbatch-group-size-per-virtual-pipeline-stage", str(group_size(c.pp, c.microbatches))]
     if c.tp_comm_overlap:
         argv.append("--tp-comm-overlap")
+    if c.async_tp:
+        unexpressed.append("async tensor parallelism (torch's micro-pipelined TP under torch.compile): Megatron-Core's "
+                           "nearest is Transformer Engine's userbuffers (--tp-comm-overlap, re-plan with it); not set")
     if c.zero:
         argv.append("--use-distributed-optimizer")
     if c.zero >= 2:  # Megatron-FSDP: the gradients (and under ZeRO-3 the parameters) sharded too
         argv += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy",
                  "optim_grads" if c.zero == 2 else "optim_grads_params",
                  "--ckpt-format", "fsdp_dtensor"]  # the only checkpoint format Megatron-LM runs Megatron-FSDP with
+        if c.dp_replicate > 1:  # hybrid FSDP: sharded within each of R groups of dp x cp / R ranks, the gradients
+            # all-reduced across them (mcore_fsdp_adapter.py enable_hsdp; --outer-dp-sharding-strategy no_shard)
+            argv += ["--num-distributed-optimizer-instances", str(c.dp_replicate)]
         if c.tp > 1 or c.cp > 1:
             unexpressed.append("tensor or context parallelism beside Megatron-FSDP: before Blackwell they want "
                                "CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron-FSDP forbids; the script unsets it and "
@@ -537,6 +551,7 @@ def check_torchtitan(ex: Export, world: int, plan: Plan | None = None) -> dict[s
             "seq": cfg.training.seq_len, "parts": len(par.module_fqns_per_model_part or []),
             "sequence_parallel": par.enable_sequence_parallel,
             "compile": (cfg.compile.enable, tuple(cfg.compile.components)),
+            "async_tp": cfg.compile.enable_async_tensor_parallel,
             "recompute": type(cfg.activation_checkpoint).__qualname__.split(".")[0] if cfg.activation_checkpoint
             else "none"}
     if dims.pp > 1:
@@ -819,7 +834,9 @@ def check_megatron(ex: Export, world: int | None = None) -> dict[str, object]:
                                             grad_reduce_in_fp32=bool(a.get("accumulate_allreduce_grads_in_fp32")) or (
                                                 bool(a.get("bf16")) and not a.get("grad_reduce_in_bf16")),
                                             overlap_grad_reduce=bool(a.get("overlap_grad_reduce")),
-                                            overlap_param_gather=bool(a.get("overlap_param_gather")))
+                                            overlap_param_gather=bool(a.get("overlap_param_gather")),
+                                            num_distributed_optimizer_instances=num(
+                                                "num_distributed_optimizer_instances", 1))
         stages = cfg.pipeline_model_parallel_layout
         return {"tp": cfg.tensor_model_parallel_size, "pp": cfg.pipeline_model_parallel_size,
                 "cp": cfg.context_parallel_size, "sp": cfg.sequence_parallel,
@@ -827,6 +844,7 @@ def check_megatron(ex: Export, world: int | None = None) -> dict[str, object]:
                        else cfg.virtual_pipeline_model_parallel_size or 1),
                 "distributed_optimizer": ddp.use_distributed_optimizer, "grad_fp32": ddp.grad_reduce_in_fp32,
                 "fsdp": ddp.data_parallel_sharding_strategy if ddp.use_megatron_fsdp else None,
+                "fsdp_replicas": ddp.num_distributed_optimizer_instances,
                 "overlap": (ddp.overlap_grad_reduce, ddp.overlap_param_gather),
                 "microbatch_group": cfg.microbatch_group_size_per_vp_stage,
                 "recompute": cfg.recompute_granularity or "none",

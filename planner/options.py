@@ -9,7 +9,7 @@ from typing import Any
 
 from passes.errors import UserError
 
-from .config import FIELDS, field_error, options_error
+from .config import FIELDS, async_tp_error, field_error, options_error, replicate_error
 from .engines import ENGINES
 from .layout import layout_stages
 
@@ -42,6 +42,12 @@ class _SearchPins:
                 raise UserError(why)
         if why := options_error(self.fp8, self.fp8_params, self.precision, self.expert_load, self.moe_capacity,
                                 say=lambda name: FIELDS[name].metadata["flag"]):
+            raise UserError(why)
+        if why := replicate_error(self.dp_replicate, self.zero, self.dp,
+                                  say=lambda name: FIELDS[name].metadata["flag"]):
+            raise UserError(why)
+        if self.async_tp and (why := async_tp_error(self.sp, self.compile, self.tp_comm_overlap,
+                                                    say=lambda name: FIELDS[name].metadata["flag"])):
             raise UserError(why)
         if self.recompute_layers is not None and (self.recompute_layers < 1 or self.recompute not in (None, "block")):
             raise UserError(f"--recompute-layers {self.recompute_layers} counts the blocks of each model chunk that "

@@ -135,6 +135,9 @@ def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int,
                 if global_batch % d:
                     rejected["global batch not divisible by d"] += 1
                     continue
+                if d % pins.dp_replicate:
+                    rejected["d not a multiple of --dp-replicate"] += 1
+                    continue
                 yield from _per_replica(t, p, d, cp, n_units, global_batch // d, pins, rejected, experts,
                                         refused.get(f"{t}+sp"))
 
@@ -176,14 +179,17 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                             rejected[f"sequence parallelism, which the runtime cannot run for this model ({sp_refused})"] += 1
                             continue
                         # Megatron-Core runs expert parallelism beside tensor parallelism only under sp
-                        eps = ep_choices(experts, (t if sp else 1) * cp * d, pins, rejected) if sp or t == 1 else \
-                            [1] if (pins.ep or 1) == 1 else []
+                        # (under hybrid sharding the experts are divided within a replica)
+                        eps = ep_choices(experts, (t if sp else 1) * cp * d // pins.dp_replicate, pins, rejected) \
+                            if sp or t == 1 else [1] if (pins.ep or 1) == 1 else []
                         if not eps and not sp and t > 1:
                             rejected["expert parallelism beside tensor parallelism needs sequence parallelism"] += 1
                         for ep in eps:
                             yield ParallelConfig(tp=t, pp=p, dp=d, cp=cp, ep=ep, b=b, m=m, v=v, zero=zero,
+                                                 dp_replicate=pins.dp_replicate,
                                                  grad_fp32=bool(pins.grad_fp32), overlap_grad_reduce=overlap,
                                                  tp_comm_overlap=pins.tp_comm_overlap and sp,
+                                                 async_tp=pins.async_tp and sp,
                                                  recompute=rc, recompute_layers=layers, sp=sp, schedule=name,
                                                  precision=pins.precision,
                                                  fp8=pins.fp8, fp8_params=pins.fp8_params, compile=pins.compile,

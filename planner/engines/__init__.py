@@ -48,6 +48,10 @@ class Engine:
     """How it compiles a model's repeated blocks when told to (--compile, ParallelConfig.compile), as a key of
     passes.kernels.KERNELS its compiled units are priced as ("inductor": torch.compile's Inductor, each block one
     compiled region); "": it runs them as written (a plan with --compile is refused)."""
+    async_tp: str = ""
+    """How it runs async tensor parallelism (--async-tp, ParallelConfig.async_tp: the sequence-parallel collectives
+    decomposed into per-rank chunks pipelined with the matrix products over symmetric memory), as sentences name it;
+    "": it runs none (a plan with --async-tp is refused)."""
     fp8: str = ""
     """How it runs the linear layers' GEMMs in FP8, as sentences name it; "": it runs none."""
     fp8_recipe: Callable[[Fp8Recipe], str] | None = None
@@ -57,6 +61,10 @@ class Engine:
     fsdp: str = ""
     """How it shards the parameters over the data-parallel ranks (ZeRO-3, FSDP), as sentences name it; "": it runs
     up to ZeRO-2."""
+    hsdp: str = ""
+    """How it runs hybrid-sharded data parallelism (--dp-replicate R with --zero 3: FSDP within each of R replicas,
+    the gradient shards all-reduced across them), as sentences name it; "": it shards over every data-parallel rank
+    or none (a plan with --dp-replicate above 1 is refused)."""
     expert_parallel: bool = False
     """It divides the experts of mixture-of-experts layers over expert-parallel ranks (--ep)."""
     moe_capacity: bool = False
@@ -85,11 +93,14 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            fill="planner.engines.megatron_fill",
            kernels="megatron", attention="te", fp8="Transformer Engine's recipes",
            fp8_recipe=attrgetter("megatron_recipe"),
-           fp8_default=default_recipe, fsdp="Megatron-FSDP", expert_parallel=True, moe_capacity=True, grad_fp32=True),
+           fp8_default=default_recipe, fsdp="Megatron-FSDP", hsdp="Megatron-FSDP's hybrid FSDP", expert_parallel=True,
+           moe_capacity=True, grad_fp32=True),
     Engine(name="torchtitan", title="torchtitan", export="to_torchtitan", fill="planner.engines.titan",
            schedule_names={"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"},
            fp8="torchao's float8", fp8_recipe=attrgetter("titan_recipe"), fp8_default=lambda peaks: "torchao-rowwise",
-           fsdp="FSDP2", expert_parallel=True, recompute_block=False, selective="op", compile="inductor",
+           fsdp="FSDP2", hsdp="FSDP2's HSDP", expert_parallel=True, recompute_block=False, selective="op",
+           compile="inductor",
+           async_tp="torch's micro-pipelined TP (Inductor's micro_pipeline_tp pass)",
            memory=EngineMemory(master_shard=True, step_frees_grads=True, loss_backward=True)),
 )}
 """Megatron-Core runs forward_backward_pipelining_without_interleaving / with_interleaving; torchtitan runs any of the
@@ -98,4 +109,11 @@ gradients in fp32 unless told --grad-reduce-in-bf16 (megatron/training/arguments
 checkpointing checkpoints every block or every k-th one, not the first N. torchtitan compiles each TransformerBlock
 on its own (--compile.enable; torchtitan/models/llama3/infra/parallelize.py apply_compile, after activation
 checkpointing and before FSDP), the rest of the model (embedding, final norm, output projection) eager; the fxplanner
-runtime runs the model file eagerly."""
+runtime runs the model file eagerly. Hybrid sharding: torchtitan applies fully_shard over the 2-D mesh
+(dp_replicate, fsdp = dp_shard x cp) of --parallelism.data_parallel_replicate_degree and data_parallel_shard_degree
+(torchtitan/distributed/parallel_dims.py, ranks ordered pp, dp_replicate, dp_shard, cp, tp), and FSDP2 all-reduces
+each reduce-scattered gradient shard over the replicate group (torch/distributed/fsdp/_fully_shard/
+_fsdp_collectives.py foreach_reduce, all_reduce_group); Megatron-FSDP does the same with
+--num-distributed-optimizer-instances R (megatron/core/distributed/fsdp/mcore_fsdp_adapter.py: enable_hsdp, its
+shard group the contiguous dp x cp / R ranks of parallel_state's intra-partial data-parallel group, the outer
+replicas its inter-distributed-optimizer-instance group)."""
