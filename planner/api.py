@@ -190,6 +190,8 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
     if kernels != "traced":  # the units are priced as the engine's fused kernels (the blocks torch.compile fuses,
         # the rest as eager as they run): nothing more to fuse
         hw = hw.with_eff(fusion=0.0)
+    elif engine.eager:  # op by op, as eager PyTorch runs each (costmodels.eager)
+        hw = hw.with_eff(fusion=0.0, eager=True)
     if kernels == "megatron":  # an eager Megatron-Core's MoE layers wait for its host
         hw = hw.with_eff(moe_host_s=MEGATRON_MOE_HOST_S)
     refused = {} if engine.export else profile.tp_refusals  # (what the fxplanner runtime cannot split)

@@ -79,6 +79,11 @@ class Engine:
     attention kernel are kept, the rest rerun in the backward)."""
     memory: EngineMemory = DEFAULT_MEMORY
     """How it holds parameters, gradients and the loss's temporaries where the engines differ (costmodels.holding)."""
+    eager: bool = False
+    """Run as written (not compiled), its memory-bound ops are eager PyTorch's kernels, one per op, each at its own
+    measured speed (costmodels.eager; Efficiency.eager), with nothing fused (torchtitan without --compile.enable runs
+    the model file's RMSNorm, rotary embedding and SwiGLU op by op). False: priced with Efficiency.fusion, the share of
+    the elementwise traffic an engine's fused kernels avoid (the fxplanner runtime's figures were fitted so)."""
     recompute_block: bool = True
     """It recomputes the first N blocks of each model chunk (recompute "block"), which the search tries where
     recomputing nothing does not fit."""
@@ -99,7 +104,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            schedule_names={"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"},
            fp8="torchao's float8", fp8_recipe=attrgetter("titan_recipe"), fp8_default=lambda peaks: "torchao-rowwise",
            fsdp="FSDP2", hsdp="FSDP2's HSDP", expert_parallel=True, recompute_block=False, selective="op",
-           compile="inductor",
+           compile="inductor", eager=True,
            async_tp="torch's micro-pipelined TP (Inductor's micro_pipeline_tp pass)",
            memory=EngineMemory(master_shard=True, step_frees_grads=True, loss_backward=True)),
 )}

@@ -341,6 +341,10 @@ def test_compile_pins_plans_and_exports_for_torchtitan(tmp_path):
     eager, _ = make_plan(str(EXAMPLES / "hf_llama.py"), pins=Pins(**pins), **kw)
     assert compiled.config.compile and not eager.config.compile
     assert compiled.predictions.iteration_s < eager.predictions.iteration_s
+    # eager, each memory-bound op is eager PyTorch's own kernel at its measured speed (costmodels.eager), nothing fused;
+    # compiled, the blocks are Inductor's fused regions (priced fused: nothing more to discount)
+    assert (eager.source.efficiency["eager"], eager.source.efficiency["fusion"]) == (True, 0.0)
+    assert (compiled.source.efficiency["eager"], compiled.source.efficiency["fusion"]) == (False, 0.0)
     assert any("torch.compile" in n for n in compiled.source.notes)
     names = dict(module="llama3", config="llama3_8b")  # (two layers: no model torchtitan ships)
     ex = to_torchtitan(compiled, **names)
