@@ -11,8 +11,11 @@ and line each stopped at.
 """
 from __future__ import annotations
 
+import contextlib
+import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 import torch.fx as fx
@@ -36,6 +39,31 @@ def _dynamic_batch(inputs: tuple[Any, ...]) -> tuple[Any, ...]:
     return tuple({0: b} if isinstance(x, torch.Tensor) and x.dim() > 0 else None for x in inputs)
 
 
+@contextlib.contextmanager
+def _source_lines() -> Iterator[None]:
+    """Each exported node's stack trace down to the line of the model's source that made it, as a symbolic trace
+    records it: export keeps only the frames of `forward` methods, so an op in a helper function (a rotary
+    embedding, Hugging Face's repeat_kv) would be named by the forward line that called it. Frames inside torch are
+    left out. (torch.fx.proxy.TracerBase._filter_traceback_frames is the hook torch provides for this.)"""
+    tracer = getattr(torch.fx.proxy, "TracerBase", None)
+    own = getattr(tracer, "_filter_traceback_frames", None)
+    if own is None:  # another torch: its traces as they are
+        yield
+        return
+    torch_dir = str(Path(torch.__file__).parent)
+
+    def user_frames(self: Any, summary: traceback.StackSummary) -> traceback.StackSummary:
+        self._record_forward_stack_traces_only = False
+        frames = own(self, summary)
+        return traceback.StackSummary.from_list([f for f in frames if not f.filename.startswith(torch_dir)])
+
+    tracer._filter_traceback_frames = user_frames
+    try:
+        yield
+    finally:
+        tracer._filter_traceback_frames = own
+
+
 def export_graph(model: torch.nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
     """torch.export (non-strict, dynamic batch) as a GraphModule with parameters as get_attr nodes."""
     import io
@@ -54,7 +82,7 @@ def export_graph(model: torch.nn.Module, inputs: tuple[Any, ...]) -> fx.GraphMod
     os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1"
     try:
         # export prints graph dumps and warnings on its way to an error; the error is what we report
-        with warnings.catch_warnings(), redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()):
+        with warnings.catch_warnings(), redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()), _source_lines():
             warnings.simplefilter("ignore")
             ep = torch.export.export(model, tuple(inputs), dynamic_shapes=_dynamic_batch(inputs), strict=False)
     finally:

@@ -17,13 +17,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .costs import annotate_costs
 from .check import Conservation, PricingError, conservation
-from .errors import UNLAUNCHABLE, TraceFailure, UserError
+from .errors import UNLAUNCHABLE, UserError
 from .load import ModelFile, file_sha256, load_model_file
 from .capture import capture
 from .measure import measure
 from .repeat import Cut, expand, representatives
 from .shape import model_shape
-from .trace import trace_model
 from .poly import Poly
 from .shapes import B, tensor_info
 from .sharding.check import DEGREES, cp_refusal, graph_shapes, tp_refusals
@@ -244,32 +243,21 @@ def _check(ctx: Context) -> None:
 
 
 def _runtime(ctx: Context) -> None:
-    """The graph fxplanner's runtime splits stages from (a torch.fx.symbolic_trace graph, else the torch.export one:
-    noted when symbolic tracing fails), walked with the sharding rules for what of a tensor-parallel or a
-    context-parallel split it would refuse (ctx.tp_refusals). Only for a model the runtime can train (its file
-    defines sample_batch and loss_fn), priced as traced."""
-    runs = ctx.kernels == "traced" and all(ctx.model_file.has(fn) for fn in ("sample_batch", "loss_fn"))
-    if ctx.frontend != "export" and not runs:
+    """What of a tensor-parallel or a context-parallel split fxplanner's runtime would refuse (ctx.tp_refusals): the
+    priced graph, which the runtime splits its stages from, walked with the sharding rules. Only for a model the
+    runtime can train (its file defines sample_batch and loss_fn), priced as traced."""
+    if ctx.kernels != "traced" or not all(ctx.model_file.has(fn) for fn in ("sample_batch", "loss_fn")):
         return
     with representatives(ctx.model):
-        if ctx.frontend == "fx":
-            gm = ctx.gm  # (traced with the model's source lines)
-        else:
-            try:
-                gm = trace_model(ctx.model, ctx.leaves, stack_traces=True)
-            except TraceFailure as exc:
-                ctx.notes.append(f"the fxplanner runtime runs this model from its torch.export graph "
-                                 f"(torch.fx.symbolic_trace fails here: {str(exc).split(';')[0]})")
-                gm = ctx.gm
-        if runs:
-            styles = {path: style for u in ctx.priced for path, style in u.tp_layout if style in ("colwise", "rowwise")}
-            shapes = graph_shapes(gm, _inputs(ctx, 2))  # (one meta pass for both walks)
-            ctx.tp_refusals = tp_refusals(gm, shapes, styles, [(u.heads, u.kv_heads) for u in ctx.priced], ctx.path)
-            if (op := cp_refusal(gm, shapes, ctx.path)) is not None:  # at every degree
-                ctx.tp_refusals["cp"] = op
-            vocab = {path for u in ctx.priced for path, style in u.tp_layout if style in VOCAB_STYLES}
-            if vocab and (op := vocab_refusal(gm, ctx.model, vocab, ctx.path)) is not None:  # its rows split: every t
-                ctx.tp_refusals.update({key: op for t in DEGREES for key in (str(t), f"{t}+sp")})
+        gm = ctx.gm
+        styles = {path: style for u in ctx.priced for path, style in u.tp_layout if style in ("colwise", "rowwise")}
+        shapes = graph_shapes(gm, _inputs(ctx, 2))  # (one meta pass for both walks)
+        ctx.tp_refusals = tp_refusals(gm, shapes, styles, [(u.heads, u.kv_heads) for u in ctx.priced], ctx.path)
+        if (op := cp_refusal(gm, shapes, ctx.path)) is not None:  # at every degree
+            ctx.tp_refusals["cp"] = op
+        vocab = {path for u in ctx.priced for path, style in u.tp_layout if style in VOCAB_STYLES}
+        if vocab and (op := vocab_refusal(gm, ctx.model, vocab, ctx.path)) is not None:  # its rows split: every t
+            ctx.tp_refusals.update({key: op for t in DEGREES for key in (str(t), f"{t}+sp")})
 
 
 PASSES: tuple[tuple[str, Callable[[Context], None]], ...] = (

@@ -44,9 +44,9 @@ def tp_refusals(gm: fx.GraphModule, shapes: dict[str, Any], styles: dict[str, st
     heads = [(h, kv) for h, kv in heads if h or kv]
     head_sizes = {x for pair in heads for x in pair if x}
     paths = {id(m): path for path, m in gm.named_modules()}
-    weights = {n.name: str(n.target)[:-len(".weight")] for n in gm.graph.nodes
+    weights = {n.name: str(n.target) for n in gm.graph.nodes
                if n.op == "get_attr" and str(n.target).endswith(".weight")}  # an exported graph's linears
-    weights = {k: v for k, v in weights.items() if v in styles}
+    weights = {k: v for k, v in weights.items() if v[:-len(".weight")] in styles}
     out = next(n for n in gm.graph.nodes if n.op == "output")
     results = out.args[0] if isinstance(out.args[0], (tuple, list)) else (out.args[0],)
     leaving = frozenset(range(len(results)))
@@ -117,7 +117,8 @@ def refused_op(refused: Refusal | None, model_file: str | Path) -> str:
     node = getattr(refused, "node", None)
     if node is None:
         return f"at {refused.why}" if refused is not None else "it splits no module of this model"
-    op = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    target = getattr(node.target, "overloadpacket", node.target)  # aten.cumsum.default: `cumsum`
+    op = target if isinstance(target, str) else getattr(target, "__name__", str(target))
     detail = refused.why.split(":", 1)[1].strip() if ":" in refused.why else ""
     text = f"`{op}`" + (f" ({detail})" if detail and detail != op else "")
     trace = str(node.meta.get("stack_trace") or "")

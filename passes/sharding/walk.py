@@ -32,7 +32,8 @@ def plan_shards(piece: fx.GraphModule, shapes: dict[str, Any], styles: dict[str,
                 leaving: frozenset[int] = frozenset(), weights: dict[str, str] | None = None) -> tuple[list, list] | Refusal:
     """How to shard `piece`: its argument rewrites, and per output which dim is sharded (and from which
     column-parallel linear), given the same for its inputs; row groups of column-parallel linears go into
-    `colwise`. A Refusal where an op on a sharded tensor is not one the rules know. Changes nothing."""
+    `colwise`. A Refusal where an op on a sharded tensor is not one the rules know. Changes nothing. `weights`: the
+    parameters the piece reads as inputs (an exported graph's), {input node: the parameter's name}."""
     try:
         return _propagate(piece, shapes, styles, paths, t, heads, colwise, inputs, sp, leaving, weights)
     except Refuse as exc:
@@ -46,7 +47,9 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
     """Walk the piece in order, tracking which values are split and how: ("tp", dim, linear) between a
     column- and a row-parallel linear, ("seq", dim) in a sequence-parallel region. Returns the rewrites and the
     state of each output; raises Refuse on an op it cannot place."""
-    hidden = {shapes[ph][1] for ph, path in (weights or {}).items()  # what the column-parallel linears read
+    weights = weights or {}  # input node -> the parameter it is (exported graphs: "layers.0.ln1.bias")
+    linears = {ph: target[:-len(".weight")] for ph, target in weights.items() if target.endswith(".weight")}
+    hidden = {shapes[ph][1] for ph, path in linears.items()  # what the column-parallel linears read
               if styles.get(path) == "colwise" and isinstance(shapes.get(ph), tuple) and len(shapes[ph]) == 2}
     state = Split(shapes, t, heads, colwise)
     sharded, source, tuples, factor, local, rewrites = (state.sharded, state.source, state.tuples, state.factor,
@@ -66,6 +69,16 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
         if len(dims) < 2 or dims[1] % t:
             raise Refuse(f"{n.name}: no sequence dim to split")
         return 1  # traced models are batch-first: (b, s, ...)
+
+    def partial(n: fx.Node, module: Any, params: list[fx.Node]) -> None:
+        """The parameters `n` applies to part of the sequence: their gradients are partial sums over the ranks."""
+        if module is not None:
+            rewrites.extend(("partial", p) for p in module.parameters())
+        for a in params:
+            if a.op == "get_attr":
+                rewrites.append(("partial", operator.attrgetter(str(a.target))(piece)))
+            elif a.name in weights:  # one the stage reads as an attribute (exported graphs)
+                rewrites.append(("partial_attr", weights[a.name]))
 
     for n in list(graph.nodes):
         if n.op in ("placeholder", "get_attr"):
@@ -89,9 +102,9 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
         kind = node_kind(n, piece)
         module = piece.get_submodule(str(n.target)) if n.op == "call_module" else None
         path = paths.get(id(module)) if module is not None else None
-        exported = kind == "linear_fn" and bool(weights) and getattr(n.args[1], "name", None) in weights
+        exported = kind == "linear_fn" and getattr(n.args[1], "name", None) in linears
         if exported:  # an exported graph's linear: its weight (and bias) are inputs, sharded by the caller
-            path = weights[n.args[1].name]
+            path = linears[n.args[1].name]
         ins = [a for a in n.all_input_nodes if a.name in sharded]
         in_seq = [a for a in n.all_input_nodes if a.name in seq]
         if path in styles:
@@ -148,8 +161,7 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                     (kind in PER_POSITION or x_shape[2] in hidden):
                 rewrites.append(("wrap", n, x0, "scatter", 1))  # the sequence-parallel region starts here
                 seq[n.name] = 1
-                if module is not None:
-                    rewrites.extend(("partial", p) for p in module.parameters())
+                partial(n, module, n.all_input_nodes[1:])
                 continue
         if in_seq and not ins:
             others = [a for a in n.all_input_nodes if a.name not in seq and isinstance(shapes.get(a.name), tuple)]
@@ -165,13 +177,8 @@ def _propagate(piece: fx.GraphModule, shapes: dict[str, tuple[int, ...]], styles
                     idx = len(o) - (len(out) - dim)
                     if idx >= 0 and o[idx] == out[dim] > 1:
                         rewrites.append(("wrap", n, a, "scatter", idx))
-                    if a.op == "get_attr":  # a weight applied to part of the sequence: partial gradient
-                        rewrites.append(("partial", operator.attrgetter(str(a.target))(piece)))
-                    elif weights and a.name in weights:  # one the stage reads as an attribute (exported graphs)
-                        rewrites.append(("partial_attr", f"{weights[a.name]}.weight"))
                 seq[n.name] = dim
-                if module is not None:
-                    rewrites.extend(("partial", p) for p in module.parameters())
+                partial(n, module, others)  # a weight applied to part of the sequence
                 continue
             if kind == "slice" and n.args[1] % len(shape(in_seq[0])) != seq[in_seq[0].name]:
                 seq[n.name] = seq[in_seq[0].name]  # a slice along another dim keeps the split

@@ -25,6 +25,7 @@ op and its source line: nothing runs unlike it was priced. Stage outputs leave a
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -33,7 +34,7 @@ import torch.fx as fx
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from passes.errors import TraceFailure, UserError
+from passes.errors import UserError
 from passes.capture import export_graph
 from passes.load import ModelFile
 from passes.split import split_by
@@ -48,7 +49,7 @@ from .context_parallel import ContextParallel
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Plan precision -> the dtype the runtime's parameters and activations take."""
 
-__all__ = ["Piece", "StageProgram", "TensorSpec", "SplitModel", "StageModule", "build_split", "boundary_specs",
+__all__ = ["Piece", "StageProgram", "TensorSpec", "SplitModel", "StageModule", "build_split", "boundary_specs", "meta_copy",
            "stage_modules", "apply_tensor_parallel", "to_precision"]
 
 
@@ -199,27 +200,17 @@ def _programs(split: fx.GraphModule, pieces: list[Piece], plan: Plan) -> list[St
 
 
 def _trace_split(model: nn.Module, plan: Plan, model_file: ModelFile) -> tuple[fx.GraphModule, list[Piece], Any]:
-    """The model's graph split by the plan's partition: a symbolic_trace graph where the model traces (module
-    calls stay modules, which tensor parallelism rewrites), else the torch.export graph the plan was made from
-    (every Hugging Face model; its weights are read as attributes)."""
-    def exported() -> fx.GraphModule:
-        device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        return export_graph(model, model_file.inputs(max(2, plan.config.microbatch), device))  # batch dim from 2
-
-    try:
+    """The model's graph split by the plan's partition: the graph the plan was made from (its torch.export graph,
+    weights read as attributes; a torch.fx symbolic trace where export could not take the model or leaves were
+    given), captured again from the real model, so the runtime splits the nodes the plan names."""
+    if plan.source.frontend == "export":
+        weight = next(model.parameters(), torch.empty(0))
+        inputs = tuple(x.to(weight.dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+                       for x in model_file.inputs(max(2, plan.config.microbatch), weight.device))  # batch dim from 2
+        gm = export_graph(model, inputs)
+    else:
         gm = trace_model(model, plan.source.leaves, stack_traces=True)
-        try:
-            part_of, pieces = _pieces(gm, model, plan)
-        except UserError:  # cut into other units than the export graph the plan was made from (nn.Transformer's
-            if plan.source.frontend != "export":  # layers are one module call each here): split that graph instead
-                raise
-            gm = exported()
-            part_of, pieces = _pieces(gm, model, plan)
-    except TraceFailure:
-        if plan.source.frontend != "export":
-            raise
-        gm = exported()
-        part_of, pieces = _pieces(gm, model, plan)
+    part_of, pieces = _pieces(gm, model, plan)
     if {pc.stage for pc in pieces} != set(range(len(plan.partition))):
         raise UserError(f"the plan has {len(plan.partition)} stages but its partition places nodes on stages "
                         f"{sorted({pc.stage for pc in pieces})}")
@@ -267,6 +258,20 @@ def _attr(module: nn.Module, target: str) -> Any:
     for part in path:
         module = getattr(module, part)
     return getattr(module, leaf)
+
+
+def meta_copy(split: fx.GraphModule) -> fx.GraphModule:
+    """A copy of `split` whose parameters, buffers and tensor constants are meta tensors of the same shapes and
+    dtypes: the shape pass's graph, without capturing the model a second time."""
+    memo: dict[int, Any] = {}
+    for module in split.modules():
+        for value in vars(module).values():
+            tensors = value.values() if isinstance(value, dict) else [value]  # _parameters, _buffers, constants
+            for v in tensors:
+                if isinstance(v, torch.Tensor) and id(v) not in memo:
+                    meta = torch.empty_like(v, device="meta")
+                    memo[id(v)] = nn.Parameter(meta, v.requires_grad) if isinstance(v, nn.Parameter) else meta
+    return copy.deepcopy(split, memo)
 
 
 def boundary_specs(model_file: ModelFile, plan: Plan, inner: dict[str, dict[str, Any]] | None = None,
@@ -427,7 +432,8 @@ def apply_tensor_parallel(stages: list[StageModule], plan: Plan, root: nn.Module
                 st.tp_full.update({id(p): module.full for p in module.parameters()})
             st.tp_partial.extend(partial)
             for path, style, rows in weights:
-                _shard_attr(st, path, style, rows, t, rank, group)
+                if path not in st.tp_sharded:  # a weight read by several pieces (a layer applied again): once
+                    _shard_attr(st, path, style, rows, t, rank, group)
             st.tp_partial.extend((st.attr_params[_key(k)], t) for k in attr_partial if _key(k) in st.attr_params)
         unknown = split_vocab(stages, plan, root, t, rank, group)  # the embedding's and head's vocabulary rows
         if unknown is not None:
@@ -467,9 +473,10 @@ def _shard_work(stages: list[StageModule], plan: Plan, paths: dict[int, str], t:
             piece = st.pieces[str(node.target)]
             mine = {paths[id(m)]: styles[paths[id(m)]] for m in piece.modules() if paths.get(id(m)) in styles}
             placeholders = [n.name for n in piece.graph.nodes if n.op == "placeholder"]
-            weights = {ph: str(a.target)[:-len(".weight")] for ph, a in zip(placeholders, node.args)
-                       if isinstance(a, fx.Node) and a.op == "get_attr" and str(a.target).endswith(".weight")}
-            mine.update({w: styles[w] for w in weights.values() if w in styles})  # an exported graph's linears
+            weights = {ph: str(a.target) for ph, a in zip(placeholders, node.args)  # the parameters it reads as inputs
+                       if isinstance(a, fx.Node) and a.op == "get_attr"}
+            linears = {w[:-len(".weight")] for w in weights.values() if w.endswith(".weight")}
+            mine.update({w: styles[w] for w in linears if w in styles})  # an exported graph's linears
             given = [top.get(a.name) if isinstance(a, fx.Node) else None for a in node.args]
             if not mine and not any(given):
                 continue

@@ -203,7 +203,7 @@ def test_planning_the_llama_example_on_64_a100s_prints_an_honest_mfu():
 
     gemms = 100 * get_target("a100-80gb").gpu.matmul_ceiling * Efficiency().gemm_max  # 67% of the A100 peak
     assert 30 < mfu <= gemms  # flash attention runs slower still: no step beats its GEMMs' rate
-    assert "tokens/s" in res.stdout and "runtime runs this model from its torch.export graph" in res.stdout
+    assert "tokens/s" in res.stdout
 
 
 def test_the_losss_saved_tensors_are_priced_on_the_last_unit():

@@ -1,6 +1,6 @@
-"""A plan traces its model once per frontend (issue 47): torch.export for the priced graph, and torch.fx's symbolic
-trace for the graph the fxplanner runtime splits (the same trace where export is not used). What of a tensor-parallel
-split the runtime cannot run is read off that trace (passes/sharding/check.py): no second trace, no second search."""
+"""A plan traces its model once (issue 47): torch.export for the priced graph, which is also the graph the fxplanner
+runtime splits its stages from. What of a tensor- or context-parallel split the runtime cannot run is read off that
+graph (passes/sharding/check.py): no second trace, no second search."""
 from __future__ import annotations
 
 from collections import Counter
@@ -44,9 +44,9 @@ def traces(monkeypatch) -> Counter:
 
 
 @pytest.mark.parametrize("model,args", [(GPT, ARGS), (CUMSUM, ARGS)])
-def test_a_plan_traces_its_model_once_per_frontend(traces, model, args):
+def test_a_plan_traces_its_model_once(traces, model, args):
     plan, _ = make_plan(str(model), model_args=args, pins=Pins(pp=1, precision="fp32"), **KW)
-    assert traces == Counter(export=1, fx=1), traces
+    assert traces == Counter(export=1), traces
     if model == CUMSUM:  # the runtime cannot split it: the search left tensor parallelism out, traced once all the same
         assert plan.config.tp == 1
         assert any("tensor parallelism, which the runtime cannot run" in k and "cumsum_mlp.py:14" in k

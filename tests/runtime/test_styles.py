@@ -44,7 +44,7 @@ MODELS = {
 CONFIGS = {"tp2": Pins(tp=2), "pp2": Pins(pp=2)}
 TP_ONLY = {"titan_complex", "hf_phi3", "hf_gemma2"}  # (their pipeline split is test_as_written's and hf tests')
 TP_ONLY |= {"plain_llama", "nanogpt_vocab", "albert_vocab", "hf_olmo2"}  # (nothing of the vocabulary split at p=2)
-REFUSED = {("hf_t5", "tp2"): "`scaled_dot_product_attention.default` (a replicated operand spans the sharded dim)"}
+REFUSED = {("hf_t5", "tp2"): "`scaled_dot_product_attention` (a replicated operand spans the sharded dim)"}
 """T5's relative position bias (heads x queries x keys, from an embedding every rank holds whole) is added to the
 scores of every head: the layout has no rule that hands each rank its heads' part of it."""
 B, STEPS, LR = 4, 2, 1e-3
