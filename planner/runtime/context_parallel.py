@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from passes.errors import UserError
 from passes.sharding.context import ContextWalk, Unsupported
@@ -216,7 +217,7 @@ class ContextParallelAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.k_transposed:
             k = k.transpose(-2, -1)
-        if q.is_meta:  # the shape pass: no communication
+        if q.is_meta or is_fake(q):  # the shape pass: no communication
             return q.new_empty((*q.shape[:-1], v.shape[-1]))
         scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
         return _RingAttention.apply(q, k, v, self.chunks, scale, self.group)

@@ -53,7 +53,7 @@ from .context_parallel import ContextParallel
 from .fill_executor import GRACE_S
 from .groups import Groups, make_groups, make_shared_groups
 from .optim import GradSync, SavedBytes
-from .stage import (DTYPES, StageModule, TensorSpec, apply_tensor_parallel, boundary_specs, build_split, meta_copy,
+from .stage import (DTYPES, StageModule, TensorSpec, apply_tensor_parallel, boundary_specs, build_split,
                     stage_modules, to_precision)
 
 __all__ = ["RunOptions", "NullFill", "FillHooks", "ActionError", "Executor", "prepare", "load_fill_client",
@@ -579,15 +579,14 @@ def prepare(plan: Plan, model_file: ModelFile, options: RunOptions, executor: ty
     if c.cp > 1 and options.device.startswith("cuda") and c.precision == "fp32":
         raise UserError("context parallelism on CUDA runs the flash attention kernel, which takes bf16 or fp16; "
                         "re-plan with --dtype bf16")
-    shaped = meta_copy(split.split)  # the shape pass's split (the model is captured once)
     if c.cp > 1:  # rewritten from the whole sequence's shapes for this rank's tokens
         whole: dict[str, dict[str, Any]] = {}
-        specs = boundary_specs(model_file, plan, whole, meta_split=shaped)
+        specs = boundary_specs(model_file, plan, whole, split=split.split)
         cp = ContextParallel(size=c.cp, rank=groups.coords.cp, seq=_sequence(plan, specs), group=groups.cp_group,
                              specs=specs, inner=whole)
         cp.apply(split.split)
     inner: dict[str, dict[str, Any]] | None = {} if c.tp > 1 else None
-    specs = boundary_specs(model_file, plan, inner, cp, meta_split=shaped)
+    specs = boundary_specs(model_file, plan, inner, cp, split=split.split)
     constants = {k: v for k, v in specs.items() if not isinstance(v, TensorSpec)}
     stages = stage_modules(split, groups.coords.pp, constants)
     if c.tp > 1:

@@ -25,13 +25,14 @@ op and its source line: nothing runs unlike it was priced. Stage outputs leave a
 """
 from __future__ import annotations
 
-import copy
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
 from passes.errors import UserError
@@ -49,7 +50,7 @@ from .context_parallel import ContextParallel
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Plan precision -> the dtype the runtime's parameters and activations take."""
 
-__all__ = ["Piece", "StageProgram", "TensorSpec", "SplitModel", "StageModule", "build_split", "boundary_specs", "meta_copy",
+__all__ = ["Piece", "StageProgram", "TensorSpec", "SplitModel", "StageModule", "build_split", "boundary_specs",
            "stage_modules", "apply_tensor_parallel", "to_precision"]
 
 
@@ -260,41 +261,32 @@ def _attr(module: nn.Module, target: str) -> Any:
     return getattr(module, leaf)
 
 
-def meta_copy(split: fx.GraphModule) -> fx.GraphModule:
-    """A copy of `split` whose parameters, buffers and tensor constants are meta tensors of the same shapes and
-    dtypes: the shape pass's graph, without capturing the model a second time."""
-    memo: dict[int, Any] = {}
-    for module in split.modules():
-        for value in vars(module).values():
-            tensors = value.values() if isinstance(value, dict) else [value]  # _parameters, _buffers, constants
-            for v in tensors:
-                if isinstance(v, torch.Tensor) and id(v) not in memo:
-                    meta = torch.empty_like(v, device="meta")
-                    memo[id(v)] = nn.Parameter(meta, v.requires_grad) if isinstance(v, nn.Parameter) else meta
-    return copy.deepcopy(split, memo)
-
-
 def boundary_specs(model_file: ModelFile, plan: Plan, inner: dict[str, dict[str, Any]] | None = None,
-                   cp: ContextParallel | None = None, meta_split: fx.GraphModule | None = None
+                   cp: ContextParallel | None = None, split: fx.GraphModule | None = None
                    ) -> dict[str, TensorSpec | Any]:
-    """Shape pass on the meta device: every top-level value of one microbatch (b samples). With `inner`,
-    also every value inside each piece: piece name -> node name -> shape (tensors) or value (ints). With
-    `cp`, the split is rewritten for that context-parallel rank's tokens first (its shapes are local).
-    `meta_split`: the plan's split of the model already built on meta in the precision's dtype (else built here)."""
+    """Shape pass: every top-level value of one microbatch (b samples). With `inner`, also every value inside each
+    piece: piece name -> node name -> shape (tensors) or value (ints). With `cp`, the split is rewritten for that
+    context-parallel rank's tokens (its shapes are local). `split`: the runtime's split of the model (build_split's,
+    already rewritten for `cp`), run on fake tensors of its own, whose strides are those of the device its graph was
+    captured on; else the model is built and split on the meta device here."""
     dtype = DTYPES[plan.config.precision]
-    split = meta_split
+    inputs, _ = model_file.call("sample_batch", plan.config.microbatch, 0)
     if split is None:
         meta = to_precision(model_file.build("meta", torch.float32), dtype)  # boundary tensors take the precision's dtype
         meta.train()
         split, _, _ = _trace_split(meta, plan, model_file)
-    inputs, _ = model_file.call("sample_batch", plan.config.microbatch, 0)
+        if cp is not None:
+            cp.apply(split)
+        device, mode = torch.device("meta"), contextlib.nullcontext()
+    else:
+        device = next((p.device for p in split.parameters()), torch.device("cpu"))
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
     if cp is not None:
-        cp.apply(split)
         inputs = tuple(cp.shard(x) for x in inputs)
-    inputs = tuple(x.to("meta", dtype if x.is_floating_point() else x.dtype) if isinstance(x, torch.Tensor) else x
+    inputs = tuple(x.to(device, dtype if x.is_floating_point() else x.dtype) if isinstance(x, torch.Tensor) else x
                    for x in inputs)
     interp = _InnerShapes(split, inner) if inner is not None else fx.Interpreter(split, garbage_collect_values=False)
-    with torch.no_grad():
+    with torch.no_grad(), mode:
         interp.run(*inputs)
     return {node.name: (TensorSpec(shape=tuple(v.shape), dtype=v.dtype) if isinstance(v, torch.Tensor) else v)
             for node, v in interp.env.items()}
