@@ -79,7 +79,7 @@ class _StandIns:
     def __init__(self, seq: int) -> None:
         self.seq = seq
 
-    def attention(self, *, k_transposed: bool, scale: Any) -> nn.Module:
+    def attention(self, *, k_transposed: bool, scale: Any, layout: tuple[int, ...] | None = None) -> nn.Module:
         return nn.Identity()
 
     def positions(self, dim: int) -> nn.Module:

@@ -26,6 +26,7 @@ import operator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -44,7 +45,7 @@ class ContextModules(Protocol):
     size: int
     seq: int
 
-    def attention(self, *, k_transposed: bool, scale: Any) -> nn.Module: ...
+    def attention(self, *, k_transposed: bool, scale: Any, layout: tuple[int, ...] | None = None) -> nn.Module: ...
 
     def positions(self, dim: int) -> nn.Module: ...
 
@@ -322,7 +323,15 @@ class ContextWalk:
         self.replace(second, (q, kt, second.args[1]), k_transposed=True, scale=scale)
 
     def replace(self, end: fx.Node, qkv: tuple, *, k_transposed: bool, scale: Any) -> None:
-        new = call(self.gm, self.cp.attention(k_transposed=k_transposed, scale=scale), qkv, before=end, prefix="_cp")
+        """`end`'s users read ring attention's output instead, laid out in memory as `end`'s was where the graph
+        says (an exported graph's views after the attention assume its kernel's strides: export drops a
+        `.contiguous()` that copied nothing when it was captured)."""
+        val = end.meta.get("val")
+        layout = None
+        if isinstance(val, torch.Tensor) and val.dim() > 1:
+            layout = tuple(sorted(range(val.dim()), key=lambda d: -val.stride(d)))  # outermost dim first
+        new = call(self.gm, self.cp.attention(k_transposed=k_transposed, scale=scale, layout=layout), qkv, before=end,
+                   prefix="_cp")
         end.replace_all_uses_with(new)
         self.dead.add(end.name)
         self.shapes[new.name] = self.shapes.get(end.name)

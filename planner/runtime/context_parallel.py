@@ -59,9 +59,10 @@ class ContextParallel:
                             "re-plan with a cp that divides it")
         self.local = positions(self.seq, self.size, self.rank)
 
-    def attention(self, *, k_transposed: bool, scale: Any) -> nn.Module:
-        """What replaces an attention (passes.sharding.context.ContextModules): ring attention over the group."""
-        return ContextParallelAttention(self, k_transposed=k_transposed, scale=scale)
+    def attention(self, *, k_transposed: bool, scale: Any, layout: tuple[int, ...] | None = None) -> nn.Module:
+        """What replaces an attention (passes.sharding.context.ContextModules): ring attention over the group, its
+        output laid out in memory with its dims in `layout`'s order (outermost first), as the attention it replaces."""
+        return ContextParallelAttention(self, k_transposed=k_transposed, scale=scale, layout=layout)
 
     def positions(self, dim: int) -> nn.Module:
         """What selects this rank's positions of a replicated tensor spanning the sequence along `dim`."""
@@ -209,18 +210,25 @@ class _RingAttention(torch.autograd.Function):
 class ContextParallelAttention(nn.Module):
     """Replaces a traced attention core: (q, k or kᵀ, v), batch-first, (..., seq, head_dim) each."""
 
-    def __init__(self, cp: ContextParallel, *, k_transposed: bool, scale: float | None) -> None:
+    def __init__(self, cp: ContextParallel, *, k_transposed: bool, scale: float | None,
+                 layout: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.k_transposed, self.scale, self.group = k_transposed, scale, cp.group
+        self.layout = layout if layout is not None and list(layout) != sorted(layout) else None
         self.chunks = (cp.rank, 2 * cp.size - 1 - cp.rank)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.k_transposed:
             k = k.transpose(-2, -1)
         if q.is_meta or is_fake(q):  # the shape pass: no communication
-            return q.new_empty((*q.shape[:-1], v.shape[-1]))
-        scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
-        return _RingAttention.apply(q, k, v, self.chunks, scale, self.group)
+            out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+        else:
+            scale = self.scale if self.scale is not None else q.shape[-1] ** -0.5
+            out = _RingAttention.apply(q, k, v, self.chunks, scale, self.group)
+        if self.layout is None:
+            return out
+        back = sorted(range(out.dim()), key=self.layout.__getitem__)
+        return out.permute(self.layout).contiguous().permute(back)
 
 
 class _Positions(nn.Module):
