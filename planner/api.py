@@ -354,9 +354,8 @@ def _to_plan(profile: ModelProfile, ev: Evaluator, best: Evaluation, sim: SimRes
                       model_shape=profile.model_shape,
                       notes=[*(f"unpriced op {op} ({share:.1%} of the forward's bytes)" for op, share in profile.unpriced),
                              *_host_notes(ev, c),
-                             *(n for n in profile.notes  # how the fxplanner runtime runs it: its plans only
-                               if not ENGINES[pins.engine].export
-                               or not n.startswith(("the fxplanner runtime", UNLAUNCHABLE)))],
+                             *(n for n in profile.notes  # what the fxplanner runtime needs: its plans only
+                               if not ENGINES[pins.engine].export or not n.startswith(UNLAUNCHABLE))],
                       leaves=list(leaves), target=hw.name, gpu=gpu, cluster=asdict(hw.cluster),
                       efficiency=asdict(hw.eff), reserve_bytes=hw.reserve_bytes, gpus=ev.n_gpus,
                       gpus_per_node=hw.cluster.gpus_per_node, global_batch=ev.global_batch,
