@@ -329,7 +329,8 @@ class ContextWalk:
         val = end.meta.get("val")
         layout = None
         if isinstance(val, torch.Tensor) and val.dim() > 1:
-            layout = tuple(sorted(range(val.dim()), key=lambda d: -val.stride(d)))  # outermost dim first
+            order = tuple(sorted(range(val.dim()), key=lambda d: -val.stride(d)))  # outermost dim first
+            layout = order if list(order) != sorted(order) else None  # (None: contiguous, as the kernel returns it)
         new = call(self.gm, self.cp.attention(k_transposed=k_transposed, scale=scale, layout=layout), qkv, before=end,
                    prefix="_cp")
         end.replace_all_uses_with(new)

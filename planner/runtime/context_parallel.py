@@ -214,7 +214,7 @@ class ContextParallelAttention(nn.Module):
                  layout: tuple[int, ...] | None = None) -> None:
         super().__init__()
         self.k_transposed, self.scale, self.group = k_transposed, scale, cp.group
-        self.layout = layout if layout is not None and list(layout) != sorted(layout) else None
+        self.layout = layout
         self.chunks = (cp.rank, 2 * cp.size - 1 - cp.rank)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
