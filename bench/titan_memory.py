@@ -7,7 +7,10 @@ tensors, beside the planner's prediction, and torchtitan's published peak.
 The tracker (torch.distributed._tools.fsdp2_mem_tracker.FSDPMemTracker under FakeTensorMode, a fake process group of
 8) counts allocated bytes: the same harness as tests/costmodels/test_fsdp2_memory_tracker.py, at the full 8B shape.
 torchtitan logs `max_reserved_gib` (torch.cuda.memory_stats' reserved bytes: the caching allocator's segments), which
-holds what the allocator keeps cached beside what is allocated: the gap between the two is what this prints.
+holds what the allocator keeps cached beside what is allocated: the gap between the two is what this prints. The
+planner's device total holds the sharded gradients' pool beside the allocated peak (costmodels.holding.EngineMemory.
+grad_pool: FSDP2 allocates them on its reduce-scatter stream, whose cached blocks the compute stream cannot reuse)
+and its fixed reserve.
 Takes about 2 minutes on 2 CPU cores (no GPU).
 """
 from __future__ import annotations
@@ -58,13 +61,13 @@ def main() -> None:
                         pins=Pins(engine="torchtitan", zero=3, dp=RANKS, tp=1, pp=1, cp=1, b=LOCAL_BATCH,
                                   recompute="selective", precision="bf16", grad_fp32=True))
     memory = plan.predictions.memory[0]
-    allocated = memory.total - plan.source.reserve_bytes
+    allocated = memory.total - plan.source.reserve_bytes - memory.grads  # (the gradient pool: reserved, not allocated)
     result = {
         "config": {**SHAPE, "seq": SEQ, "local_batch": LOCAL_BATCH, "fsdp_ranks": RANKS, "ac": "selective per-op"},
         "tracker_allocated_bytes": tracked, "planner_allocated_bytes": allocated,
         "planner_parts_bytes": {"weights": memory.weights, "grads": memory.grads, "optimizer": memory.optimizer,
                                 "activations": memory.activations, "reserve": plan.source.reserve_bytes},
-        "torchtitan_max_reserved_gib": row["peak_memory_gib"], "source": row["id"],
+        "planner_total_bytes": memory.total, "torchtitan_max_reserved_gib": row["peak_memory_gib"], "source": row["id"],
         "machine": f"{platform.machine()} CPU, torch {__import__('torch').__version__}",
         "command": "python bench/titan_memory.py",
     }
@@ -73,6 +76,9 @@ def main() -> None:
     print(f"planner (allocated, no reserve) {allocated / GiB:6.1f} GiB  ({allocated / tracked['Total'] - 1:+.1%})")
     print(f"torchtitan max_reserved         {row['peak_memory_gib']:6.1f} GiB  (reserved less the tracker's allocated: "
           f"{row['peak_memory_gib'] - tracked['Total'] / GiB:.1f} GiB)")
+    print(f"planner (device total)          {memory.total / GiB:6.1f} GiB  ({memory.total / GiB / row['peak_memory_gib'] - 1:+.1%}"
+          f" against torchtitan's: the allocated, the sharded gradients' pool {memory.grads / GiB:.1f} GiB,"
+          f" the reserve {plan.source.reserve_bytes / GiB:.1f} GiB)")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
 

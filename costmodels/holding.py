@@ -25,6 +25,15 @@ class EngineMemory:
     Optimizer.zero_grad's set_to_none=True; FSDP2 assigns each sharded gradient anew after its reduce-scatter,
     _fsdp_collectives.py foreach_reduce): with one microbatch per step none exists before the backward, and each
     unit's appears as its backward ends, when its activations are freed (stage_memory's backward sweep)."""
+    grad_pool: bool = False
+    """The sharded gradients live in a pool of their own, reserved all step: FSDP2 allocates each unit's
+    reduce-scatter output, whose views are its sharded gradients, on the reduce-scatter stream (torch/distributed/fsdp/
+    _fully_shard/_fsdp_collectives.py foreach_reduce: "the GPU sharded gradient is allocated in the RS stream"; on
+    the all-reduce stream under HSDP), and torch's caching allocator reuses a freed block only on the stream that
+    allocated it (c10/cuda/CUDACachingAllocator.cpp, one pool per stream). What zero_grad frees stays reserved for the
+    next step's gradients, out of reach of the compute stream's activations: the device holds the compute stream's
+    peak and every sharded gradient beside it (torch.cuda.max_memory_reserved, what torchtitan logs as its memory),
+    even where no gradient is allocated at that peak."""
     loss_backward: bool = False
     """The backward of the model file's loss is priced: Unit.loss_work, the gradients torch.nn.functional.
     cross_entropy's backward holds (aten.nll_loss_backward's and aten._log_softmax_backward_data's, fp32 and of the

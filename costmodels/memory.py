@@ -259,6 +259,9 @@ def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int
         phases = [(kept[k] + max(table.loss[i], own[k] + whole[k]), after[k]
                    + (whole[k] if own[k] + whole[k] > table.loss[i] else 0.0)) for k, i in enumerate(at)]
         acts_k, grads = max(phases, key=sum, default=(0.0, 0.0))
+        if held.grad_pool and cfg.zero >= 2:  # the compute stream's peak, and the gradients' own pool beside it
+            acts_k = max((kept[k] + max(table.loss[i], own[k] + whole[k]) for k, i in enumerate(at)), default=0.0)
+            grads = sum(table.grads[i] for i in at)
         acts += acts_k - sum(per_unit)
     else:
         acts += max(work, default=0.0)
