@@ -104,6 +104,8 @@ def engine_pins(pins: Pins, hw: Hardware) -> Pins:
                             f"pin one of those or plan with "
                             f"{_elsewhere(lambda e: e.export and e.schedules is None)[1]}")
         pins = replace(pins, schedules=tuple(k for k in (pins.schedules or engine.schedules) if k in engine.schedules))
+    if pins.compile is None:  # (compiled where the engine compiles: planner.config)
+        pins = replace(pins, compile=bool(engine.compile))
     if engine.grad_fp32 and pins.grad_fp32 is None:
         pins = replace(pins, grad_fp32=pins.precision == "bf16")
     if not pins.fp8:

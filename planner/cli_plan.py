@@ -73,7 +73,7 @@ def plan(
     grad_fp32: Optional[bool] = pin_option("grad_fp32"),
     overlap_grad_reduce: Optional[bool] = pin_option("overlap_grad_reduce"),
     tp_comm_overlap: bool = pin_option("tp_comm_overlap"),
-    async_tp: bool = pin_option("async_tp"),
+    async_tp: Optional[bool] = pin_option("async_tp"),
     sequence_parallel: Optional[bool] = pin_option("sp"),
     dtype: str = pin_option("precision"),
     engine: str = typer.Option("fxplanner", "--engine", help="what runs the plan: fxplanner (its runtime), "
@@ -81,7 +81,7 @@ def plan(
                                "runs; the launch commands are the export's)"),
     fp8_params: bool = pin_option("fp8_params"),
     fp8: str = pin_option("fp8"),
-    compile_blocks: bool = pin_option("compile"),
+    compile_blocks: Optional[bool] = pin_option("compile"),
     calibration: Optional[str] = typer.Option(None, "--calibration", help="file from `planner calibrate`"),
     fill: Optional[str] = typer.Option(None, "--fill", help="fill-job YAML: pack these jobs into the bubbles"),
     main_slack: float = typer.Option(0.0, "--main-slack", help="how much slower than the fastest a main "

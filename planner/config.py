@@ -116,7 +116,8 @@ class ParallelConfig:
                             "micro_pipeline_tp pass over symmetric memory: each sequence-parallel all-gather / "
                             "reduce-scatter split into t per-rank chunks, each copied while the previous chunk's "
                             "matrix product runs; torchtitan's --compile.enable_async_tensor_parallel); it needs sp "
-                            "and compile", flag="--async-tp")
+                            "and compile", flag="--async-tp/--no-async-tp",
+                            unpinned="the search tries both where the engine runs it (torchtitan, under compile and sp)")
     b: int = _field(help="microbatch size b", flag="--microbatch", plan="microbatch", unpinned="the search chooses")
     m: int = _field(help="microbatches per iteration m = B / (d b)", plan="microbatches")
     v: int = _field(1, help="model chunks per pipeline rank v (interleaving)", flag="--vp", plan="vp",
@@ -142,7 +143,9 @@ class ParallelConfig:
     compile: bool = _field(False, help="each repeated block compiled with torch.compile (torchtitan's "
                            "--compile.enable: Inductor fuses the elementwise and normalization ops between the matrix "
                            "products and attention into one kernel each); only where the engine compiles",
-                           flag="--compile")
+                           flag="--compile/--no-compile",
+                           unpinned="on where the engine compiles (torchtitan): in every configuration its fused "
+                           "kernels take no longer and its checkpointed blocks keep no more than eager ones")
     moe_dispatcher: str = _field("alltoall", help="how tokens reach their experts: Megatron's all-to-all (one copy "
                                  "per routed expert), or the flex dispatcher's DeepEP / HybridEP (one copy per other "
                                  "node, fanned out over NVLink there)", flag="--moe-dispatcher",
@@ -413,14 +416,15 @@ def replicate_error(replicate: int, zero: int | None, dp: int | None, say: Calla
 def async_tp_error(sp: bool | None, compile: bool, tp_comm_overlap: bool,
                    say: Callable[[str], str] = str) -> str | None:
     """Why async tensor parallelism cannot go with these fields (sp None: the search chooses it), or None."""
+    flag = lambda name: say(name).split("/")[0]  # noqa: E731 (a flag, not its negation)
     if not compile:
-        return (f"async tensor parallelism ({say('async_tp')}) is a pass of torch.compile's Inductor over the compiled "
-                f"blocks: it needs {say('compile')}")
+        return (f"async tensor parallelism ({flag('async_tp')}) is a pass of torch.compile's Inductor over the compiled "
+                f"blocks: it needs {flag('compile')}")
     if sp is False:
-        return (f"async tensor parallelism ({say('async_tp')}) splits the all-gathers and reduce-scatters of sequence "
-                f"parallelism: it needs {say('sp').split('/')[0]}")
+        return (f"async tensor parallelism ({flag('async_tp')}) splits the all-gathers and reduce-scatters of sequence "
+                f"parallelism: it needs {flag('sp')}")
     if tp_comm_overlap:
-        return (f"{say('async_tp')} and {say('tp_comm_overlap')} are two ways to overlap the same tensor-parallel "
+        return (f"{flag('async_tp')} and {flag('tp_comm_overlap')} are two ways to overlap the same tensor-parallel "
                 "traffic (torch's symmetric memory, Transformer Engine's userbuffers): give one")
     return None
 

@@ -46,7 +46,7 @@ class _SearchPins:
         if why := replicate_error(self.dp_replicate, self.zero, self.dp,
                                   say=lambda name: FIELDS[name].metadata["flag"]):
             raise UserError(why)
-        if self.async_tp and (why := async_tp_error(self.sp, self.compile, self.tp_comm_overlap,
+        if self.async_tp and (why := async_tp_error(self.sp, self.compile is not False, self.tp_comm_overlap,
                                                     say=lambda name: FIELDS[name].metadata["flag"])):
             raise UserError(why)
         if self.recompute_layers is not None and (self.recompute_layers < 1 or self.recompute not in (None, "block")):

@@ -13,7 +13,7 @@ import heapq
 import math
 from collections import Counter
 from dataclasses import dataclass, field, replace
-from itertools import chain
+from itertools import chain, product
 from typing import Callable, Iterable, Iterator
 
 from costmodels.recompute import RECOMPUTE
@@ -184,15 +184,18 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                             if sp or t == 1 else [1] if (pins.ep or 1) == 1 else []
                         if not eps and not sp and t > 1:
                             rejected["expert parallelism beside tensor parallelism needs sequence parallelism"] += 1
-                        for ep in eps:
+                        # async TP where the engine runs it over compiled blocks: tried both ways unless pinned
+                        atps = (False, True) if sp and pins.async_tp is None and pins.compile and \
+                            ENGINES[pins.engine].async_tp else (bool(pins.async_tp) and sp,)
+                        for ep, atp in product(eps, atps):
                             yield ParallelConfig(tp=t, pp=p, dp=d, cp=cp, ep=ep, b=b, m=m, v=v, zero=zero,
                                                  dp_replicate=pins.dp_replicate,
                                                  grad_fp32=bool(pins.grad_fp32), overlap_grad_reduce=overlap,
                                                  tp_comm_overlap=pins.tp_comm_overlap and sp,
-                                                 async_tp=pins.async_tp and sp,
+                                                 async_tp=atp,
                                                  recompute=rc, recompute_layers=layers, sp=sp, schedule=name,
                                                  precision=pins.precision,
-                                                 fp8=pins.fp8, fp8_params=pins.fp8_params, compile=pins.compile,
+                                                 fp8=pins.fp8, fp8_params=pins.fp8_params, compile=bool(pins.compile),
                                                  expert_load=pins.moe_capacity or (pins.expert_load or 1.0
                                                                                    if ep > 1 else 1.0),
                                                  moe_capacity=pins.moe_capacity,

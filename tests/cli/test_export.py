@@ -331,14 +331,15 @@ def test_torchaos_tensorwise_float8_plans_for_torchtitan_and_exports_as_its_vers
 
 @needs_titan
 def test_compile_pins_plans_and_exports_for_torchtitan(tmp_path):
-    """Issue 49: --compile (torch.compile of each block) plans under --engine torchtitan, priced as Inductor runs the
+    """Issue 49: --compile (torch.compile of each block; under --engine torchtitan the default, --no-compile turns it
+    off) plans under --engine torchtitan, priced as Inductor runs the
     blocks (fewer bytes moved: faster than the same plan eager), and exports as torchtitan's --compile.enable with the
     model's blocks only (the loss stays eager, as priced); torchtitan 0.2's job as its [compile] section."""
     pytest.importorskip("transformers", reason="the hf extra is not installed")
     kw = dict(gpus=8, global_batch=16, target="h100-sxm", model_args={"layers": 2})
     pins = dict(engine="torchtitan", zero=3, dp=8, b=2, recompute="selective")
-    compiled, _ = make_plan(str(EXAMPLES / "hf_llama.py"), pins=Pins(**pins, compile=True), **kw)
-    eager, _ = make_plan(str(EXAMPLES / "hf_llama.py"), pins=Pins(**pins), **kw)
+    compiled, _ = make_plan(str(EXAMPLES / "hf_llama.py"), pins=Pins(**pins), **kw)  # (compiled unless pinned off)
+    eager, _ = make_plan(str(EXAMPLES / "hf_llama.py"), pins=Pins(**pins, compile=False), **kw)
     assert compiled.config.compile and not eager.config.compile
     assert compiled.predictions.iteration_s < eager.predictions.iteration_s
     # eager, each memory-bound op is eager PyTorch's own kernel at its measured speed (costmodels.eager), nothing fused;

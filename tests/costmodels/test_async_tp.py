@@ -74,7 +74,7 @@ def test_the_rules():
         ParallelConfig(tp=1, pp=1, dp=1, b=1, m=1, compile=True, async_tp=True)
     with pytest.raises(ConfigError, match="give one"):
         _cfg(async_tp=True, tp_comm_overlap=True)
-    for pins, said in ((dict(async_tp=True), "it needs --compile"),
+    for pins, said in ((dict(async_tp=True, compile=False), "it needs --compile"),
                        (dict(async_tp=True, compile=True, sp=False), "it needs --sequence-parallel")):
         with pytest.raises(UserError) as e:
             Pins(**pins)
@@ -95,14 +95,15 @@ def test_refused_in_one_sentence_where_the_engine_lacks_it(engine):
 @needs_titan
 def test_planner_plan_async_tp_for_torchtitan_plans_and_exports(tmp_path):
     """`planner plan examples/hf_llama.py --model-arg preset=llama3-8b --gpus 8 --engine torchtitan --tp 8 --compile
-    --async-tp` (two layers), faster than without --async-tp; exported as --compile.enable_async_tensor_parallel
-    (torchtitan 0.3, which its config takes), in --toml as [parallelism] enable_async_tensor_parallel (0.2)."""
+    --async-tp` (two layers), faster than with --no-async-tp, and what the search chooses when neither is said;
+    exported as --compile.enable_async_tensor_parallel (torchtitan 0.3, which its config takes), in --toml as
+    [parallelism] enable_async_tensor_parallel (0.2)."""
     pytest.importorskip("transformers", reason="the hf extra is not installed")
     from planner.export import check_torchtitan, to_torchtitan
     from planner.plan import load_plan
 
     runner, plans = CliRunner(), {}
-    for name, extra in (("plain", []), ("async", ["--async-tp"])):
+    for name, extra in (("plain", ["--no-async-tp"]), ("async", ["--async-tp"]), ("searched", [])):
         out = plans[name] = tmp_path / f"{name}.json"
         result = runner.invoke(app, ["plan", str(EXAMPLES / "hf_llama.py"), "--model-arg", "preset=llama3-8b",
                                      "--model-arg", "layers=2", "--gpus", "8", "--global-batch", "8", "--target",
@@ -111,6 +112,7 @@ def test_planner_plan_async_tp_for_torchtitan_plans_and_exports(tmp_path):
         assert result.exit_code == 0, result.output
     plain, atp = load_plan(plans["plain"]), load_plan(plans["async"])
     assert atp.config.async_tp and not plain.config.async_tp
+    assert load_plan(plans["searched"]).config == atp.config  # (the search tries both and takes the faster)
     assert dataclasses.replace(atp.config.to_config(), async_tp=False) == plain.config.to_config()
     assert atp.predictions.iteration_s < plain.predictions.iteration_s
     ex = to_torchtitan(atp, module="llama3", config="llama3_8b")
