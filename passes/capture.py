@@ -64,8 +64,9 @@ def _source_lines() -> Iterator[None]:
         tracer._filter_traceback_frames = own
 
 
-def export_graph(model: torch.nn.Module, inputs: tuple[Any, ...]) -> fx.GraphModule:
-    """torch.export (non-strict, dynamic batch) as a GraphModule with parameters as get_attr nodes."""
+def export_graph(model: torch.nn.Module, inputs: tuple[Any, ...], dynamic: bool = True) -> fx.GraphModule:
+    """torch.export (non-strict; the batch dimension dynamic, or with `dynamic` False the inputs' own shapes) as a
+    GraphModule with parameters as get_attr nodes."""
     import io
     import logging
     import os
@@ -84,7 +85,8 @@ def export_graph(model: torch.nn.Module, inputs: tuple[Any, ...]) -> fx.GraphMod
         # export prints graph dumps and warnings on its way to an error; the error is what we report
         with warnings.catch_warnings(), redirect_stdout(io.StringIO()), redirect_stderr(io.StringIO()), _source_lines():
             warnings.simplefilter("ignore")
-            ep = torch.export.export(model, tuple(inputs), dynamic_shapes=_dynamic_batch(inputs), strict=False)
+            ep = torch.export.export(model, tuple(inputs), dynamic_shapes=_dynamic_batch(inputs) if dynamic else None,
+                                    strict=False)
     finally:
         quiet.setLevel(level)
         if gqa is None:
