@@ -34,6 +34,12 @@ class EngineMemory:
     next step's gradients, out of reach of the compute stream's activations: the device holds the compute stream's
     peak and every sharded gradient beside it (torch.cuda.max_memory_reserved, what torchtitan logs as its memory),
     even where no gradient is allocated at that peak."""
+    loss_parallel: bool = False
+    """Under tensor parallelism the loss runs on each rank's vocabulary shard of the logits, never gathered whole:
+    torchtitan's loss parallelism (its output projection ColwiseParallel with output_layouts Shard(-1); torch.
+    distributed.tensor.parallel.loss_parallel through torchtitan 0.2, on by default (--parallelism.
+    disable_loss_parallel false), and torchtitan/components/loss.py _LossParallelCrossEntropy since, always on): the
+    loss's kept log-softmax and its backward's gradients are 1/t of the logits' (Unit.loss_kept, Unit.loss_held)."""
     loss_backward: bool = False
     """The backward of the model file's loss is priced: Unit.loss_work, the gradients torch.nn.functional.
     cross_entropy's backward holds (aten.nll_loss_backward's and aten._log_softmax_backward_data's, fp32 and of the

@@ -200,7 +200,7 @@ def unit_bytes(units: Sequence[Unit], cfg: ParallelConfig, held: EngineMemory = 
                      plain=tuple(plain(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp) for u in units),
                      rebuilt=tuple(cfg.recompute_mode.rebuilt_bytes(u, cfg.local_b, cfg.tp, cfg.sp_degree, cfg.cp)
                                    for u in units),
-                     loss=tuple(u.loss_work(cfg.local_b) if held.loss_backward else 0.0 for u in units),
+                     loss=tuple(u.loss_held(cfg.local_b, cfg.tp) if held.loss_backward else 0.0 for u in units),
                      grads=tuple(_grad_bytes(u, cfg, held) for u in units),
                      static=tuple(static_bytes(u, cfg, held) for u in units))
 

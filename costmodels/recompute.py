@@ -46,7 +46,7 @@ def _plain_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
     kernel keeps (its inputs, output and log-sum-exp), not the scores a written-out attention would."""
     s = u.sharded
     core = s.selective_bytes(b) - s.fused_core_bytes(b) if cp > 1 else 0.0
-    return (s.saved_bytes(b) - core) / t + u.replicated.saved_bytes(b) / r + u.loss_bytes(b) + _kv_copies(u, b, t)
+    return (s.saved_bytes(b) - core) / t + u.replicated.saved_bytes(b) / r + u.loss_kept(b, t) + _kv_copies(u, b, t)
 
 
 def _kv_copies(u: Unit, b: float, t: int, kept: str = "saved_bytes") -> float:
@@ -71,7 +71,7 @@ def _selective_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> floa
         return _op_bytes(u, b, t, r, cp)
     s, w = u.sharded, u.replicated
     return ((s.saved_bytes(b) - s.selective_bytes(b)) / t + (w.saved_bytes(b) - w.selective_bytes(b)) / r
-            + u.loss_bytes(b) + _kv_copies(u, b, t))
+            + u.loss_kept(b, t) + _kv_copies(u, b, t))
 
 
 def _op_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
@@ -80,7 +80,7 @@ def _op_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
     op = u.op_checkpoint
     if op is None:
         return _plain_bytes(u, b, t, r, cp)
-    return op.kept_sharded(b) / t + op.kept(b) / r + u.loss_bytes(b)
+    return op.kept_sharded(b) / t + op.kept(b) / r + u.loss_kept(b, t)
 
 
 def _op_rebuilt(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:

@@ -124,6 +124,8 @@ class Unit:
     # file's loss_fn holds at once beyond what it kept (cross-entropy: two fp32 logit-sized gradients, nll_loss's and
     # log_softmax's), measured on meta tensors; a working set of the last unit's backward, before its own
     op_checkpoint: OpCheckpoint | None = None  # blocks: the unit under per-op selective checkpointing (torchtitan's)
+    loss_parallel: bool = False  # the last unit only: the loss runs on the logits each tensor-parallel rank holds,
+    # 1/t of the vocabulary (loss parallelism: torchtitan's, planner.engines), its loss_bytes and loss_work split so
     checkpoint: str = "core"  # what recompute "selective" checkpoints in this unit: "core", the attention core
     # (Megatron-Core's --recompute-modules core_attn, the fxplanner runtime's); "op", per op as torchtitan's selective
     # activation checkpointing does (op_checkpoint; planner.engines.Engine.selective)
@@ -131,6 +133,14 @@ class Unit:
     @property
     def params(self) -> int:
         return self.sharded.params + self.replicated.params
+
+    def loss_kept(self, b: float, t: int) -> float:
+        """loss_bytes on one of t tensor-parallel ranks."""
+        return self.loss_bytes(b) / (t if self.loss_parallel else 1)
+
+    def loss_held(self, b: float, t: int) -> float:
+        """loss_work on one of t tensor-parallel ranks."""
+        return self.loss_work(b) / (t if self.loss_parallel else 1)
 
     def fwd_flops(self, b: float) -> float:
         return self.sharded.fwd_flops(b) + self.replicated.fwd_flops(b)

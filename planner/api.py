@@ -180,6 +180,8 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
                          if progress else None)
     if engine.selective != "core":  # what the engine's selective recomputation checkpoints (planner.engines)
         profile = replace(profile, units=tuple(replace(u, checkpoint=engine.selective) for u in profile.units))
+    if engine.memory.loss_parallel and profile.units:  # (its loss on each rank's vocabulary shard)
+        profile = replace(profile, units=(*profile.units[:-1], replace(profile.units[-1], loss_parallel=True)))
     if (pins.ep or 1) > 1:  # (after the model: a dense one is told so first, whatever the engine)
         if not any(u.experts for u in profile.units):
             raise UserError(f"--ep {pins.ep} divides the experts of mixture-of-experts layers over expert-parallel "

@@ -106,7 +106,8 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            fsdp="FSDP2", hsdp="FSDP2's HSDP", expert_parallel=True, recompute_block=False, selective="op",
            compile="inductor", eager=True,
            async_tp="torch's micro-pipelined TP (Inductor's micro_pipeline_tp pass)",
-           memory=EngineMemory(master_shard=True, step_frees_grads=True, grad_pool=True, loss_backward=True)),
+           memory=EngineMemory(master_shard=True, step_frees_grads=True, grad_pool=True, loss_parallel=True,
+                               loss_backward=True)),
 )}
 """Megatron-Core runs forward_backward_pipelining_without_interleaving / with_interleaving; torchtitan runs any of the
 plan's schedules from the CSV of its actions the export writes. Megatron accumulates and reduces bf16 training's
