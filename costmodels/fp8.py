@@ -46,6 +46,10 @@ class Fp8Recipe:
     titan_recipe: str  # torchtitan's float8 recipe_name (torchtitan.components.quantization.float8), "" if torchtitan
     # cannot run it
     help: str
+    fsdp_gather: bool = False  # under FSDP (ZeRO-3) the weights are all-gathered in FP8, one byte each, and held so
+    # while their unit runs (torchao's enable_fsdp_float8_all_gather: torchao/float8/fsdp_utils.py
+    # WeightWithDynamicFloat8CastTensor casts each shard before the all-gather; tensorwise scaling only, the scales
+    # precomputed for all weights in one all-reduce by precompute_float8_dynamic_scale_for_fsdp)
 
     def weight_copy_bytes(self) -> float:
         """Bytes per parameter the cached FP8 weights hold: row- and column-wise copies, with their scales."""
@@ -73,7 +77,7 @@ FP8_RECIPES: dict[str, Fp8Recipe] = {r.name: r for r in (
     Fp8Recipe(name="torchao-tensorwise", engine="torchao", gemm_dtype="fp8", amax_pass=True, scale_bytes=0.0,
               weight_cache=False, saves_fp8_input=False, megatron_recipe="", titan_recipe="tensorwise",
               help="torchao float8 dynamic per-tensor scaling (torchtitan's float8 recipe through 0.2, with FSDP's "
-                   "float8 all-gather)"),
+                   "float8 all-gather)", fsdp_gather=True),
 )}
 
 

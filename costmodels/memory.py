@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
 __all__ = ["DEFAULT_MEMORY", "EngineMemory", "StageMemory", "UnitBytes", "activation_bytes",
-           "expert_count", "fp8_weight_bytes", "held_bytes", "held_numerics", "in_flight_bytes", "param_count",
+           "expert_count", "fp8_param_count", "fp8_weight_bytes", "held_bytes", "held_numerics", "in_flight_bytes", "param_count",
            "rank_param_count", "stage_memory", "static_bytes", "static_of", "sweeps_grads", "unit_bytes"]
 
 
@@ -124,6 +124,11 @@ def _fp8_input_saving(unit: Unit, cfg: ParallelConfig) -> float:
     return x * max(0.0, 1 - (1 + fp8.scale_bytes) / cfg.numerics.weight_bytes)
 
 
+def fp8_param_count(unit: Unit, cfg: ParallelConfig) -> float:
+    """Of param_count, those an FP8 recipe runs in FP8: the whole unit where its kind's GEMMs run so (runs_fp8)."""
+    return param_count(unit, cfg) if runs_fp8(unit.kind) else 0.0
+
+
 def fp8_weight_bytes(unit: Unit, cfg: ParallelConfig) -> float:
     """The FP8 weight copies (row- and column-wise) an FP8 recipe caches for the unit on one rank; with FP8 parameters
     they are the weights, and the bf16 copy they replace is taken off."""
@@ -155,19 +160,19 @@ def in_flight_bytes(units: list[Unit], cfg: ParallelConfig, table: UnitBytes | N
     UnitBytes of `units` under cfg (unit k at position k), if known. Under EngineMemory.master_shard a gathered unit
     is whole beside its fp32 shard, not the rest of it."""
     if table is None:
-        return _in_flight([param_count(u, cfg) for u in units], [expert_count(u, cfg) for u in units], cfg, held)
-    return _in_flight(table.params, table.experts, cfg, held)
+        return _in_flight([param_count(u, cfg) for u in units], [expert_count(u, cfg) for u in units],
+                          [cfg.gathered_bytes(runs_fp8(u.kind)) for u in units], cfg, held)
+    return _in_flight(table.params, table.experts, table.gathered, cfg, held)
 
 
-def _in_flight(params: Sequence[float], experts: Sequence[float], cfg: ParallelConfig,
+def _in_flight(params: Sequence[float], experts: Sequence[float], gathered: Sequence[float], cfg: ParallelConfig,
                held: EngineMemory = DEFAULT_MEMORY) -> tuple[float, float]:
-    """in_flight_bytes from each unit's param_count and expert_count."""
-    num = cfg.numerics
+    """in_flight_bytes from each unit's param_count, expert_count and gathered bytes per parameter."""
     whole = held.master_shard and cfg.zero >= 3
-    full = sorted((n - (0.0 if whole else cfg.kept(n, e, 3)) for n, e in zip(params, experts) if cfg.zero >= 3),
-                  reverse=True)
+    full = sorted(((n - (0.0 if whole else cfg.kept(n, e, 3))) * g for n, e, g in zip(params, experts, gathered)
+                   if cfg.zero >= 3), reverse=True)
     grads = max(params, default=0.0) if cfg.zero >= 2 else 0.0
-    return sum(full[:2]) * num.weight_bytes, grads * num.grad_bytes
+    return sum(full[:2]), grads * cfg.numerics.grad_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,6 +190,7 @@ class UnitBytes:
     rebuilt: tuple[float, ...]  # the mode's rebuilt_bytes (what a per-op checkpointed block's backward holds again)
     loss: tuple[float, ...]  # Unit.loss_work (what the loss's backward holds at once: the last unit's)
     grads: tuple[float, ...]  # the gradient bytes a rank keeps of the unit (its shard under ZeRO-2 and -3)
+    gathered: tuple[float, ...]  # bytes per parameter ZeRO-3 gathers of the unit (ParallelConfig.gathered_bytes)
     static: tuple[float, ...]  # static_bytes
 
 
@@ -202,6 +208,7 @@ def unit_bytes(units: Sequence[Unit], cfg: ParallelConfig, held: EngineMemory = 
                                    for u in units),
                      loss=tuple(u.loss_held(cfg.local_b, cfg.tp) if held.loss_backward else 0.0 for u in units),
                      grads=tuple(_grad_bytes(u, cfg, held) for u in units),
+                     gathered=tuple(cfg.gathered_bytes(runs_fp8(u.kind)) for u in units),
                      static=tuple(static_bytes(u, cfg, held) for u in units))
 
 
@@ -246,7 +253,7 @@ def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int
     fp8 = sum([table.fp8[i] for i in at])
     experts_each = [table.experts[i] for i in at]
     experts = sum(experts_each)
-    gathered, unreduced = _in_flight(counts, experts_each, cfg, held)
+    gathered, unreduced = _in_flight(counts, experts_each, [table.gathered[i] for i in at], cfg, held)
     weight, grad, opt = held_numerics(cfg, held)
     grads = cfg.kept(params, experts, 2) * grad + unreduced
     if sweeps_grads(cfg, held):  # one microbatch, its gradients made by the backward (EngineMemory.step_frees_grads):

@@ -287,6 +287,13 @@ class ParallelConfig:
         """The FP8 recipe the linear layers' GEMMs run under, or None."""
         return FP8_RECIPES[self.fp8] if self.fp8 else None
 
+    def gathered_bytes(self, fp8_unit: bool) -> float:
+        """Bytes per parameter ZeRO-3 all-gathers of a unit and holds whole while it runs: the training precision's,
+        or one where the FP8 recipe gathers the unit's FP8 weights (Fp8Recipe.fsdp_gather)."""
+        fp8 = self.fp8_recipe
+        return 1.0 if fp8_unit and fp8 is not None and fp8.fsdp_gather and self.zero >= 3 else \
+            self.numerics.weight_bytes
+
     @property
     def peak_dtype(self) -> str:
         """The peak MFU is measured against: the precision's, or under an FP8 recipe the FP8 rate its GEMMs run at

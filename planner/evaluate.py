@@ -18,7 +18,7 @@ from costmodels.comm import allreduce_time, exposed_reduction_s, megatron_bucket
 from costmodels.compute import unit_time
 from costmodels.hardware import Hardware
 from costmodels.memory import (DEFAULT_MEMORY, EngineMemory, StageMemory, UnitBytes, activation_bytes, expert_count,
-                               fp8_weight_bytes, held_bytes, in_flight_bytes, param_count, stage_memory, static_bytes,
+                               fp8_param_count, fp8_weight_bytes, held_bytes, in_flight_bytes, param_count, stage_memory, static_bytes,
                                static_of, sweeps_grads, unit_bytes)
 from costmodels.recompute import recompute_mode
 from passes.errors import UserError
@@ -618,8 +618,10 @@ class Evaluator:
             return 0.0
         dense, experts, _ = (x / c.pp for x in self._totals(c))
         num = c.numerics
-        return (c.m * self._dp_collective_s(c, dense, experts, num.grad_bytes / 2, replicas=True)
-                + (2 * c.m if c.zero == 3 else 1) * self._dp_collective_s(c, dense, experts, num.weight_bytes / 2))
+        return (c.m * self._dp_collective_s(c, dense, experts, num.grad_bytes / 2, replicas=True)  # (gathers: at the
+                # fewest bytes any unit's take, ParallelConfig.gathered_bytes)
+                + (2 * c.m if c.zero == 3 else 1) * self._dp_collective_s(c, dense, experts,
+                                                                         c.gathered_bytes(True) / 2))
 
     def _allreduce_opt(self, c: ParallelConfig, bounds: tuple[int, ...], f_s: tuple[float, ...],
                        b_s: tuple[float, ...]) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -629,6 +631,7 @@ class Evaluator:
         group = c.dp * c.cp  # gradients are reduced over the data- and context-parallel ranks (Megatron)
         params = self._stage_params(c, bounds)
         experts = self._stage_params(c, bounds, expert_count)
+        fp8 = self._stage_params(c, bounds, fp8_param_count)
         hbm = self.hw.gpu.hbm_bw * self.hw.eff.hbm
 
         def both_s(j: int, nbytes: float, replicas: bool = False) -> float:  # the dense parameters' reduction,
@@ -642,7 +645,9 @@ class Evaluator:
             if c.zero:  # a reduce-scatter of the gradients and an all-gather of the weights, each half an all-reduce
                 grads = [both_s(j, num.grad_bytes / 2, replicas=True) for j in chunks]  # (and under hybrid
                 # sharding the shards' all-reduce over the replicas)
-                gather = [both_s(j, num.weight_bytes / 2) for j in chunks]
+                gather = [both_s(j, (num.weight_bytes * (params[j] - fp8[j]) + c.gathered_bytes(True) * fp8[j])
+                                 / params[j] / 2 if params[j] else 0.0) for j in chunks]  # (FP8 units' gathered in
+                # FP8 where the recipe does: ParallelConfig.gathered_bytes)
             else:
                 grads, gather = [both_s(j, num.grad_bytes) for j in chunks], [0.0] * c.v
             # ZeRO-2/3: every microbatch's gradients reduce-scattered during its backward (sharded gradients cannot

@@ -111,3 +111,22 @@ def test_sequence_parallel_all_gathers_move_fp8_inputs(llama):
     assert fp8.tp_comm_s == pytest.approx(bf16.tp_comm_s - 0.25 * forward)
     torchao = unit_time(block, hw, config("torchao-rowwise", tp=4, sp=True))
     assert torchao.tp_comm_s == pytest.approx(bf16.tp_comm_s)
+
+
+def test_fsdp_gathers_torchao_tensorwise_weights_in_fp8(llama):
+    """torchao's tensorwise recipe under FSDP2 (torchtitan's enable_fsdp_float8_all_gather, which the export sets):
+    each FP8 block's weights are all-gathered and held whole in one byte each, half the bf16 gather, while the
+    embedding and the head stay bf16; rowwise scaling gathers bf16 (torchao has no rowwise float8 all-gather)."""
+    from costmodels.memory import in_flight_bytes
+    from planner.engines import ENGINES
+
+    units, held = [llama["block"], llama["block"]], ENGINES["torchtitan"].memory
+    cfg = {r: config(r, dp=8, zero=3, m=1, b=2) for r in ("torchao-tensorwise", "torchao-rowwise")}
+    params = units[0].params  # (t = 1: the unit's every parameter; FSDP2 gathers each whole beside its fp32 shard)
+    assert in_flight_bytes(units, cfg["torchao-tensorwise"], held=held)[0] == pytest.approx(2 * params * 1.0)
+    assert in_flight_bytes(units, cfg["torchao-rowwise"], held=held)[0] == pytest.approx(2 * params * 2.0)
+    head = [llama["head"], llama["head"]]
+    assert in_flight_bytes(head, cfg["torchao-tensorwise"], held=held) == in_flight_bytes(head, cfg["torchao-rowwise"],
+                                                                                          held=held)
+    # below ZeRO-3 the weights are the optimizer's all-gather after the step, bf16 (FSDP's float8 all-gather only)
+    assert config("torchao-tensorwise", dp=8, zero=1, m=1).gathered_bytes(True) == 2.0
