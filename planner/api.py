@@ -96,6 +96,11 @@ def engine_pins(pins: Pins, hw: Hardware) -> Pins:
         where = " or ".join(f"{e.title} ({e.fsdp})" for e in ENGINES.values() if e.fsdp)
         raise UserError(f"parameters sharded over the data-parallel ranks (--zero 3, FSDP) run in {where}, not in "
                         f"{engine.title}, which runs up to --zero 2: add {_elsewhere(lambda e: e.fsdp)[1]}")
+    if pins.zero == 1 and not engine.optimizer_only:
+        raise UserError(f"{engine.title} shards with {engine.fsdp} only, which shards the gradients with the optimizer "
+                        f"state: plan with --zero 2 ({engine.fsdp} keeping the parameters whole through the step) or "
+                        f"--zero 3 (resharding them after each forward), or with "
+                        f"{_elsewhere(lambda e: e.optimizer_only and e.export)[1]} for a sharded optimizer alone")
     if not engine.expert_parallel and (pins.ep or 1) == 1:  # more: refused once the model is known
         pins = replace(pins, ep=1)
     if engine.schedules is not None:

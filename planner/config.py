@@ -91,7 +91,8 @@ class ParallelConfig:
                        "every microbatch's backward), 3 and the parameters (ZeRO-3 / FSDP: each unit's all-gathered "
                        "before its forward and again before its backward, the next one's prefetched)", flag="--zero",
                        choices=ZERO_STAGES,
-                       unpinned="1 wherever there are replicas, 2 or 3 only where less does not fit")
+                       unpinned="1 wherever there are replicas (2 under torchtitan, whose FSDP2 shards the "
+                       "gradients with the optimizer state), more only where less does not fit")
     dp_replicate: int = _field(1, help="under zero 3, hybrid-sharded data parallelism (HSDP): the d data-parallel "
                                "ranks as dp_replicate replicas of a group of d/dp_replicate ranks (x cp) that shards "
                                "the parameters, gradients and optimizer state; each parameter all-gathered and each "

@@ -146,7 +146,7 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                  rejected: Counter, experts: int = 0, sp_refused: str | None = None) -> Iterator[ParallelConfig]:
     """`sp_refused`: the op the engine cannot run under sequence parallelism at this t, if any."""
     replicas = d * cp > 1
-    zero = pins.zero if pins.zero is not None else int(replicas)
+    zero = pins.zero if pins.zero is not None else ENGINES[pins.engine].zero_stages[1] if replicas else 0
     overlap = pins.overlap_grad_reduce if pins.overlap_grad_reduce is not None else replicas
     for b in divisors(per_replica):
         if pins.b not in (None, b) or (pins.b is None and b > pins.max_microbatch):
@@ -358,13 +358,13 @@ def _at_least(ev: Evaluator, c: ParallelConfig, r: Rejected) -> ParallelConfig:
 def _fallbacks(c: ParallelConfig, pins: Pins) -> Iterator[ParallelConfig]:
     """What to price, in order, where `c` does not fit: partial recomputation of each chunk's first blocks for a
     configuration that recomputes nothing (the least count that fits; where the engine runs it), then ZeRO-2 and
-    ZeRO-3 for a ZeRO-1 one (ZeRO-3 where the engine runs it). Each only adds work, so it is priced only where less
+    ZeRO-3 for a ZeRO-1 one (the stages past the engine's first sharded one: Engine.zero_stages). Each only adds work, so it is priced only where less
     does not fit, and only what the search chooses (none pinned); made as they are asked for."""
     engine = ENGINES[pins.engine]
     if c.recompute == "none" and pins.recompute is None and engine.recompute_block:
         yield c.fallback(recompute="block")
-    if pins.zero is None and c.zero == 1:
-        yield from (c.fallback(zero=z) for z in range(2, 4 if engine.fsdp else 3))
+    if pins.zero is None and c.zero == engine.zero_stages[1]:
+        yield from (c.fallback(zero=z) for z in engine.zero_stages[2:])
 
 
 def _pins_arithmetic(n_gpus: int, global_batch: int, pins: Pins, gpus: bool = True) -> str | None:

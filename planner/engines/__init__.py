@@ -61,6 +61,10 @@ class Engine:
     fsdp: str = ""
     """How it shards the parameters over the data-parallel ranks (ZeRO-3, FSDP), as sentences name it; "": it runs
     up to ZeRO-2."""
+    optimizer_only: bool = True
+    """It shards the optimizer state alone (ZeRO-1: Megatron's distributed optimizer, the fxplanner runtime's); False:
+    a sharded step shards the gradients too (torchtitan shards with FSDP2 only: ZeRO-2 is fully_shard with
+    reshard_after_forward False, the parameters whole through the step, ZeRO-3 with it True)."""
     hsdp: str = ""
     """How it runs hybrid-sharded data parallelism (--dp-replicate R with --zero 3: FSDP within each of R replicas,
     the gradient shards all-reduced across them), as sentences name it; "": it shards over every data-parallel rank
@@ -84,6 +88,12 @@ class Engine:
     measured speed (costmodels.eager; Efficiency.eager), with nothing fused (torchtitan without --compile.enable runs
     the model file's RMSNorm, rotary embedding and SwiGLU op by op). False: priced with Efficiency.fusion, the share of
     the elementwise traffic an engine's fused kernels avoid (the fxplanner runtime's figures were fitted so)."""
+    @property
+    def zero_stages(self) -> tuple[int, ...]:
+        """The ZeRO stages it runs (--zero): none, the optimizer's alone where it can, the gradients' (ZeRO-2), and
+        the parameters' where it shards them (fsdp)."""
+        return (0, *((1,) if self.optimizer_only else ()), 2, *((3,) if self.fsdp else ()))
+
     recompute_block: bool = True
     """It recomputes the first N blocks of each model chunk (recompute "block"), which the search tries where
     recomputing nothing does not fit."""
@@ -103,7 +113,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
     Engine(name="torchtitan", title="torchtitan", export="to_torchtitan", fill="planner.engines.titan",
            schedule_names={"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"},
            fp8="torchao's float8", fp8_recipe=attrgetter("titan_recipe"), fp8_default=lambda peaks: "torchao-rowwise",
-           fsdp="FSDP2", hsdp="FSDP2's HSDP", expert_parallel=True, recompute_block=False, selective="op",
+           fsdp="FSDP2", hsdp="FSDP2's HSDP", optimizer_only=False, expert_parallel=True, recompute_block=False, selective="op",
            compile="inductor", eager=True,
            async_tp="torch's micro-pipelined TP (Inductor's micro_pipeline_tp pass)",
            memory=EngineMemory(master_shard=True, step_frees_grads=True, grad_pool=True, loss_parallel=True,

@@ -177,3 +177,21 @@ def test_a_rank_a_tie_loaded_over_its_memory_is_mended_to_megatrons_layout():
     bounds = res.best.bounds
     assert [b - a for a, b in zip(bounds, bounds[1:])] == [2] * 64
     assert max(m.total for m in plan.predictions.memory) <= plan.predictions.memory[0].capacity
+
+
+def test_torchtitan_is_planned_only_at_the_zero_stages_fsdp2_runs():
+    """torchtitan shards with FSDP2 only (torchtitan/distributed/parallel_dims.py: dp_shard, dp_replicate): its
+    sharded steps are ZeRO-2 (fully_shard without resharding after the forward) and ZeRO-3, never a sharded optimizer
+    alone. The search starts replicated runs at ZeRO-2 and falls back to ZeRO-3; a pinned --zero 1 is refused in
+    one sentence that names what to do; Megatron-Core keeps its distributed optimizer (ZeRO-1)."""
+    assert ENGINES["torchtitan"].zero_stages == (0, 2, 3) and ENGINES["megatron"].zero_stages == (0, 1, 2, 3)
+    assert ENGINES["fxplanner"].zero_stages == (0, 1, 2)
+    kw = dict(gpus=8, global_batch=16, target="h100-sxm", model_args={"preset": "tiny", "layers": 2})
+    titan, _ = make_plan(str(EXAMPLES / "gpt.py"), pins=Pins(engine="torchtitan", dp=8), **kw)
+    megatron, _ = make_plan(str(EXAMPLES / "gpt.py"), pins=Pins(engine="megatron", dp=8), **kw)
+    assert (titan.config.zero, megatron.config.zero) == (2, 1)
+    with pytest.raises(UserError) as e:
+        make_plan(str(EXAMPLES / "gpt.py"), pins=Pins(engine="torchtitan", dp=8, zero=1), **kw)
+    msg = str(e.value)
+    assert "--zero 2" in msg and "--zero 3" in msg and "--engine megatron" in msg, msg
+    assert msg.count(". ") == 0 and "\n" not in msg
