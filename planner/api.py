@@ -88,7 +88,7 @@ def engine_pins(pins: Pins, hw: Hardware) -> Pins:
     if pins.compile and not engine.compile:
         raise UserError(f"{engine.title} runs the model as written, without torch.compile (--compile): plan without "
                         f"--compile, or with {_elsewhere(lambda e: e.compile)[1]}, which compiles each block")
-    if pins.dp_replicate > 1 and not engine.hsdp:
+    if (pins.dp_replicate or 1) > 1 and not engine.hsdp:
         where = " or ".join(f"{e.title} ({e.hsdp})" for e in ENGINES.values() if e.hsdp)
         raise UserError(f"hybrid-sharded data parallelism (--dp-replicate {pins.dp_replicate}) runs in {where}, not in "
                         f"{engine.title}: add {_elsewhere(lambda e: e.hsdp)[1]}, or plan without --dp-replicate")

@@ -99,7 +99,9 @@ class ParallelConfig:
                                "gradient reduce-scattered within the group, the gradient shards all-reduced over the "
                                "replicas (torchtitan's --parallelism.data_parallel_replicate_degree, FSDP2 over a 2-D "
                                "mesh; Megatron-FSDP's --num-distributed-optimizer-instances); 1: FSDP over all d",
-                               flag="--dp-replicate")
+                               flag="--dp-replicate",
+                               unpinned="1, and where the engine runs HSDP and the search may take zero 3, each count "
+                               "whose shard group fills 1, 2, 4 or 8 whole nodes")
     grad_fp32: bool = _field(False, help="gradients accumulated and reduced in fp32 under bf16/fp16 (Megatron's "
                              "main_grad buffer, --accumulate-allreduce-grads-in-fp32: 18 bytes per parameter with "
                              "Adam, not 16), else in the weights' dtype", flag="--grad-fp32/--grad-reduce-in-bf16",

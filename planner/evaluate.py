@@ -661,10 +661,11 @@ class Evaluator:
                 bwd = [b_s[j] for j in chunks]
                 tail = exposed_reduction_s(grads, [0.0] * len(chunks) if c.zero == 3 else gather, fwd, bwd, bucket,
                                            first_group=min(c.pp, c.m), last_group=(c.m - 1) % c.pp + 1)
-                # the communication stream's load beyond what the rank's own compute covers, and the last tail
+                # the last tail, and the communication stream's load beyond what the rank's own compute and that
+                # tail cover: the stream runs its whole load, hidden or not (dp_comm_floor), so no iteration is
+                # shorter than it
                 busy = c.m * (sum(fwd) + sum(bwd))
-                ar.append(tail + max(0.0, load - sum(grads) - (0.0 if c.zero == 3 else sum(gather)) - busy)
-                          if c.zero >= 2 else tail)
+                ar.append(tail + max(0.0, load - tail - busy) if c.zero >= 2 else tail)
             else:
                 ar.append(load)
             # Adam reads and writes weights, grads, master weights and both moments once, on the 1/(d*cp) of the

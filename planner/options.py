@@ -43,8 +43,8 @@ class _SearchPins:
         if why := options_error(self.fp8, self.fp8_params, self.precision, self.expert_load, self.moe_capacity,
                                 say=lambda name: FIELDS[name].metadata["flag"]):
             raise UserError(why)
-        if why := replicate_error(self.dp_replicate, self.zero, self.dp,
-                                  say=lambda name: FIELDS[name].metadata["flag"]):
+        if self.dp_replicate is not None and (why := replicate_error(self.dp_replicate, self.zero, self.dp,
+                                                                     say=lambda name: FIELDS[name].metadata["flag"])):
             raise UserError(why)
         if self.async_tp and (why := async_tp_error(self.sp, self.compile is not False, self.tp_comm_overlap,
                                                     say=lambda name: FIELDS[name].metadata["flag"])):

@@ -19,7 +19,7 @@ from typing import Callable, Iterable, Iterator
 from costmodels.recompute import RECOMPUTE
 from passes.errors import UserError
 
-from .config import ParallelConfig
+from .config import ConfigError, ParallelConfig
 from .evaluate import Evaluation, Evaluator, Rejected
 from .layout import layout_stages
 from .options import ENGINES, Pins, check_cluster  # (a light module: the CLI checks its options without torch)
@@ -135,18 +135,34 @@ def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int,
                 if global_batch % d:
                     rejected["global batch not divisible by d"] += 1
                     continue
-                if d % pins.dp_replicate:
+                if pins.dp_replicate is not None and d % pins.dp_replicate:
                     rejected["d not a multiple of --dp-replicate"] += 1
                     continue
-                yield from _per_replica(t, p, d, cp, n_units, global_batch // d, pins, rejected, experts,
-                                        refused.get(f"{t}+sp"))
+                for r in _replicas(t, d, cp, gpus_per_node, pins):
+                    yield from _per_replica(t, p, d, cp, r, n_units, global_batch // d, pins, rejected, experts,
+                                            refused.get(f"{t}+sp"))
 
 
-def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int, pins: Pins,
+def _replicas(t: int, d: int, cp: int, node: int, pins: Pins) -> list[int]:
+    """The hybrid-sharding replica counts R to try (ParallelConfig.dp_replicate): the pinned one; else 1, and where
+    the engine runs HSDP and ZeRO-3 is pinned, each R whose shard group (d/R x cp ranks, t apart) fills 1, 2, 4
+    or 8 whole nodes: the within-node and few-node shard groups HSDP is run with."""
+    if pins.dp_replicate is not None:
+        return [pins.dp_replicate]
+    if not ENGINES[pins.engine].hsdp or pins.zero != 3:  # (unpinned, ZeRO-3 is a fallback: _fallbacks)
+        return [1]
+    ranks = t * d * cp
+    return [1, *sorted({r for k in (1, 2, 4, 8) if ranks % (k * node) == 0 and (r := ranks // (k * node)) > 1
+                        and d % r == 0})]
+
+
+def _per_replica(t: int, p: int, d: int, cp: int, r: int, n_units: int, per_replica: int, pins: Pins,
                  rejected: Counter, experts: int = 0, sp_refused: str | None = None) -> Iterator[ParallelConfig]:
-    """`sp_refused`: the op the engine cannot run under sequence parallelism at this t, if any."""
+    """`r`: the hybrid-sharding replicas (ZeRO-3 within each where above 1); `sp_refused`: the op the engine cannot
+    run under sequence parallelism at this t, if any."""
     replicas = d * cp > 1
-    zero = pins.zero if pins.zero is not None else ENGINES[pins.engine].zero_stages[1] if replicas else 0
+    zero = 3 if r > 1 else pins.zero if pins.zero is not None else \
+        ENGINES[pins.engine].zero_stages[1] if replicas else 0
     overlap = pins.overlap_grad_reduce if pins.overlap_grad_reduce is not None else replicas
     for b in divisors(per_replica):
         if pins.b not in (None, b) or (pins.b is None and b > pins.max_microbatch):
@@ -180,7 +196,7 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                             continue
                         # Megatron-Core runs expert parallelism beside tensor parallelism only under sp
                         # (under hybrid sharding the experts are divided within a replica)
-                        eps = ep_choices(experts, (t if sp else 1) * cp * d // pins.dp_replicate, pins, rejected) \
+                        eps = ep_choices(experts, (t if sp else 1) * cp * d // r, pins, rejected) \
                             if sp or t == 1 else [1] if (pins.ep or 1) == 1 else []
                         if not eps and not sp and t > 1:
                             rejected["expert parallelism beside tensor parallelism needs sequence parallelism"] += 1
@@ -189,7 +205,7 @@ def _per_replica(t: int, p: int, d: int, cp: int, n_units: int, per_replica: int
                             ENGINES[pins.engine].async_tp else (bool(pins.async_tp) and sp,)
                         for ep, atp in product(eps, atps):
                             yield ParallelConfig(tp=t, pp=p, dp=d, cp=cp, ep=ep, b=b, m=m, v=v, zero=zero,
-                                                 dp_replicate=pins.dp_replicate,
+                                                 dp_replicate=r,
                                                  grad_fp32=bool(pins.grad_fp32), overlap_grad_reduce=overlap,
                                                  tp_comm_overlap=pins.tp_comm_overlap and sp,
                                                  async_tp=atp,
@@ -282,7 +298,7 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
     def retry(c: ParallelConfig, lower: float, r: Rejected | None = None) -> None:
         """Queue what c falls back to (_fallbacks), each bounded below by `lower` and its own optimistic time (with
         at least the recomputation `r`, c's shortfall, says it needs)."""
-        for f in _fallbacks(c, pins):
+        for f in _fallbacks(c, pins, cl.gpus_per_node):
             if f not in seen:
                 seen.add(f)
                 push(f, max(lower, _optimistic_iteration(ev, f if r is None else _at_least(ev, f, r))), _FALLBACK)
@@ -295,7 +311,7 @@ def search(ev: Evaluator, pins: Pins = Pins(), *, top: int = 6, simulate_top: in
             break
         if kind == _UNBOUNDED:  # the first of c and its fallbacks that memory does not rule out, bounded in full
             short = 0.0  # bytes the last configuration tried was over by, at the least
-            for k, f in enumerate(chain((c,), _fallbacks(c, pins))):
+            for k, f in enumerate(chain((c,), _fallbacks(c, pins, cl.gpus_per_node))):
                 need = ev.memory_lower_bound(f)
                 if need <= ev.capacity:
                     bound = f if not short or not f.recompute_mode.partial or f.recompute_layers else \
@@ -355,16 +371,22 @@ def _at_least(ev: Evaluator, c: ParallelConfig, r: Rejected) -> ParallelConfig:
     return replace(c, recompute_layers=ev.recompute_guess(c, r.need_bytes - ev.capacity, r.bounds))
 
 
-def _fallbacks(c: ParallelConfig, pins: Pins) -> Iterator[ParallelConfig]:
+def _fallbacks(c: ParallelConfig, pins: Pins, node: int) -> Iterator[ParallelConfig]:
     """What to price, in order, where `c` does not fit: partial recomputation of each chunk's first blocks for a
     configuration that recomputes nothing (the least count that fits; where the engine runs it), then ZeRO-2 and
-    ZeRO-3 for a ZeRO-1 one (the stages past the engine's first sharded one: Engine.zero_stages). Each only adds work, so it is priced only where less
+    ZeRO-3 for a ZeRO-1 one (the stages past the engine's first sharded one: Engine.zero_stages), ZeRO-3 first as
+    hybrid sharding where the engine runs it (_replicas: the fewest ranks of `node` GPUs sharding first). Each only adds work, so it is priced only where less
     does not fit, and only what the search chooses (none pinned); made as they are asked for."""
     engine = ENGINES[pins.engine]
     if c.recompute == "none" and pins.recompute is None and engine.recompute_block:
         yield c.fallback(recompute="block")
     if pins.zero is None and c.zero == engine.zero_stages[1]:
-        yield from (c.fallback(zero=z) for z in engine.zero_stages[2:])
+        for z in engine.zero_stages[2:]:
+            for r in reversed(_replicas(c.tp, c.dp, c.cp, node, replace(pins, zero=z)) if z == 3 else [1]):
+                try:
+                    yield c.fallback(zero=z) if r == 1 else replace(c.fallback(zero=z), dp_replicate=r)
+                except ConfigError:  # (expert parallelism that does not divide the shard group)
+                    continue
 
 
 def _pins_arithmetic(n_gpus: int, global_batch: int, pins: Pins, gpus: bool = True) -> str | None:

@@ -150,3 +150,27 @@ def test_a_plan_without_replicas_reads_as_before():
     c = ConfigModel.of(_cfg(8)).model_dump()
     c.pop("dp_replicate")
     assert ConfigModel(**c).to_config().dp_replicate == 1
+
+
+def test_the_search_tries_hsdp_under_zero3_and_takes_it_where_fsdp_over_every_rank_waits_on_the_network():
+    """Llama-3-8B at 2K tokens, one sample per GPU on 512 H100s under --engine torchtitan --zero 3: FSDP over all
+    512 ranks all-gathers and reduce-scatters across the NICs, more than the step's compute covers; sharding within
+    each node (R = 64 replicas of 8) keeps those collectives on NVLink and all-reduces only the shards over the
+    network. Unpinned, the search tries the whole-node shard groups (1, 2, 4, 8 nodes) beside R = 1 and takes the
+    fastest; --dp-replicate 1 pins FSDP over every rank."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    kw = dict(gpus=512, global_batch=512, target="h100-sxm", model_args={"preset": "llama3-8b", "seq": 2048})
+    pins = dict(engine="torchtitan", tp=1, pp=1, b=1, zero=3, recompute="none")
+    searched, _ = make_plan(str(EXAMPLES / "hf_llama.py"), pins=Pins(**pins), **kw)
+    fsdp, _ = make_plan(str(EXAMPLES / "hf_llama.py"), pins=Pins(**pins, dp_replicate=1), **kw)
+    assert fsdp.config.dp_replicate == 1 and searched.config.dp_replicate in (8, 16, 32, 64)
+    assert searched.predictions.iteration_s < fsdp.predictions.iteration_s
+
+
+def test_no_sharded_step_is_priced_shorter_than_its_data_parallel_traffic(units):
+    """The communication stream runs a step's whole data-parallel traffic, hidden or not: no ZeRO-2/3 configuration
+    (HSDP or not) is priced below Evaluator.dp_comm_floor, the search's own bound on it."""
+    ev = _ev(units, 64)
+    for zero, r, b in ((2, 1, 1), (3, 1, 1), (3, 8, 1), (3, 2, 4), (2, 1, 4)):
+        c = ParallelConfig(tp=1, pp=1, dp=64, b=b, m=M // b, zero=zero, dp_replicate=r, overlap_grad_reduce=True)
+        assert ev.evaluate(c).iteration_s >= ev.dp_comm_floor(c) > 0, (zero, r, b)
