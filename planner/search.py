@@ -138,18 +138,18 @@ def candidates(n_units: int, n_gpus: int, gpus_per_node: int, global_batch: int,
                 if pins.dp_replicate is not None and d % pins.dp_replicate:
                     rejected["d not a multiple of --dp-replicate"] += 1
                     continue
-                for r in _replicas(t, d, cp, gpus_per_node, pins):
+                for r in _replicas(t, d, cp, gpus_per_node, pins, pins.zero):
                     yield from _per_replica(t, p, d, cp, r, n_units, global_batch // d, pins, rejected, experts,
                                             refused.get(f"{t}+sp"))
 
 
-def _replicas(t: int, d: int, cp: int, node: int, pins: Pins) -> list[int]:
-    """The hybrid-sharding replica counts R to try (ParallelConfig.dp_replicate): the pinned one; else 1, and where
-    the engine runs HSDP and ZeRO-3 is pinned, each R whose shard group (d/R x cp ranks, t apart) fills 1, 2, 4
-    or 8 whole nodes: the within-node and few-node shard groups HSDP is run with."""
+def _replicas(t: int, d: int, cp: int, node: int, pins: Pins, zero: int | None) -> list[int]:
+    """The hybrid-sharding replica counts R to try (ParallelConfig.dp_replicate) at ZeRO stage `zero` (None: not yet
+    chosen): the pinned one; else 1, and at ZeRO-3 where the engine runs HSDP each R whose shard group (d/R x cp
+    ranks, t apart) fills 1, 2, 4 or 8 whole nodes: the within-node and few-node shard groups HSDP is run with."""
     if pins.dp_replicate is not None:
         return [pins.dp_replicate]
-    if not ENGINES[pins.engine].hsdp or pins.zero != 3:  # (unpinned, ZeRO-3 is a fallback: _fallbacks)
+    if not ENGINES[pins.engine].hsdp or zero != 3:  # (unpinned, ZeRO-3 is a fallback: _fallbacks)
         return [1]
     ranks = t * d * cp
     return [1, *sorted({r for k in (1, 2, 4, 8) if ranks % (k * node) == 0 and (r := ranks // (k * node)) > 1
@@ -375,14 +375,15 @@ def _fallbacks(c: ParallelConfig, pins: Pins, node: int) -> Iterator[ParallelCon
     """What to price, in order, where `c` does not fit: partial recomputation of each chunk's first blocks for a
     configuration that recomputes nothing (the least count that fits; where the engine runs it), then ZeRO-2 and
     ZeRO-3 for a ZeRO-1 one (the stages past the engine's first sharded one: Engine.zero_stages), ZeRO-3 first as
-    hybrid sharding where the engine runs it (_replicas: the fewest ranks of `node` GPUs sharding first). Each only adds work, so it is priced only where less
-    does not fit, and only what the search chooses (none pinned); made as they are asked for."""
+    hybrid sharding where the engine runs it (_replicas: the fewest ranks of `node` GPUs sharding first). Each only
+    adds work, so it is priced only where less does not fit, and only what the search chooses (none pinned); made as
+    they are asked for."""
     engine = ENGINES[pins.engine]
     if c.recompute == "none" and pins.recompute is None and engine.recompute_block:
         yield c.fallback(recompute="block")
     if pins.zero is None and c.zero == engine.zero_stages[1]:
         for z in engine.zero_stages[2:]:
-            for r in reversed(_replicas(c.tp, c.dp, c.cp, node, replace(pins, zero=z)) if z == 3 else [1]):
+            for r in reversed(_replicas(c.tp, c.dp, c.cp, node, pins, z)):
                 try:
                     yield c.fallback(zero=z) if r == 1 else replace(c.fallback(zero=z), dp_replicate=r)
                 except ConfigError:  # (expert parallelism that does not divide the shard group)
