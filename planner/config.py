@@ -291,10 +291,12 @@ class ParallelConfig:
         return FP8_RECIPES[self.fp8] if self.fp8 else None
 
     def gathered_bytes(self, fp8_unit: bool) -> float:
-        """Bytes per parameter ZeRO-3 all-gathers of a unit and holds whole while it runs: the training precision's,
-        or one where the FP8 recipe gathers the unit's FP8 weights (Fp8Recipe.fsdp_gather)."""
+        """Bytes per parameter a sharded step all-gathers of a unit (and under ZeRO-3 holds whole while it runs): the
+        training precision's, or one where the unit's weights are gathered in FP8: kept in FP8 only (fp8_params:
+        Megatron's --fp8-param-gather, its distributed optimizer gathering the FP8 parameters), or cast to FP8 for
+        FSDP's all-gather (Fp8Recipe.fsdp_gather, ZeRO-3)."""
         fp8 = self.fp8_recipe
-        return 1.0 if fp8_unit and fp8 is not None and fp8.fsdp_gather and self.zero >= 3 else \
+        return 1.0 if fp8_unit and fp8 is not None and (self.fp8_params or fp8.fsdp_gather and self.zero >= 3) else \
             self.numerics.weight_bytes
 
     @property

@@ -128,5 +128,8 @@ def test_fsdp_gathers_torchao_tensorwise_weights_in_fp8(llama):
     head = [llama["head"], llama["head"]]
     assert in_flight_bytes(head, cfg["torchao-tensorwise"], held=held) == in_flight_bytes(head, cfg["torchao-rowwise"],
                                                                                           held=held)
-    # below ZeRO-3 the weights are the optimizer's all-gather after the step, bf16 (FSDP's float8 all-gather only)
+    # below ZeRO-3 the weights are the optimizer's all-gather after the step, bf16 (FSDP's float8 all-gather only);
+    # FP8 only where Megatron keeps them so (--fp8-param-gather: its distributed optimizer gathers FP8 parameters)
     assert config("torchao-tensorwise", dp=8, zero=1, m=1).gathered_bytes(True) == 2.0
+    megatron = config("delayed", dp=8, zero=1, m=1, fp8_params=True)
+    assert (megatron.gathered_bytes(True), megatron.gathered_bytes(False)) == (1.0, 2.0)
