@@ -58,7 +58,7 @@ def main() -> None:
     row = next(r for r in runs if r["id"] == "torchtitan-2412-llama31-8b-fsdp8")
     plan, _ = make_plan(str(ROOT / "examples" / "hf_llama.py"), target=row["gpu"], gpus=RANKS,
                         global_batch=RANKS * LOCAL_BATCH, model_args={"preset": "llama3-8b", "seq": SEQ},
-                        pins=Pins(engine="torchtitan", zero=3, dp=RANKS, tp=1, pp=1, cp=1, b=LOCAL_BATCH,
+                        pins=Pins(engine="torchtitan", zero=3, dp=RANKS, tp=1, pp=1, cp=1, b=LOCAL_BATCH, compile=False,
                                   recompute="selective", precision="bf16", grad_fp32=True))
     memory = plan.predictions.memory[0]
     allocated = memory.total - plan.source.reserve_bytes - memory.grads  # (the gradient pool: reserved, not allocated)
