@@ -76,7 +76,8 @@ def main() -> None:
     print(f"planner (allocated, no reserve) {allocated / GiB:6.1f} GiB  ({allocated / tracked['Total'] - 1:+.1%})")
     print(f"torchtitan max_reserved         {row['peak_memory_gib']:6.1f} GiB  (reserved less the tracker's allocated: "
           f"{row['peak_memory_gib'] - tracked['Total'] / GiB:.1f} GiB)")
-    print(f"planner (device total)          {memory.total / GiB:6.1f} GiB  ({memory.total / GiB / row['peak_memory_gib'] - 1:+.1%}"
+    total = memory.total / GiB
+    print(f"planner (device total)          {total:6.1f} GiB  ({total / row['peak_memory_gib'] - 1:+.1%}"
           f" against torchtitan's: the allocated, the sharded gradients' pool {memory.grads / GiB:.1f} GiB,"
           f" the reserve {plan.source.reserve_bytes / GiB:.1f} GiB)")
     if args.out:

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from planner.config import ParallelConfig
 
 __all__ = ["DEFAULT_MEMORY", "EngineMemory", "StageMemory", "UnitBytes", "activation_bytes",
-           "expert_count", "fp8_param_count", "fp8_weight_bytes", "held_bytes", "held_numerics", "in_flight_bytes", "param_count",
+           "expert_count", "fp8_param_count", "fp8_weight_bytes", "held_bytes", "held_numerics", "in_flight_bytes",
+           "param_count",
            "rank_param_count", "stage_memory", "static_bytes", "static_of", "sweeps_grads", "unit_bytes"]
 
 

@@ -120,7 +120,8 @@ class ParallelConfig:
                             "reduce-scatter split into t per-rank chunks, each copied while the previous chunk's "
                             "matrix product runs; torchtitan's --compile.enable_async_tensor_parallel); it needs sp "
                             "and compile", flag="--async-tp/--no-async-tp",
-                            unpinned="the search tries both where the engine runs it (torchtitan, under compile and sp)")
+                            unpinned="the search tries both where the engine runs it (torchtitan, under compile "
+                            "and sp)")
     b: int = _field(help="microbatch size b", flag="--microbatch", plan="microbatch", unpinned="the search chooses")
     m: int = _field(help="microbatches per iteration m = B / (d b)", plan="microbatches")
     v: int = _field(1, help="model chunks per pipeline rank v (interleaving)", flag="--vp", plan="vp",
@@ -430,8 +431,8 @@ def async_tp_error(sp: bool | None, compile: bool, tp_comm_overlap: bool,
     """Why async tensor parallelism cannot go with these fields (sp None: the search chooses it), or None."""
     flag = lambda name: say(name).split("/")[0]  # noqa: E731 (a flag, not its negation)
     if not compile:
-        return (f"async tensor parallelism ({flag('async_tp')}) is a pass of torch.compile's Inductor over the compiled "
-                f"blocks: it needs {flag('compile')}")
+        return (f"async tensor parallelism ({flag('async_tp')}) is a pass of torch.compile's Inductor over the "
+                f"compiled blocks: it needs {flag('compile')}")
     if sp is False:
         return (f"async tensor parallelism ({flag('async_tp')}) splits the all-gathers and reduce-scatters of sequence "
                 f"parallelism: it needs {flag('sp')}")

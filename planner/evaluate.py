@@ -18,8 +18,8 @@ from costmodels.comm import allreduce_time, exposed_reduction_s, megatron_bucket
 from costmodels.compute import unit_time
 from costmodels.hardware import Hardware
 from costmodels.memory import (DEFAULT_MEMORY, EngineMemory, StageMemory, UnitBytes, activation_bytes, expert_count,
-                               fp8_param_count, fp8_weight_bytes, held_bytes, in_flight_bytes, param_count, stage_memory, static_bytes,
-                               static_of, sweeps_grads, unit_bytes)
+                               fp8_param_count, fp8_weight_bytes, held_bytes, in_flight_bytes, param_count, stage_memory,
+                               static_bytes, static_of, sweeps_grads, unit_bytes)
 from costmodels.recompute import recompute_mode
 from passes.errors import UserError
 from passes.units import Unit
