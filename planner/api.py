@@ -111,6 +111,10 @@ def engine_pins(pins: Pins, hw: Hardware) -> Pins:
         pins = replace(pins, schedules=tuple(k for k in (pins.schedules or engine.schedules) if k in engine.schedules))
     if pins.compile is None:  # (compiled where the engine compiles: planner.config)
         pins = replace(pins, compile=bool(engine.compile))
+    if pins.grad_fp32 is False and pins.precision == "bf16" and not engine.grad_reduce_bf16:
+        raise UserError(f"{engine.title} reduces bf16 training's gradients in fp32 only (its training."
+                        f"mixed_precision_reduce takes float32): plan without --grad-reduce-in-bf16, or with "
+                        f"{_elsewhere(lambda e: e.grad_reduce_bf16 and e.export)[1]} to reduce them in bf16")
     if engine.grad_fp32 and pins.grad_fp32 is None:
         pins = replace(pins, grad_fp32=pins.precision == "bf16")
     if not pins.fp8:

@@ -105,7 +105,7 @@ class ParallelConfig:
     grad_fp32: bool = _field(False, help="gradients accumulated and reduced in fp32 under bf16/fp16 (Megatron's "
                              "main_grad buffer, --accumulate-allreduce-grads-in-fp32: 18 bytes per parameter with "
                              "Adam, not 16), else in the weights' dtype", flag="--grad-fp32/--grad-reduce-in-bf16",
-                             unpinned="as the engine does (--engine megatron: fp32 under bf16)")
+                             unpinned="as the engine does (--engine megatron and torchtitan: fp32 under bf16)")
     overlap_grad_reduce: bool = _field(False, help="data-parallel gradient reduction bucketed and launched during the "
                                        "backward (and, with a sharded optimizer, the parameter all-gather during the "
                                        "next forward): Megatron's --overlap-grad-reduce / --overlap-param-gather",

@@ -75,6 +75,10 @@ class Engine:
     """It pads experts to a capacity factor (--moe-capacity); the others route every token to its experts."""
     grad_fp32: bool = False
     """By default it accumulates and reduces bf16 training's gradients in fp32 (else in the weights' dtype)."""
+    grad_reduce_bf16: bool = True
+    """It can reduce bf16 training's gradients in bf16 (--grad-reduce-in-bf16); False: always in fp32 (torchtitan's
+    training.mixed_precision_reduce takes "float32" only, FSDP2's MixedPrecisionPolicy reduce_dtype; under DDP its
+    parameters and their gradients are fp32)."""
     selective: str = "core"
     """What its selective recomputation checkpoints (passes.units.Unit.checkpoint): "core", the attention core
     (Megatron-Core's --recompute-granularity selective --recompute-modules core_attn; the fxplanner runtime's); "op",
@@ -114,7 +118,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            schedule_names={"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"},
            fp8="torchao's float8", fp8_recipe=attrgetter("titan_recipe"), fp8_default=lambda peaks: "torchao-rowwise",
            fsdp="FSDP2", hsdp="FSDP2's HSDP", optimizer_only=False, expert_parallel=True, recompute_block=False,
-           selective="op",
+           selective="op", grad_fp32=True, grad_reduce_bf16=False,
            compile="inductor", eager=True,
            async_tp="torch's micro-pipelined TP (Inductor's micro_pipeline_tp pass)",
            memory=EngineMemory(master_shard=True, step_frees_grads=True, grad_pool=True, loss_parallel=True,

@@ -195,3 +195,17 @@ def test_torchtitan_is_planned_only_at_the_zero_stages_fsdp2_runs():
     msg = str(e.value)
     assert "--zero 2" in msg and "--zero 3" in msg and "--engine megatron" in msg, msg
     assert msg.count(". ") == 0 and "\n" not in msg
+
+
+def test_torchtitan_reduces_gradients_in_fp32_only():
+    """torchtitan's training.mixed_precision_reduce takes "float32" only (torchtitan/config/configs.py): its bf16
+    plans reduce in fp32 unless told otherwise, and --grad-reduce-in-bf16 is refused in one sentence naming the
+    engine that can."""
+    kw = dict(gpus=8, global_batch=16, target="h100-sxm", model_args={"preset": "tiny", "layers": 2})
+    titan, _ = make_plan(str(EXAMPLES / "gpt.py"), pins=Pins(engine="torchtitan", dp=8, precision="bf16"), **kw)
+    assert titan.config.grad_fp32
+    with pytest.raises(UserError) as e:
+        make_plan(str(EXAMPLES / "gpt.py"), pins=Pins(engine="torchtitan", dp=8, grad_fp32=False), **kw)
+    msg = str(e.value)
+    assert "--grad-reduce-in-bf16" in msg and "--engine megatron" in msg, msg
+    assert msg.count(". ") == 0 and "\n" not in msg
