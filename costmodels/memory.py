@@ -262,14 +262,15 @@ def stage_memory(units: list[Unit], hw: Hardware, cfg: ParallelConfig, rank: int
         # up to k still holds its activations and those after it hold their gradients; the loss's phase holds no
         # gradient, a unit's own backward its whole gradient until its reduce-scatter
         kept = list(accumulate(per_unit))
-        after = [0.0, *accumulate(table.grads[i] for i in reversed(at))][::-1][1:]
         whole = [table.params[i] * grad if cfg.zero >= 2 else 0.0 for i in at]
-        phases = [(kept[k] + max(table.loss[i], own[k] + whole[k]), after[k]
-                   + (whole[k] if own[k] + whole[k] > table.loss[i] else 0.0)) for k, i in enumerate(at)]
-        acts_k, grads = max(phases, key=sum, default=(0.0, 0.0))
+        peak = [kept[k] + max(table.loss[i], own[k] + whole[k]) for k, i in enumerate(at)]  # (the compute stream's)
         if held.grad_pool and cfg.zero >= 2:  # the compute stream's peak, and the gradients' own pool beside it
-            acts_k = max((kept[k] + max(table.loss[i], own[k] + whole[k]) for k, i in enumerate(at)), default=0.0)
-            grads = sum(table.grads[i] for i in at)
+            acts_k, grads = max(peak, default=0.0), sum(table.grads[i] for i in at)
+        else:
+            after = [0.0, *accumulate(table.grads[i] for i in reversed(at))][::-1][1:]
+            phases = [(peak[k], after[k] + (whole[k] if own[k] + whole[k] > table.loss[i] else 0.0))
+                      for k, i in enumerate(at)]
+            acts_k, grads = max(phases, key=sum, default=(0.0, 0.0))
         acts += acts_k - sum(per_unit)
     else:
         acts += max(work, default=0.0)

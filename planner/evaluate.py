@@ -602,7 +602,7 @@ class Evaluator:
             per_node = max(1, min(ranks, node // stride))
             return allreduce_time(n * per, per_node, ranks // per_node, self.hw.links) if ranks > 1 and n else 0.0
 
-        shard, expert_shard = c.dp * c.cp // r, c.expert_dp // r
+        shard, expert_shard = c.shard_ranks, c.expert_dp // r
         cost = reduce_s(dense, shard, c.tp) + reduce_s(experts, expert_shard, c.ep * c.tp // c.sp_degree)
         if replicas and r > 1:  # the shards' all-reduce over the replicas, one replica's whole stage apart
             apart = c.tp * shard

@@ -40,14 +40,15 @@ class _SearchPins:
         for name in self.schedules or ():
             if why := field_error("schedule", name, cli=True):
                 raise UserError(why)
+        def say(name: str) -> str:  # a field as its flag
+            return FIELDS[name].metadata["flag"]
+
         if why := options_error(self.fp8, self.fp8_params, self.precision, self.expert_load, self.moe_capacity,
-                                say=lambda name: FIELDS[name].metadata["flag"]):
+                                say=say):
             raise UserError(why)
-        if self.dp_replicate is not None and (why := replicate_error(self.dp_replicate, self.zero, self.dp,
-                                                                     say=lambda name: FIELDS[name].metadata["flag"])):
+        if self.dp_replicate is not None and (why := replicate_error(self.dp_replicate, self.zero, self.dp, say=say)):
             raise UserError(why)
-        if self.async_tp and (why := async_tp_error(self.sp, self.compile is not False, self.tp_comm_overlap,
-                                                    say=lambda name: FIELDS[name].metadata["flag"])):
+        if self.async_tp and (why := async_tp_error(self.sp, self.compile is not False, self.tp_comm_overlap, say=say)):
             raise UserError(why)
         if self.recompute_layers is not None and (self.recompute_layers < 1 or self.recompute not in (None, "block")):
             raise UserError(f"--recompute-layers {self.recompute_layers} counts the blocks of each model chunk that "

@@ -41,7 +41,7 @@ def _cfg(**kw) -> ParallelConfig:
 def test_the_decomposition(block):
     """Exposed: what the t - 1 chunked products (of t) cannot cover of the traffic, plus the t smaller products' lost
     efficiency, plus the local copies, partial sums and barriers; the same traffic as plain TP."""
-    hw, c = Hardware(target=get_target("h100-sxm")), _cfg(async_tp=True)
+    hw = Hardware(target=get_target("h100-sxm"))
     n = block.tp_allreduces
     ar_f = n * tp_allreduce_s(block.tp_fwd_allreduce_bytes(1) / n, T, hw)
     ar_b = n * tp_allreduce_s(block.tp_bwd_allreduce_bytes(1) / n, T, hw)
