@@ -33,6 +33,9 @@ from planner.export import to_torchtitan
 from planner.plan import load_plan
 
 MODES = ("torch", "titan")
+GRACE_S = 0.3
+"""The fill's grace period here: two ranks, their fill executors and the suite's other worker share 2 cores, so a unit
+may be descheduled past the runtime's 50 ms default (tests/runtime/test_fill_divide.py takes the same)."""
 
 
 def _titan(plan_path: Path, export, stages: list, loss_fn, fill: bool):
@@ -48,7 +51,8 @@ def _titan(plan_path: Path, export, stages: list, loss_fn, fill: bool):
     if not fill:
         argv = [a for a in argv if not a.startswith("--fill.") and a != str(plan_path)]
     # the activation-checkpoint subcommand stays last (tyro)
-    cfg = ConfigManager().parse_args([*argv[:-1], "--dump-folder", str(plan_path.parent / "titan"), argv[-1]])
+    grace = ["--fill.grace_s", str(GRACE_S)] if fill else []
+    cfg = ConfigManager().parse_args([*argv[:-1], *grace, "--dump-folder", str(plan_path.parent / "titan"), argv[-1]])
     assert type(cfg) is FillTrainer.Config, type(cfg)
     schedule = _build_pipeline_schedule(parallelism=cfg.parallelism, local_batch_size=cfg.training.local_batch_size,
                                         stages=stages, loss_fn=lambda out, target: (loss_fn(out, target), None))
@@ -81,7 +85,7 @@ def run(plan_path: Path, steps: int, fill: bool, mode: str) -> dict:
     else:
         schedule = _PipelineScheduleRuntime(stages, n_microbatches=c.microbatches, loss_fn=mf.module.loss_fn)
         schedule._load_csv(csv_path)
-        adapter = attach(schedule, plan, device="cpu") if fill else None
+        adapter = attach(schedule, plan, device="cpu", grace_s=GRACE_S) if fill else None
     optimizer = torch.optim.Adam([p for st in stages for p in st.submod.parameters()], lr=1e-3)
     first, last = any(s.stage == 0 for s in mine), any(s.stage == len(plan.partition) - 1 for s in mine)
     step_losses = []
