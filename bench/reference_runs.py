@@ -85,9 +85,12 @@ def price_row(r: dict):
         return plan, max(m.total for m in plan.predictions.memory) / hbm
 
 
-TITAN_MODEL = ROOT / "examples" / "hf_llama.py"
-"""Llama 3.1 8B as torchtitan's train step computes it: its loss is the model file's (cross-entropy of the bf16
-logits cast to fp32, over the whole vocabulary), as torchtitan's cross_entropy_loss is."""
+TITAN_MODEL = ROOT / "examples" / "titan_llama.py"
+TITAN_ARGS = {"preset": "llama3-8b", "norm": "fp32"}
+"""Llama 3.1 8B as the rows' torchtitan (9dec370) writes it: its torchtitan/models/llama/model.py (RoPE by complex
+views, repeat_kv, SDPA, the layers in an nn.ModuleDict), its RMSNorm of norm_type "rmsnorm" (the llama3_8b train
+config's: op by op in fp32), and its train step's loss (cross-entropy of the bf16 logits cast to fp32, over the whole
+vocabulary, as torchtitan's cross_entropy_loss)."""
 
 
 def _plan_big(model: Path, target: str, kw: dict):
@@ -110,7 +113,7 @@ def titan_row(r: dict) -> tuple[object, list[str]]:
     batch as one microbatch, torchtitan's selective activation checkpointing (per op), bf16, each block compiled where
     the row compiles (--compile: Inductor's fused kernels); the float8 recipe where the planner has it."""
     missing = []
-    model_args = {"preset": "llama3-8b", "seq": r["seq"]}
+    model_args = TITAN_ARGS | {"seq": r["seq"]}
     base = dict(tp=r["tp"], pp=r["pp"], cp=r["cp"], dp=r["dp_shard"], b=r["local_batch"], zero=3, grad_fp32=True,
                 recompute="selective", engine="torchtitan", precision="bf16", overlap_grad_reduce=True,
                 compile=bool(r["compile"]))  # (torchtitan's --training.compile then: each block compiled)

@@ -49,21 +49,23 @@ class UnitTime:
 
 
 def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: Fp8Recipe | None = None,
-               groups: float = 1.0, weights: float = 1.0) -> tuple[float, float, float]:
+               groups: float = 1.0, weights: float = 1.0, compiled: bool = False) -> tuple[float, float, float]:
     """(forward, backward, of the backward the weight gradients) seconds of one part, already divided over t
     GPUs. Each matrix product is its own kernel on the roofline: compute-bound at the GEMM efficiency its size
     reaches, or bound by the bytes it moves (attention's score products Q K^T and P V with a small head dimension
     are, on A100 and more so on H100); its backward FLOPs (two products per product, five for a fused attention's
     two) run at its rate, the dW product's share of them being the weight gradient (with one launch of its own).
     Under an FP8 recipe (costmodels.fp8) a weight product's three GEMMs run at the FP8 rate, and the casts of its
-    input X (forward) and output gradient dY (backward; torchao casts X again there) move their bytes, each cast a
-    kernel of its own; the dW's share of the dY cast is the weight gradient's. `groups`: each weight product is a
+    input X (forward) and output gradient dY (backward; torchao casts X again there) move their bytes
+    (Fp8Recipe.activation_casts; `compiled`: as Inductor fuses them), each cast a kernel of its own; the dW's share
+    of the dY cast is the weight gradient's. `groups`: each weight product is a
     grouped GEMM of that many equal GEMMs (a rank's local experts), whose efficiency is that of one of them, and
     which reads `weights` of the product's weights (the bytes it moves whatever the batch: 1/ep of the experts')."""
     gpu, eff = hw.gpu, hw.eff
     bw, vec = gpu.hbm_bw * eff.hbm, gpu.peak("fp32")
     mm = mm_bwd = mm_bytes = fwd = bwd = wgrad = 0.0
     wgrad_kernels = casts = 0
+    cast_x, cast_y, recast_x = fp8.activation_casts(compiled) if fp8 is not None else (0.0, 0.0, 0.0)
     for flops_of, bytes_of, bwd_flops_of, fused, wgrad_flops_of, x_of, y_of in part.products:
         f, by, fb, wf = flops_of(b) / t, bytes_of(b) / t, bwd_flops_of(b) / t, wgrad_flops_of(b) / t
         mm, mm_bwd, mm_bytes = mm + f, mm_bwd + fb, mm_bytes + by  # (what the rest of the part's bytes are net of)
@@ -77,8 +79,8 @@ def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: 
         bwd += product_bwd
         if low:
             x, y = x_of(b) / t, y_of(b) / t
-            fwd += fp8.cast_passes() * x / bw
-            cast_bwd = fp8.cast_passes() * (y + (0.0 if fp8.saves_fp8_input else x)) / bw
+            fwd += cast_x * x / bw
+            cast_bwd = (cast_y * y + recast_x * x) / bw
             bwd += cast_bwd
             wgrad += cast_bwd * wf / fb
             casts += 1
@@ -100,9 +102,11 @@ def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: 
             (wgrad + wgrad_kernels * eff.launch_s) * eff.calibration)
 
 
-def part_forward_s(part: Part, b: float, t: int, hw: Hardware, precision: str) -> float:
-    """Forward seconds of one part divided over t GPUs, as unit_time prices a forward (what a recomputation reruns)."""
-    return _part_time(part, b, t, hw, precision)[0]
+def part_forward_s(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: Fp8Recipe | None = None,
+                   compiled: bool = False) -> float:
+    """Forward seconds of one part divided over t GPUs, as unit_time prices a forward (what a recomputation reruns:
+    its weight products under the FP8 recipe they ran under)."""
+    return _part_time(part, b, t, hw, precision, fp8, compiled=compiled)[0]
 
 
 def _gemm_s(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: Fp8Recipe | None = None,
@@ -235,29 +239,34 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     with cfg.recompute's recomputation inside the backward."""
     b, t = cfg.local_b, cfg.tp
     fp8 = cfg.fp8_recipe if runs_fp8(unit.kind) else None
-    sf, sb, sw = _part_time(unit.sharded, b, t, hw, cfg.precision, fp8)
+    compiled = cfg.compile and unit.kind == "block"  # (the blocks are what the engine compiles: passes.kernels)
+    sf, sb, sw = _part_time(unit.sharded, b, t, hw, cfg.precision, fp8, compiled=compiled)
     if 0 < unit.kv_heads < t:  # grouped-query attention: each kv head is replicated on t / kv_heads ranks
-        rf_, rb_, rw_ = _part_time(unit.kv, b, unit.kv_heads, hw, cfg.precision, fp8)
-        df, db, dw = _part_time(unit.kv, b, t, hw, cfg.precision, fp8)
+        rf_, rb_, rw_ = _part_time(unit.kv, b, unit.kv_heads, hw, cfg.precision, fp8, compiled=compiled)
+        df, db, dw = _part_time(unit.kv, b, t, hw, cfg.precision, fp8, compiled=compiled)
         sf, sb, sw = sf + rf_ - df, sb + rb_ - db, sw + rw_ - dw
     # sequence parallelism: the norms, dropouts and residual adds run on 1/t of the sequence; the
     # all-reduces become a reduce-scatter and an all-gather of the same volume (the same ring time)
-    rf, rb, rw = _part_time(unit.replicated, b, cfg.sp_degree, hw, cfg.precision, fp8)
+    rf, rb, rw = _part_time(unit.replicated, b, cfg.sp_degree, hw, cfg.precision, fp8, compiled=compiled)
     ep_f = ep_b = 0.0
     if unit.experts:  # each rank runs its experts/ep local experts as grouped GEMMs over their tokens (balanced
         # routing: a rank's share of the routed work is what it dispatches, 1/r of the stage's tokens times top-k)
         r, load = cfg.sp_degree, cfg.expert_load  # the busiest rank's tokens: load x its balanced share
-        one = _part_time(unit.moe, b, r, hw, cfg.precision, fp8)  # as `replicated` priced it: one GEMM per product
+        one = _part_time(unit.moe, b, r, hw, cfg.precision, fp8, compiled=compiled)  # as `replicated` priced it
         grouped = _part_time(unit.moe, b * load, r, hw, cfg.precision, fp8, groups=unit.experts / cfg.ep,
-                             weights=1 / cfg.ep)
+                             weights=1 / cfg.ep, compiled=compiled)
         rf, rb, rw = (x + g - o for x, g, o in zip((rf, rb, rw), grouped, one))
         ep_f = 2 * expert_alltoall_s(unit.moe_dispatch_bytes(b) * load / r, unit.top_k, cfg, hw)  # dispatch, combine
         ep_b = ep_f  # their gradients, the other way
     cast = 0.0  # the weights' FP8 casts: once per iteration (cached FP8 weights), or every microbatch both ways
     if fp8 is not None:
-        cast = fp8.cast_passes() * param_count(unit, cfg) * cfg.numerics.weight_bytes / (hw.gpu.hbm_bw * hw.eff.hbm)
-        if not fp8.weight_cache:
-            sf, sb, cast = sf + cast, sb + cast, 0.0
+        weight = param_count(unit, cfg) * cfg.numerics.weight_bytes / (hw.gpu.hbm_bw * hw.eff.hbm)
+        if fp8.weight_cache:
+            cast = fp8.cast_passes() * weight
+        else:
+            gathered = fp8.fsdp_gather and cfg.zero >= 3 and not cfg.fp8_params
+            wf, wb = fp8.weight_casts(compiled, cfg.shard_ranks if gathered else 1)
+            sf, sb = sf + wf * weight, sb + wb * weight
     n = max(unit.tp_allreduces, 1)
     ar_f = n * tp_allreduce_s(unit.tp_fwd_allreduce_bytes(b) / n, t, hw) if unit.tp_allreduces else 0.0
     ar_b = tp_allreduce_s(unit.tp_bwd_allreduce_bytes(b) / n, t, hw) * n if t > 1 else 0.0
@@ -289,7 +298,7 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     wait = max(0.0, hw.eff.moe_host_s - fwd - (bwd if cfg.moe_a2a_overlap else 0.0)) \
         if unit.experts and not cfg.moe_capacity else 0.0
     fwd += wait
-    bwd += cfg.recompute_mode.extra_backward_s(unit, b, t, hw, cfg.precision, fwd)
+    bwd += cfg.recompute_mode.extra_backward_s(unit, b, t, hw, cfg.precision, fwd, fp8=fp8, compiled=compiled)
     return UnitTime(fwd_s=fwd, bwd_s=bwd, tp_comm_s=ar_f + ar_b, cp_comm_s=cp_f + cp_b, bwd_weight_s=(sw + rw) * kb,
                     ep_comm_s=ep_f + ep_b, weight_cast_s=cast, host_wait_s=wait)
 

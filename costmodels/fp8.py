@@ -56,9 +56,41 @@ class Fp8Recipe:
         return 2 * (1 + self.scale_bytes) if self.weight_cache else 0.0
 
     def cast_passes(self) -> float:
-        """Bytes moved per byte of a bf16 tensor cast: read it (once more for its amax) and write its two FP8
-        copies (2 x half its bytes) with their scales."""
+        """Bytes moved per byte of a bf16 tensor Transformer Engine casts: read it (once more for its amax) and write
+        its two FP8 copies (2 x half its bytes) with their scales."""
         return 1 + self.amax_pass + (1 + self.scale_bytes)
+
+    def activation_casts(self, compiled: bool) -> tuple[float, float, float]:
+        """Bytes moved per byte of a bf16 activation a weight product casts: (its input X in the forward, its output
+        gradient dY in the backward, X again in the backward).
+
+        Transformer Engine: one cast-transpose kernel per tensor (cast_passes), the backward reading the FP8 X the
+        forward kept. torchao (torchao/float8/float8_linear.py, matmul_with_hp_or_float8_args): each cast is an
+        amax pass then a cast writing one FP8 copy (1 + 1 + 1/2); its backward casts dY twice (for dX, and for dW,
+        whose transposed operand _scaled_mm takes as a copy of its own: 1 + 1/2... read and written again, 1) and
+        recasts the bf16 X it kept (2.5, and its transposed copy, 1). Compiled (torchtitan's float8 runs under
+        torch.compile), Inductor fuses each amax into the kernel producing the tensor and merges the identical casts
+        AOTAutograd's CSE finds: a cast reads the tensor once and writes its FP8 copies (X: 1 + 1/2; dY: 1 + 1/2 +
+        the transposed 1/2 tensorwise, a second pass rowwise, whose dW operand is scaled per column; X again:
+        1 + 1/2, its amax kept). The casts of X that several products share (wq, wk, wv; w1, w3) are one cast
+        there (passes.kernels: Part.products' X of the others is 0 under "inductor"). Where the amax's producer is
+        not an Inductor kernel (SDPA's output, its input gradients) the compiled figure is short one read."""
+        if self.engine == "transformer_engine":
+            p = self.cast_passes()
+            return p, p, 0.0 if self.saves_fp8_input else p
+        if compiled:
+            return 1.5, 2.0 if self.name.endswith("tensorwise") else 3.0, 1.5
+        return 2.5, 6.0, 3.5
+
+    def weight_casts(self, compiled: bool, shards: int) -> tuple[float, float]:
+        """Bytes moved per byte of the bf16 weights a torchao recipe casts every microbatch (no FP8 weight cache),
+        (forward, backward). Gathered in FP8 by FSDP (fsdp_gather; `shards` > 1 ranks), each rank casts its shard
+        before each all-gather with the scale precomputed once an iteration (torchao/float8/fsdp_utils.py:
+        1 + 1/2 of 1/shards), and the backward's dX product takes the gathered FP8 weight transposed (a copy, 1);
+        otherwise each use casts the whole weight: amax, cast (2.5), and eagerly the transposed copy again (1)."""
+        if shards > 1:
+            return 1.5 / shards, 1.5 / shards + 1.0
+        return 2.5, 2.5 if compiled else 3.5
 
 
 _TE = dict(engine="transformer_engine", weight_cache=True, saves_fp8_input=True, titan_recipe="")

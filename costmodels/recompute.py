@@ -25,8 +25,9 @@ class RecomputeMode:
     """(unit, b, t, r=1, cp=1) -> bytes one microbatch keeps from the unit's forward until its backward; the
     sharded part is split over t, the rest over r (t under sequence parallelism, else 1); b is per context-
     parallel rank (b/cp samples' worth of tokens)."""
-    extra_backward_s: Callable[[Unit, float, int, Hardware, str, float], float]
-    """(unit, b, t, hardware, precision, forward seconds) -> seconds the backward spends recomputing."""
+    extra_backward_s: Callable[..., float]
+    """(unit, b, t, hardware, precision, forward seconds, fp8=recipe or None, compiled=bool) -> seconds the backward
+    spends recomputing (its weight products under the FP8 recipe the unit runs, compiled where the block is)."""
     extra_flops: Callable[[Unit], float]
     """unit -> FLOPs per sample the recomputation executes."""
     working_set: bool
@@ -97,16 +98,19 @@ def _full_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
     return u.input_bytes(b) / r if u.kind == "block" else _selective_bytes(u, b, t, r)
 
 
-def _selective_s(u: Unit, b: float, t: int, hw: Hardware, precision: str, fwd_s: float) -> float:
+def _selective_s(u: Unit, b: float, t: int, hw: Hardware, precision: str, fwd_s: float, fp8=None,
+                 compiled: bool = False) -> float:
     """Redo the oversized cheap tensors (attention scores, softmax, dropout) of the sharded part; under per-op
-    checkpointing, the forward of every op the block did not keep, priced as its forward is (its GEMMs at the training
-    precision; the replicated part whole, as without sequence parallelism: the mode is not told r)."""
+    checkpointing, the forward of every op the block did not keep, priced as its forward is (its GEMMs under the
+    unit's FP8 recipe, which the rerun module runs too; the replicated part whole, as without sequence parallelism:
+    the mode is not told r)."""
     if u.checkpoint == "op":
         if u.op_checkpoint is None:
             return 0.0
         from .compute import part_forward_s  # (here: compute imports memory, which imports this registry)
         op = u.op_checkpoint
-        return part_forward_s(op.redo_sharded, b, t, hw, precision) + part_forward_s(op.redo, b, 1, hw, precision)
+        return part_forward_s(op.redo_sharded, b, t, hw, precision, fp8, compiled) + \
+            part_forward_s(op.redo, b, 1, hw, precision, fp8, compiled)
     part, eff = u.sharded, hw.eff
     flops = part.selective_flops(b)
     if not flops:
@@ -137,7 +141,7 @@ def recompute_mode(name: str) -> RecomputeMode:
 
 register_recompute(RecomputeMode(
     name="none", help="keep every activation the backward needs",
-    kept_bytes=_plain_bytes, extra_backward_s=lambda u, b, t, hw, prec, fwd: 0.0, extra_flops=lambda u: 0.0,
+    kept_bytes=_plain_bytes, extra_backward_s=lambda u, b, t, hw, prec, fwd, **_: 0.0, extra_flops=lambda u: 0.0,
     working_set=False))
 
 register_recompute(RecomputeMode(
@@ -152,7 +156,7 @@ register_recompute(RecomputeMode(
 register_recompute(RecomputeMode(
     name="full", help="keep each block's input only and redo its whole forward in the backward",
     kept_bytes=_full_bytes,
-    extra_backward_s=lambda u, b, t, hw, prec, fwd: fwd if u.kind == "block" else 0.0,
+    extra_backward_s=lambda u, b, t, hw, prec, fwd, **_: fwd if u.kind == "block" else 0.0,
     extra_flops=lambda u: u.fwd_flops(1) if u.kind == "block" else 0.0,
     working_set=True, keeps_gemm_inputs=lambda u: u.kind != "block"))
 
@@ -160,5 +164,5 @@ register_recompute(RecomputeMode(
     name="block", help="recompute in full the first N blocks of every model chunk and keep all of the others' "
     "activations (Megatron's --recompute-method block --recompute-num-layers N; the planner takes the least N that "
     "fits, or --recompute-layers)",
-    kept_bytes=_plain_bytes, extra_backward_s=lambda u, b, t, hw, prec, fwd: 0.0, extra_flops=lambda u: 0.0,
+    kept_bytes=_plain_bytes, extra_backward_s=lambda u, b, t, hw, prec, fwd, **_: 0.0, extra_flops=lambda u: 0.0,
     working_set=True, partial=True))

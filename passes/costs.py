@@ -79,7 +79,8 @@ VIEWS = {"view", "reshape", "permute", "transpose", "unbind", "getitem", "flatte
          "unflatten", "sym_size", "assert_tensor_metadata", "lift_fresh_copy", "new_ones", "new_zeros", "zeros",
          "ones", "full", "empty", "scalar_tensor", "pad", "constant_pad_nd", "repeat_interleave", "index",
          "logical", "cumsum", "diff", "lt", "sym_numel", "item", "gather", "index_select", "masked_select",
-         "roll", "flip", "tril", "triu", "zeros_like", "ones_like", "full_like", "empty_like", "copy"}
+         "roll", "flip", "tril", "triu", "zeros_like", "ones_like", "full_like", "empty_like", "copy",
+         "view_as_complex", "view_as_real"}  # (a complex view of pairs of reals and back: the same storage)
 MODULE_OPS: dict[type, str] = {
     nn.ReLU: "relu", nn.GELU: "gelu", nn.SiLU: "silu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid",
     nn.Dropout: "dropout", nn.LayerNorm: "layer_norm", nn.BatchNorm1d: "batch_norm",
@@ -172,7 +173,7 @@ def _cost_of(node: fx.Node, gm: fx.GraphModule) -> NodeCost:
     if measured is not None and measured.weight_gather:
         return NodeCost(kind="view", out_bytes=out.nbytes)  # no copy: the grouped GEMM reads the weights
     ins = _inputs(node)
-    read = sum((_read_bytes(n, info) for n, info in ins), ZERO)
+    read = sum((_read_bytes(n, info) for n, info in (ins[:1] if kind in LIKE else ins)), ZERO)
     io = read + out.nbytes
     acts = [(n, i) for n, i in ins if not _is_param(n, gm) and i.requires_grad]
     saved_inputs = tuple((storage_of(n).name, i.nbytes) for n, i in acts)
@@ -194,6 +195,7 @@ def _weight_operands(node: fx.Node, gm: fx.GraphModule, kind: str, ins: list[tup
 
 
 CASTS = {"to", "float", "half", "bfloat16", "type_as"}
+LIKE = {"type_as", "view_as", "expand_as", "reshape_as"}  # x.op(other): other's dtype or shape only, not its elements
 
 
 def _read_bytes(node: fx.Node, info: TensorInfo) -> sympy.Expr:

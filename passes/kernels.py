@@ -44,12 +44,12 @@ from dataclasses import replace
 import sympy
 import torch.fx as fx
 
-from .costs import NodeCost, node_kind, storage_of
+from .costs import LIKE, NodeCost, node_kind, storage_of
 from .meta_keys import COST, MEASURED, TENSOR, TP
 from .poly import Poly
 from .shapes import B, TensorInfo
 
-__all__ = ["KERNELS", "KV_SOURCE", "fuse_kernels", "megatron_cross_entropy"]
+__all__ = ["KERNELS", "KV_SOURCE", "SHARED_INPUT", "fuse_kernels", "megatron_cross_entropy"]
 
 KERNELS = ("traced", "megatron", "inductor")
 """How units are priced (passes.pipeline.analyze's `kernels`; planner.engines says each engine's): "traced", op by op
@@ -57,11 +57,13 @@ as the model file writes them; "megatron", as Megatron-Core with Transformer Eng
 `megatron_cross_entropy` in place of the file's loss_fn); "inductor", the blocks as torch.compile runs each
 (`fuse_kernels(..., megatron=False)`), the rest as traced."""
 KV_SOURCE = "fxp.kv_source"  # on an attention node: {operand index: the grouped tensor a repeat copied it from}
+SHARED_INPUT = "fxp.shared_input"  # on a weight product: an earlier product of the unit reads the same input X
 
 FUSED = {"elementwise", "norm", "view", "none"}  # priced kinds a fused kernel absorbs
 LAYOUT = {"view", "reshape", "permute", "transpose", "contiguous", "flatten", "unflatten", "squeeze", "unsqueeze",
           "expand", "t", "alias", "getitem", "slice", "select", "chunk", "split", "unbind", "detach", "to",
-          "type_as", "repeat_interleave", "repeat", "clone"}  # ops that only move or relabel elements
+          "type_as", "repeat_interleave", "repeat", "clone", "view_as_complex",
+          "view_as_real"}  # ops that only move or relabel elements
 SHAPING = {"cat", "stack", "pad", "constant_pad_nd", "roll", "flip", "tril", "triu", "arange", "zeros", "ones",
            "full", "empty", "new_zeros", "new_ones", "zeros_like", "ones_like", "full_like", "empty_like", "size",
            "sym_size", "getattr", "float", "half", "bfloat16", "assert_tensor_metadata", "lift_fresh_copy",
@@ -116,6 +118,25 @@ def _grouped_attention(nodes: list[fx.Node]) -> set[str]:
         for chain, _ in reps.values():
             freed.update(c.name for c in chain)
     return freed
+
+
+def _reads(n: fx.Node) -> list[fx.Node]:
+    """The nodes whose elements `n` reads: not the tensor whose dtype or shape `x.type_as(other)` and the like take."""
+    if node_kind(n, n.graph.owning_module) in LIKE and \
+            isinstance(n.args[0], fx.Node):
+        return [n.args[0]]
+    return n.all_input_nodes
+
+
+def _casts(n: fx.Node) -> bool:
+    """Whether the node's output has another dtype than what it reads (a cast, a complex view of reals)."""
+    out = _info(n)
+    return out is not None and any((i := _info(a)) is not None and i.dtype != out.dtype for a in _reads(n))
+
+
+def _complex(n: fx.Node) -> bool:
+    """Whether the node reads or writes a complex tensor."""
+    return any((i := _info(x)) is not None and i.dtype.is_complex for x in (n, *n.all_input_nodes))
 
 
 def _gathers(n: fx.Node) -> bool:
@@ -176,11 +197,12 @@ def _fuse(region: list[fx.Node]) -> None:
         return
     if len({n.meta.get(TP) for n in compute}) > 1:
         return  # a region across tensor-parallel layouts is left as traced
-    external: dict[str, fx.Node] = {a.name: a for n in region for a in n.all_input_nodes
+    external: dict[str, fx.Node] = {a.name: a for n in region for a in _reads(n)
                                     if a.name not in inside and _info(a) is not None}  # the region's inputs
     aliased: set[str] = set()  # region nodes that only relabel a region input (no bytes written)
-    for n in region:
-        if node_kind(n, gm) in LAYOUT and all(a.name not in inside or a.name in aliased for a in n.all_input_nodes):
+    for n in region:  # (a cast to another dtype is computed: it writes its output where it leaves the kernel)
+        if node_kind(n, gm) in LAYOUT and all(a.name not in inside or a.name in aliased for a in _reads(n)) \
+                and not _casts(n):
             aliased.add(n.name)
     outputs = [n for n in region if n.name not in aliased and _info(n) is not None
                and any(u.name not in inside or u.op == "output" for u in n.users)]
@@ -267,11 +289,23 @@ def fuse_kernels(nodes: list[fx.Node], megatron: bool = True) -> None:
         if n.name in freed:
             n.meta[COST] = replace(n.meta[COST], kind="view", fwd_bytes=ZERO, bwd_bytes=ZERO)
     fusable = {n.name for n in nodes if n.op in ("call_function", "call_method", "call_module")
-               and n.name not in freed and n.meta[COST].kind in FUSED and not _gathers(n)}
+               and n.name not in freed and n.meta[COST].kind in FUSED and not _gathers(n)
+               and (megatron or not _complex(n))}  # Inductor generates no code for complex tensors: each such op
+    # is its own (ATen) kernel, and what it reads is written out for it (torch/_inductor/lowering.py,
+    # unsupported_input_tensor: "Torchinductor does not support code generation for complex operators")
     gm = nodes[0].graph.owning_module if nodes else None
     softmax = {n.name for n in nodes if n.name in fusable and node_kind(n, gm) in ("softmax", "log_softmax")}
     for region in _regions(nodes, fusable, softmax):
         _fuse(region)
+    if not megatron:  # one compiled graph: AOTAutograd's CSE merges the identical FP8 casts of one input
+        # (costmodels.fp8 Fp8Recipe.activation_casts), e.g. wq, wk and wv's, w1 and w3's
+        seen: set[str] = set()
+        for n in nodes:
+            cost = n.meta[COST]
+            if cost.wgrad_mm_flops != 0 and cost.saved:
+                names = {name for name, _ in cost.saved}
+                n.meta[SHARED_INPUT] = names <= seen
+                seen |= names
 
 
 def megatron_cross_entropy(logits: TensorInfo) -> dict[str, Poly]:

@@ -16,7 +16,7 @@ from typing import Iterator
 
 from torch import nn
 
-from .units import Unit, block_containers
+from .units import Unit, block_containers, stacked
 
 __all__ = ["Cut", "representatives", "expand"]
 
@@ -39,7 +39,7 @@ def representatives(root: nn.Module) -> Iterator[list[Cut]]:
     saved: list[tuple[nn.Module, dict]] = []
     for name in block_containers(root):
         container = root.get_submodule(name) if name else root
-        blocks = list(container)
+        blocks = stacked(container)
         sigs = [_signature(b) for b in blocks]
         common = Counter(sigs).most_common(1)[0][0]
         kept: dict[tuple, int] = {}  # signature -> position among the kept blocks (its last representative)

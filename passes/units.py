@@ -1,7 +1,8 @@
 """Group nodes into ordered partition units: one unit per repeated block, embedding and head apart.
 
 A "block container" is an nn.ModuleList/Sequential whose children repeat a class (GPT layers,
-ResNet blocks). Each child is a block unit; whatever runs before the first block is the
+ResNet blocks), or an nn.ModuleDict keyed "0", "1", ... as torchtitan holds its layers (so that pipeline stages can
+delete theirs and keep the others' names). Each child is a block unit; whatever runs before the first block is the
 embedding unit and whatever runs after the last is the head unit; other top-level modules between
 blocks become units of their own. Costs are lowered from sympy to `Poly` so solvers get plain data.
 """
@@ -17,7 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from .costs import NodeCost, storage_of
-from .kernels import KV_SOURCE, fuse_kernels, megatron_cross_entropy
+from .kernels import KV_SOURCE, SHARED_INPUT, fuse_kernels, megatron_cross_entropy
 from .meta_keys import COST, MODULE, TENSOR, TP, UNIT
 from .poly import Poly
 from .shapes import B, TensorInfo
@@ -158,11 +159,18 @@ class Unit:
         return 3 * (self.sharded.model_flops(b) + self.replicated.model_flops(b))
 
 
+def stacked(container: nn.Module) -> list[nn.Module]:
+    """A block container's blocks in order (a module held twice, twice)."""
+    return list(container.values() if isinstance(container, nn.ModuleDict) else container)
+
+
 def block_containers(root: nn.Module) -> list[str]:
     found = []
     for name, mod in root.named_modules():
-        if isinstance(mod, (nn.ModuleList, nn.Sequential)) and len(mod) >= 2:
-            counts = Counter(type(c) for c in mod)
+        if isinstance(mod, nn.ModuleDict) and list(mod.keys()) != [str(i) for i in range(len(mod))]:
+            continue  # (a dict of named parts, not a stack of layers)
+        if isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)) and len(mod) >= 2:
+            counts = Counter(type(c) for c in stacked(mod))
             if counts.most_common(1)[0][1] >= 2 and not any(name.startswith(f + ".") for f in found):
                 found.append(name)
     return found
@@ -244,7 +252,8 @@ def _part(nodes: list[fx.Node], selective: set[str]) -> Part:
                 rows.append(len(products))
             weight = c.wgrad_mm_flops != 0
             products.append((c.mm_flops, c.fwd_bytes, c.bwd_flops - (c.fwd_flops - c.mm_flops), c.kind == "attention",
-                             c.wgrad_mm_flops, sum((v for _, v in c.saved), z) if weight else z,
+                             c.wgrad_mm_flops, sum((v for _, v in c.saved), z) if weight and not n.meta.get(
+                                 SHARED_INPUT) else z,
                              c.out_bytes if weight else z))
         if n.name in selective:
             sel_f += c.fwd_flops

@@ -43,21 +43,51 @@ def test_block_time_is_its_gemms_at_the_fp8_rate_plus_the_casts(llama, target, r
     """FP8 block time - bf16 block time = each linear's forward, dgrad and wgrad FLOPs moved from the bf16 rate to the
     FP8 rate (all seven are compute-bound at this size), plus the casts: X forward, dY backward (torchao casts X
     again there), the weights once per iteration (TE's cached FP8 weights: spread over m) or each microbatch both
-    ways (torchao), each cast one more kernel launch forward and two backward. The LM head stays bf16."""
+    ways (torchao), each cast one more kernel launch forward and two backward. The LM head stays bf16.
+
+    Transformer Engine's cast-transpose reads a tensor (again for the amax of current scaling) and writes two FP8
+    copies with their scales. torchao's, eager: an amax pass, a read and one FP8 copy (2.5 x the bf16 bytes); its
+    backward casts dY for dX and again for dW, whose transposed operand is copied (2.5 + 2.5 + 1), and recasts X
+    (2.5, and its transposed copy, 1); its weights likewise each microbatch (2.5 forward, 3.5 backward)."""
     hw, r, block = Hardware(target=get_target(target)), FP8_RECIPES[recipe], llama["block"]
     fp8, bf16 = unit_time(block, hw, config(recipe)), unit_time(block, hw, config())
     n, bw, m = SEQ, hw.gpu.hbm_bw * hw.eff.hbm, 4
     gemms = sum(3 * 2 * n * x * y * (1 / hw.matmul_rate(2 * n * x * y, r.gemm_dtype)
                                      - 1 / hw.matmul_rate(2 * n * x * y, "bf16")) for x, y in LINEARS.values())
-    passes = 1 + r.amax_pass + 1 + r.scale_bytes  # read (amax: read again), write two FP8 copies and their scales
     xs, ys = sum(2 * n * x for x, _ in LINEARS.values()), sum(2 * n * y for _, y in LINEARS.values())
-    weights = 2 * block.params * passes / bw * (1 / m if r.weight_cache else 2)
-    casts = passes * (2 * xs + ys - (xs if r.saves_fp8_input else 0)) / bw + weights
+    if r.engine == "transformer_engine":
+        passes = 1 + r.amax_pass + 1 + r.scale_bytes
+        x, y, x_again, weights = passes, passes, 0 if r.saves_fp8_input else passes, passes / m
+    else:
+        x, y, x_again, weights = 2.5, 2.5 + 2.5 + 1, 2.5 + 1, 2.5 + 3.5
+    casts = (x * xs + y * ys + x_again * xs) / bw + 2 * block.params * weights / bw
     launches = 3 * len(LINEARS) * hw.eff.launch_s
     assert fp8.fwd_s + fp8.bwd_s - bf16.fwd_s - bf16.bwd_s == pytest.approx(gemms + casts + launches, rel=1e-6)
     assert gemms < 0 and fp8.fwd_s + fp8.bwd_s < bf16.fwd_s + bf16.bwd_s  # FP8 is faster at this size, casts and all
     head = llama["head"]
     assert unit_time(head, hw, config(recipe)) == unit_time(head, hw, config())
+
+
+def test_compiled_torchao_casts_each_input_once_as_inductor_fuses_them():
+    """torchtitan's float8 under torch.compile (its blocks compiled, FSDP over 8 gathering the weights in FP8): the
+    amax of each cast fuses into the kernel producing the tensor and AOTAutograd's CSE merges the identical casts, so
+    a cast reads its tensor once and writes its FP8 copies: X 1 + 1/2 in the forward and again in the backward, for
+    the block's four distinct inputs (the two norms' outputs, the attention's, the SwiGLU product: q, k and v share
+    one, gate and up another); dY 1 + 1/2 + its transposed 1/2. Each rank casts its weight shard before the
+    all-gather (1 + 1/2 of 1/8), forward and backward, and dX takes the gathered FP8 weight transposed (1)."""
+    block = next(u for u in analyze(EXAMPLES / "hf_llama.py", {"preset": "llama3-8b", "layers": 2, "seq": SEQ},
+                                    kernels="inductor")[0].units if u.kind == "block")
+    hw, r = Hardware(target=get_target("h100-sxm")), FP8_RECIPES["torchao-tensorwise"]
+    kw = dict(dp=8, zero=3, compile=True)
+    fp8, bf16 = unit_time(block, hw, config(r.name, **kw)), unit_time(block, hw, config(**kw))
+    n, bw = SEQ, hw.gpu.hbm_bw * hw.eff.hbm
+    gemms = sum(3 * 2 * n * x * y * (1 / hw.matmul_rate(2 * n * x * y, "fp8")
+                                     - 1 / hw.matmul_rate(2 * n * x * y, "bf16")) for x, y in LINEARS.values())
+    xs = 2 * n * (3 * H + F)  # the four distinct inputs
+    ys = sum(2 * n * y for _, y in LINEARS.values())
+    casts = (1.5 * xs + 2.0 * ys + 1.5 * xs) / bw + 2 * block.params * (1.5 / 8 + 1.5 / 8 + 1) / bw
+    launches = 3 * len(LINEARS) * hw.eff.launch_s
+    assert fp8.fwd_s + fp8.bwd_s - bf16.fwd_s - bf16.bwd_s == pytest.approx(gemms + casts + launches, rel=1e-6)
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "blockwise", "mxfp8", "torchao-rowwise"])

@@ -68,3 +68,46 @@ def test_a_compiled_block_keeps_what_its_backward_reads(profiles):
     assert kept(eager) - kept(compiled) == SEQ * H * 2  # w2's bf16 output
     assert compiled.redo.fwd_bytes(1) + compiled.redo_sharded.fwd_bytes(1) < \
         eager.redo.fwd_bytes(1) + eager.redo_sharded.fwd_bytes(1)
+
+
+TITAN = ROOT / "examples" / "titan_llama.py"
+TITAN_SHAPE = dict(layers=3, hidden=256, heads=4, kv_heads=2, ffn=512, seq=64, vocab=512)
+
+
+def _rope(kernels: str) -> dict[str, tuple[int, int]]:
+    """{op: (forward bytes, of the block's first rotary embedding on the queries) per sample} of torchtitan's Llama."""
+    from sympy import sympify
+
+    from passes.costs import node_kind
+    from passes.meta_keys import COST, UNIT
+    from passes.shapes import B
+
+    profile, ctx = analyze(TITAN, TITAN_SHAPE, kernels=kernels)
+    block = next(i for i, u in enumerate(profile.units) if u.kind == "block")
+    nodes = [n for n in ctx.gm.graph.nodes if n.meta.get(UNIT) == block]
+    start = next(i for i, n in enumerate(nodes) if node_kind(n, ctx.gm) == "to")  # xq.float()
+    out = {}
+    for n in nodes[start:]:
+        kind = node_kind(n, ctx.gm)
+        out.setdefault(kind, int(sympify(n.meta[COST].fwd_bytes).subs(B, 1)))
+        if kind == "type_as":  # xq_out.type_as(xq)
+            return out
+    raise AssertionError("no rotary embedding found")
+
+
+def test_torchtitans_layers_are_blocks_and_its_complex_rope_is_not_compiled():
+    """torchtitan holds its layers in an nn.ModuleDict keyed "0", "1", ...: each is a block (a pipeline stage can
+    hold some of them; torch.compile and per-op checkpointing apply to each). Its RoPE multiplies complex64 views:
+    a view costs nothing, and Inductor, which generates no code for complex tensors, runs the product as its own
+    kernel, so the cast to fp32 before it writes its output (b x s x h fp32) and the cast back reads it."""
+    profile, _ = analyze(TITAN, TITAN_SHAPE)
+    assert [u.name for u in profile.units if u.kind == "block"] == ["layers.0", "layers.1", "layers.2"]
+    q = TITAN_SHAPE["seq"] * TITAN_SHAPE["hidden"]  # query elements per sample
+    eager, compiled = _rope("traced"), _rope("inductor")
+    table = TITAN_SHAPE["seq"] * TITAN_SHAPE["hidden"] // TITAN_SHAPE["heads"] // 2 * 8  # freqs_cis, complex64
+    for priced in (eager, compiled):
+        assert priced["view_as_complex"] == priced["view_as_real"] == 0
+        assert priced["to"] == (2 + 4) * q  # bf16 read, fp32 written
+        assert 2 * 4 * q < priced["mul"] <= 2 * 4 * q + table  # complex64 read and written (Inductor's fallback
+        # kernel, as eager's), and the table
+        assert priced["type_as"] == (4 + 2) * q

@@ -20,8 +20,9 @@ from ._util import ROOT, launch_plans, reference
 pytestmark = pytest.mark.multiprocess
 
 STYLES = ROOT / "tests" / "fixtures" / "styles"
-MODELS = {"titan_llama": STYLES / "titan_llama.py", "hf_logits": STYLES / "hf_logits.py",
+MODELS = {"titan_llama": ROOT / "examples" / "titan_llama.py", "hf_logits": STYLES / "hf_logits.py",
           "torch_transformer": STYLES / "torch_transformer.py"}
+ARGS = {"titan_llama": dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128, seq=32, vocab=256)}
 B, STEPS, LR = 4, 2, 1e-3
 
 
@@ -31,7 +32,7 @@ def run(tmp_path_factory) -> dict:
     plans = {}
     for name, path in MODELS.items():
         plans[name], _ = make_plan(str(path), gpus=2, global_batch=B, target="a100-80gb", gpus_per_node=2,
-                                   model_args={}, pins=Pins(tp=1, pp=2, dp=1, precision="fp32"))
+                                   model_args=ARGS.get(name, {}), pins=Pins(tp=1, pp=2, dp=1, precision="fp32"))
     return {"plans": plans, "runs": launch_plans(plans, tmp_path_factory.mktemp("as_written"), steps=STEPS,
                                                    optimizer="adam", lr=LR)}
 
@@ -40,7 +41,7 @@ def run(tmp_path_factory) -> dict:
 def test_trains_as_one_process_does(run, name):
     plan, measured = run["plans"][name], run["runs"][name]
     assert (plan.config.pp, plan.config.tp) == (2, 1)
-    ref = reference(MODELS[name], {}, global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
+    ref = reference(MODELS[name], ARGS.get(name, {}), global_batch=B, steps=STEPS, optimizer="adam", lr=LR)
     assert measured.loss == pytest.approx(ref["loss"], rel=1e-5), (measured.loss, ref["loss"])
     assert not [m for m in mismatches(plan, measured) if "saved activation" not in m]
 
@@ -53,7 +54,7 @@ def test_the_complex_rope_table_is_not_cast_to_real(tmp_path):
     from passes.load import load_model_file
     from planner.runtime.stage import to_precision
 
-    mf = load_model_file(MODELS["titan_llama"], {})
+    mf = load_model_file(MODELS["titan_llama"], ARGS["titan_llama"])
     torch.manual_seed(0)
     kept = to_precision(mf.build("cpu", torch.float32), torch.float32)
     assert kept.freqs_cis.is_complex()

@@ -31,7 +31,8 @@ MODELS = {
     "cnn": (STYLES / "cnn.py", {}),
     "moe_small": (STYLES / "moe_small.py", {}),  # router, top-k gates, an nn.ModuleList of experts
     # issue 47: ops the rules once refused, each now one rule (passes/sharding/)
-    "titan_complex": (STYLES / "titan_llama.py", {}),  # torchtitan's own RoPE: view_as_complex / view_as_real
+    "titan_complex": (ROOT / "examples" / "titan_llama.py", dict(layers=2, hidden=64, heads=4, kv_heads=2, ffn=128,
+                                                                seq=32, vocab=256)),  # RoPE by complex views
     "hf_phi3": (STYLES / "hf_causal.py", {"family": "phi3"}),  # qkv_proj cut by slices, gate_up_proj by chunk
     "hf_gemma2": (STYLES / "hf_causal.py", {"family": "gemma2"}),  # repeat_kv's expand, soft-capped scores
     # issue 47: vocabularies of 1024 tokens split over the tensor-parallel ranks (embedding rows, LM head outputs)
