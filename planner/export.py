@@ -105,9 +105,13 @@ TITAN_LLAMA3 = {(32, 4096): "llama3_8b", (80, 8192): "llama3_70b", (126, 16384):
 
 
 def titan_config(plan: Plan) -> tuple[str, str] | None:
-    """torchtitan's (module, config function) for the plan's model, when it is one torchtitan ships."""
+    """torchtitan's (module, config function) for the plan's model, when it is one torchtitan ships: a Hugging Face
+    Llama, or a model file written as torchtitan's Llama 3 is (examples/titan_llama.py: SwiGLU, RMSNorm, rotary
+    positions, no biases, an untied head, no experts), at one of its flavors' depth and width."""
     shape = plan.source.model_shape
-    if shape.get("family") == "llama" and shape.get("gated"):
+    written = shape.get("norm") == "RMSNorm" and shape.get("position") == "rope" and not shape.get("tied") \
+        and not shape.get("bias") and not shape.get("experts")
+    if (shape.get("family") == "llama" or written) and shape.get("gated"):
         name = TITAN_LLAMA3.get((shape.get("layers"), shape.get("hidden")))
         if name:
             return "llama3", name

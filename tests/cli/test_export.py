@@ -26,11 +26,13 @@ def _plan(model: str, gpus: int, batch: int, **pins):
 
 @pytest.fixture(scope="module")
 def plans():
-    """examples/gpt.py on 64 GPUs as planned freely; the Llama-3 8B HF example; and a plan with interleaving,
+    """examples/gpt.py on 64 GPUs as planned freely; the Llama-3 8B HF example, and torchtitan's (examples/titan_llama.py,
+    at p = 2); and a plan with interleaving,
     sequence parallelism, a sharded optimizer and context parallelism."""
     pytest.importorskip("transformers", reason="the hf extra is not installed")
     return {"gpt": _plan("gpt.py", 64, 512),
             "llama": _plan("hf_llama.py", 64, 256),
+            "titan": _plan("titan_llama.py", 64, 256, pp=2),  # torchtitan's own Llama 3 8B, its ModuleDict split
             "modern": _plan("hf_llama.py", 64, 256, tp=2, pp=2, cp=2, v=2, zero=1, sp=True, schedule="interleaved",
                                 overlap_grad_reduce=True)}
 
@@ -70,7 +72,7 @@ def test_megatron_builds_the_models_own_rotary_base_dropout_and_epsilon(plans):
 
 
 @needs_titan
-@pytest.mark.parametrize("name", ["gpt", "llama", "modern"])
+@pytest.mark.parametrize("name", ["gpt", "llama", "modern", "titan"])
 def test_torchtitan_parses_the_exported_job_with_the_plans_degrees(plans, name):
     plan = plans[name]
     c = plan.config
