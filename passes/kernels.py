@@ -45,11 +45,12 @@ import sympy
 import torch.fx as fx
 
 from .costs import LIKE, NodeCost, node_kind, storage_of
+from .measure import attended_fraction
 from .meta_keys import COST, MEASURED, TENSOR, TP
 from .poly import Poly
 from .shapes import B, TensorInfo
 
-__all__ = ["KERNELS", "KV_SOURCE", "SHARED_INPUT", "fuse_kernels", "megatron_cross_entropy"]
+__all__ = ["KERNELS", "KV_SOURCE", "OPERANDS", "SHARED_INPUT", "fuse_kernels", "megatron_cross_entropy", "operands"]
 
 KERNELS = ("traced", "megatron", "inductor")
 """How units are priced (passes.pipeline.analyze's `kernels`; planner.engines says each engine's): "traced", op by op
@@ -58,6 +59,7 @@ as the model file writes them; "megatron", as Megatron-Core with Transformer Eng
 (`fuse_kernels(..., megatron=False)`), the rest as traced."""
 KV_SOURCE = "fxp.kv_source"  # on an attention node: {operand index: the grouped tensor a repeat copied it from}
 SHARED_INPUT = "fxp.shared_input"  # on a weight product: an earlier product of the unit reads the same input X
+OPERANDS = "fxp.operands"  # on an attention core the file writes out, priced as the fused kernel: {0: q, 1: k, 2: v}
 
 FUSED = {"elementwise", "norm", "view", "none"}  # priced kinds a fused kernel absorbs
 LAYOUT = {"view", "reshape", "permute", "transpose", "contiguous", "flatten", "unflatten", "squeeze", "unsqueeze",
@@ -80,12 +82,18 @@ def _size(e: sympy.Expr) -> float:
     return float(sympy.sympify(e).subs(B, 1))
 
 
+def operands(attention: fx.Node) -> dict[int, fx.Node]:
+    """{0: query, 1: key, 2: value} of a fused attention node: its inputs, or (an attention core the file writes out,
+    which the engine runs fused: `_written_attention`) the operands of its two products."""
+    return attention.meta.get(OPERANDS) or dict(list(enumerate(attention.all_input_nodes))[:3])
+
+
 def _repeats(attention: fx.Node) -> dict[int, tuple[list[fx.Node], fx.Node]]:
     """{operand index: (the layout nodes between the grouped tensor and the operand, the grouped tensor)} for the
     key and value operands of a fused attention node that a repeat made bigger than what it was made from."""
     gm = attention.graph.owning_module
     out = {}
-    for i, operand in list(enumerate(attention.all_input_nodes))[1:3]:
+    for i, operand in ((i, x) for i, x in operands(attention).items() if i in (1, 2)):
         chain, x = [], operand
         while x.op in ("call_function", "call_method") and node_kind(x, gm) in LAYOUT:
             srcs = [a for a in x.all_input_nodes if _info(a) is not None]
@@ -111,7 +119,7 @@ def _grouped_attention(nodes: list[fx.Node]) -> set[str]:
         for name, by in cost.saved:
             x = swap.get(name.split(".")[0])
             saved[storage_of(x).name if x is not None else name] = _info(x).nbytes if x is not None else by
-        less = sum((_info(n.all_input_nodes[i]).nbytes - _info(x).nbytes for i, (_, x) in reps.items()), ZERO)
+        less = sum((_info(operands(n)[i]).nbytes - _info(x).nbytes for i, (_, x) in reps.items()), ZERO)
         n.meta[COST] = replace(cost, saved=tuple(saved.items()), fwd_bytes=cost.fwd_bytes - less,
                                bwd_bytes=cost.bwd_bytes - 2 * less)
         n.meta[KV_SOURCE] = {i: x for i, (_, x) in reps.items()}
@@ -277,6 +285,51 @@ def _weighted_products(nodes: list[fx.Node]) -> None:
         n.meta[COST] = replace(cost, saved=tuple((k, v) for k, v in cost.saved if k.split(".")[0] != product))
 
 
+def _window(attention: fx.Node, flops: sympy.Expr) -> sympy.Expr:
+    """Forward FLOPs of a fused causal attention kernel over its module's sliding window (Measured.window): the share
+    of the full score matrix the window's queries read (passes.measure.attended_fraction), as FlashAttention's and
+    cuDNN's window_size skip the blocks outside it."""
+    m = attention.meta.get(MEASURED)
+    q = _info(operands(attention)[0])
+    if m is None or not m.window or q is None or not q.shape[-2].is_number:
+        return flops
+    return m.full_flops * attended_fraction(int(q.shape[-2]), m.window) * (flops / m.flops if m.flops else 1)
+
+
+def _written_attention(nodes: list[fx.Node]) -> None:
+    """An attention core the model file writes out in a causal attention module (Hugging Face's eager attention:
+    Q K^T, scaled, the mask added, gpt-oss's sinks concatenated to the scores, softmax, P V), run by Megatron-Core
+    as one fused kernel (Transformer Engine's DotProductAttention: FlashAttention or cuDNN, the sinks as its
+    learnable softmax offset, a sliding window as its window_size): priced on the P V node as that kernel, the two
+    products' FLOPs over the causal (or windowed) share of the scores, reading q, k and v and writing the output,
+    keeping those and the log-sum-exp (4 bytes per query row) for its backward, not the s x s probabilities; the
+    rest of the core costs nothing."""
+    by_name = {n.name: i for i, n in enumerate(nodes)}
+    gm = nodes[0].graph.owning_module if nodes else None
+    products = [n for n in nodes if n.meta[COST].kind == "matmul" and n.meta[COST].wgrad_mm_flops == 0
+                and all(a.op != "get_attr" for a in n.all_input_nodes) and len(n.all_input_nodes) == 2]
+    for qk, pv in zip(products[::2], products[1::2]):
+        core = nodes[by_name[qk.name]:by_name[pv.name] + 1]
+        m = qk.meta.get(MEASURED)
+        q, k, v, out = qk.all_input_nodes[0], qk.all_input_nodes[1], pv.all_input_nodes[1], pv
+        if m is None or not m.in_causal or not any(node_kind(n, gm) in ("softmax", "log_softmax") for n in core) \
+                or any(_info(x) is None for x in (q, k, v, out)) or not _info(q).shape[-2].is_number:
+            continue
+        full = sum((n.meta[COST].mm_flops for n in (qk, pv)), ZERO)
+        flops = full * attended_fraction(int(_info(q).shape[-2]), m.window)
+        lse = _info(out).numel / _info(out).shape[-1] * 4
+        moved = sum((_info(x).nbytes for x in (q, k, v, out)), ZERO)
+        saved = {storage_of(x).name: _info(x).nbytes for x in (q, k, v)}
+        saved.update({out.name: _info(out).nbytes, f"{out.name}.lse": lse})
+        for n in core:
+            n.meta[COST] = replace(n.meta[COST], kind="view", fwd_flops=ZERO, bwd_flops=ZERO, mm_flops=ZERO,
+                                   full_mm_flops=ZERO, fwd_bytes=ZERO, bwd_bytes=ZERO, saved=(), copy_bytes=ZERO)
+        pv.meta[COST] = replace(pv.meta[COST], kind="attention", fwd_flops=flops, mm_flops=flops,
+                                full_mm_flops=full, bwd_flops=flops * sympy.Rational(5, 2), fwd_bytes=moved,
+                                bwd_bytes=2 * moved, out_bytes=_info(out).nbytes, saved=tuple(saved.items()))
+        pv.meta[OPERANDS] = {0: q, 1: k, 2: v}
+
+
 def fuse_kernels(nodes: list[fx.Node], megatron: bool = True) -> None:
     """Rewrite the priced costs (node.meta[COST]) of one unit's nodes as Megatron-Core with Transformer Engine runs
     them, or (not `megatron`) as torch.compile's Inductor does: the fused regions without Megatron's grouped keys and
@@ -284,6 +337,13 @@ def fuse_kernels(nodes: list[fx.Node], megatron: bool = True) -> None:
     freed: set[str] = set()
     if megatron:
         _weighted_products(nodes)
+        _written_attention(nodes)
+        for n in nodes:  # a sliding window as its window (the written-out cores have theirs already)
+            cost = n.meta[COST]
+            if cost.kind == "attention" and OPERANDS not in n.meta and (flops := _window(n, cost.mm_flops)) is not \
+                    cost.mm_flops:
+                n.meta[COST] = replace(cost, fwd_flops=cost.fwd_flops - cost.mm_flops + flops, mm_flops=flops,
+                                       bwd_flops=cost.bwd_flops * flops / cost.mm_flops)
         freed = _grouped_attention(nodes)
     for n in nodes:
         if n.name in freed:

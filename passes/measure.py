@@ -37,7 +37,7 @@ from .errors import TraceFailure
 from .meta_keys import MEASURED, MODULE, TENSOR
 from .shapes import _PROBES, _describe, _merge, _size
 
-__all__ = ["Measured", "measure", "is_attention"]
+__all__ = ["Measured", "attended_fraction", "measure", "is_attention"]
 
 _SDPA = {F.scaled_dot_product_attention, torch.ops.aten.scaled_dot_product_attention.default}
 
@@ -53,6 +53,10 @@ class Measured:
     weight_gather: bool = False  # experts' weights gathered per token: a grouped GEMM reads them in place
     copy_bytes: sympy.Expr = sympy.Integer(0)  # bytes written by layout copies the node dispatched (aten.clone,
     # aten.copy_): a reshape or matmul of a tensor no view can express (a permuted q, k or v) materializes it
+    in_causal: bool = False  # run inside a module that attends causally (its `is_causal`, as Hugging Face's
+    # attention modules state it): an attention core it writes out is causal where an engine fuses it
+    window: int = 0  # that module's sliding window (its `sliding_window`, or its config's: each query attends to the
+    # last `window` keys, itself included), 0 where it has none
 
 
 def is_attention(node: fx.Node) -> bool:
@@ -91,6 +95,7 @@ class _Run(fx.Interpreter):
         self.flops: dict[fx.Node, int] = {}
         self.copied: dict[fx.Node, int] = {}
         self.causal: dict[fx.Node, bool] = {}
+        self.attends: dict[fx.Node, int] = {}  # nodes of a causal attention module: its sliding window, or 0
         self.saved: dict[fx.Node, dict[str, int]] = {}
         self.producer: dict[int, str] = {}
         self.skip = {_cdata(t) for t in [*gm.parameters(), *gm.buffers(), *root.parameters(), *root.buffers()]}
@@ -135,6 +140,11 @@ class _Run(fx.Interpreter):
                                "cannot be planned on meta tensors") from exc
         self.flops[n] = counter.flops
         self.copied[n] = counter.copied
+        if (mod := self._module(n)) is not None and getattr(mod, "is_causal", False) is True:
+            # its window: the module's own (Gemma 2, gpt-oss, Qwen2: per layer type), else its config's (Mistral)
+            window = getattr(mod, "sliding_window") if hasattr(mod, "sliding_window") else \
+                getattr(getattr(mod, "config", None), "sliding_window", None)
+            self.attends[n] = int(window) if isinstance(window, int) and not isinstance(window, bool) else 0
         if n.op == "call_function" and self._from_weights(n):
             self.weights.add(n.name)
         for t in _tensors(out):
@@ -236,7 +246,8 @@ def measure(gm: fx.GraphModule, root: torch.nn.Module, make_inputs: Callable[[in
         causal = r2.causal.get(node, False)
         executed = flops * _causal_fraction(node) if causal else flops
         node.meta[MEASURED] = Measured(flops=executed, full_flops=flops, causal=causal, saved=saved,
-                                       weight_gather=node.name in r2.weights,
+                                       weight_gather=node.name in r2.weights, in_causal=node in r2.attends,
+                                       window=r2.attends.get(node, 0),
                                        copy_bytes=_linear(r2.copied.get(node, 0), r3.copied.get(node, 0)))
 
 
@@ -245,3 +256,11 @@ def _causal_fraction(node: fx.Node) -> sympy.Expr:
     info = node.meta.get(TENSOR)
     s = info.shape[-2] if info is not None and len(info.shape) >= 2 else None
     return sympy.Rational(int(s) + 1, 2 * int(s)) if s is not None and s.is_number else sympy.Rational(1, 2)
+
+
+def attended_fraction(s: int, window: int = 0) -> sympy.Expr:
+    """Share of the s x s score matrix a causal kernel computes over s query = key positions, each query attending to
+    itself and the keys before it, the last `window` of them where the attention is a sliding window: query i reads
+    min(i + 1, window) keys, w (w + 1) / 2 + (s - w) w in all."""
+    w = min(window, s) if window > 0 else s
+    return sympy.Rational(w * (w + 1) // 2 + (s - w) * w, s * s)

@@ -19,6 +19,7 @@ from torch import nn
 
 from .costs import NodeCost, storage_of
 from .kernels import KV_SOURCE, SHARED_INPUT, fuse_kernels, megatron_cross_entropy
+from .kernels import operands as attention_operands
 from .meta_keys import COST, MODULE, TENSOR, TP, UNIT
 from .poly import Poly
 from .shapes import B, TensorInfo
@@ -563,7 +564,7 @@ def _attention_kv_bytes(nodes: list[fx.Node]) -> sympy.Expr:
     for n in nodes:
         kind = n.meta[COST].kind
         if kind == "attention":  # the grouped keys/values a repeat copied them from, where the engine reads those
-            operands = [n.meta.get(KV_SOURCE, {}).get(i, a) for i, a in enumerate(n.all_input_nodes) if i in (1, 2)]
+            operands = [n.meta.get(KV_SOURCE, {}).get(i, a) for i, a in attention_operands(n).items() if i in (1, 2)]
         elif kind == "matmul" and len(n.all_input_nodes) == 2 and all(a.op != "get_attr" for a in n.all_input_nodes):
             operands = n.all_input_nodes[1:2]
         else:

@@ -8,6 +8,7 @@ vocabulary-parallel cross-entropy; context parallelism's ring passes the grouped
 from __future__ import annotations
 
 import pytest
+import sympy
 
 from passes.pipeline import analyze
 from planner.api import make_plan
@@ -126,3 +127,53 @@ def test_megatrons_gpt_block_keeps_korthikantis_closed_form():
         assert with_dropout.sharded.fwd_bytes(b) - without.sharded.fwd_bytes(b) == 5 * a * s * s * b
         assert with_dropout.replicated.fwd_bytes(b) - without.replicated.fwd_bytes(b) == 2 * s * b * h
     assert with_dropout.sharded.kernels == without.sharded.kernels + 1
+
+
+def _attention_nodes(path, args: dict, kernels: str) -> list:
+    """(unit index, the block's attention node's cost, its Measured) of each block, priced as `kernels` says."""
+    from passes.meta_keys import COST, MEASURED, UNIT
+
+    profile, ctx = analyze(path, args, kernels=kernels)
+    blocks = {i for i, u in enumerate(profile.units) if u.kind == "block"}
+    return [(n.meta[UNIT], n.meta[COST], n.meta[MEASURED]) for n in ctx.gm.graph.nodes
+            if n.meta.get(UNIT) in blocks and n.meta[COST].kind == "attention"]
+
+
+def test_megatron_runs_a_sliding_window_over_its_window():
+    """Mistral's SDPA with a 128-token sliding window at s = 512: as the file runs it (torch's SDPA), priced as a
+    causal kernel; under Megatron-Core, Transformer Engine's window_size skips the blocks outside the window, so
+    the kernel computes min(i + 1, 128) keys for query i."""
+    from passes.measure import attended_fraction
+
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    args = dict(layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=512, seq=512, sliding_window=128)
+    for (_, traced, m), (_, engine, _) in zip(_attention_nodes(EXAMPLES / "hf_mistral.py", args, "traced"),
+                                              _attention_nodes(EXAMPLES / "hf_mistral.py", args, "megatron")):
+        assert m.window == 128 and traced.mm_flops == m.full_flops * attended_fraction(512)
+        assert engine.mm_flops == m.full_flops * attended_fraction(512, 128)
+        assert engine.bwd_flops == sympy.Rational(5, 2) * engine.mm_flops  # (flash: 5 products for 2)
+
+
+def test_megatron_fuses_the_attention_gpt_oss_writes_out():
+    """gpt-oss writes its attention out (Hugging Face's eager attention: the sinks are concatenated to the scores);
+    Megatron-Core runs it as Transformer Engine's fused kernel with learnable sinks and, on every second layer, a
+    128-token window: one kernel per layer whose FLOPs are the two products' over the causal (windowed) share of the
+    scores, keeping q, the grouped k and v, the output and its log-sum-exp, not the s x s probabilities the file
+    keeps."""
+    from passes.measure import attended_fraction
+    from passes.shapes import B
+
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    s, heads, kv, hd = 512, 64, 8, 64  # gpt-oss-120b's heads, at a short sequence
+    args = {"preset": "gpt-oss-20b", "layers": 2, "seq": s}
+    assert _attention_nodes(EXAMPLES / "hf_gpt_oss.py", args, "traced") == []  # written out: two products
+    fused = _attention_nodes(EXAMPLES / "hf_gpt_oss.py", args, "megatron")
+    assert len(fused) == 2
+    full = 2 * 2 * s * s * heads * hd  # Q K^T and P V per sample, in full
+    per_row = s * heads  # query rows per sample
+    for (_, cost, m), window in zip(fused, (128, 0)):  # layer 0 slides, layer 1 attends to everything before
+        assert m.in_causal and m.window == window
+        assert cost.mm_flops.subs(B, 1) == full * attended_fraction(s, window)
+        kept = 2 * per_row * hd * 2 + 2 * 2 * s * kv * hd + 4 * per_row  # q and the output; grouped k, v; lse
+        assert sum(v for _, v in cost.saved).subs(B, 1) == kept
