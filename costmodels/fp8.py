@@ -64,17 +64,19 @@ class Fp8Recipe:
         """Bytes moved per byte of a bf16 activation a weight product casts: (its input X in the forward, its output
         gradient dY in the backward, X again in the backward).
 
-        Transformer Engine: one cast-transpose kernel per tensor (cast_passes), the backward reading the FP8 X the
-        forward kept. torchao (torchao/float8/float8_linear.py, matmul_with_hp_or_float8_args): each cast is an
-        amax pass then a cast writing one FP8 copy (1 + 1 + 1/2); its backward casts dY twice (for dX, and for dW,
-        whose transposed operand _scaled_mm takes as a copy of its own: 1 + 1/2... read and written again, 1) and
-        recasts the bf16 X it kept (2.5, and its transposed copy, 1). Compiled (torchtitan's float8 runs under
-        torch.compile), Inductor fuses each amax into the kernel producing the tensor and merges the identical casts
-        AOTAutograd's CSE finds: a cast reads the tensor once and writes its FP8 copies (X: 1 + 1/2; dY: 1 + 1/2 +
-        the transposed 1/2 tensorwise, a second pass rowwise, whose dW operand is scaled per column; X again:
-        1 + 1/2, its amax kept). The casts of X that several products share (wq, wk, wv; w1, w3) are one cast
-        there (passes.kernels: Part.products' X of the others is 0 under "inductor"). Where the amax's producer is
-        not an Inductor kernel (SDPA's output, its input gradients) the compiled figure is short one read."""
+        - Transformer Engine: one cast-transpose kernel per tensor (cast_passes); the backward reads the FP8 X the
+          forward kept.
+        - torchao, eager (torchao/float8/float8_linear.py, matmul_with_hp_or_float8_args): each cast is an amax pass
+          and a cast writing one FP8 copy, 1 + 1 + 1/2. The backward casts dY for dX and again for dW, whose
+          transposed operand _scaled_mm takes as a copy (1/2 read, 1/2 written): 2.5 + 2.5 + 1. It recasts the bf16 X
+          it kept and copies it transposed: 2.5 + 1.
+        - torchao compiled (torchtitan's float8 runs under torch.compile): Inductor fuses each amax into the kernel
+          producing the tensor, and AOTAutograd's CSE merges identical casts, so a cast reads its tensor once and
+          writes its FP8 copies. X: 1 + 1/2. dY: 1 + 1/2 + the transposed 1/2 (tensorwise; rowwise scales dW's
+          operand per column, a second pass: 3). X again: 1 + 1/2, its amax kept. Products that share an input (wq, wk,
+          wv; w1, w3) cast it once (passes.kernels SHARED_INPUT: the others' X is 0 under "inductor"). Where the
+          producer of the amax's tensor is not an Inductor kernel (SDPA's output, its input gradients), the compiled
+          figure is one read short."""
         if self.engine == "transformer_engine":
             p = self.cast_passes()
             return p, p, 0.0 if self.saves_fp8_input else p

@@ -285,15 +285,16 @@ def _weighted_products(nodes: list[fx.Node]) -> None:
         n.meta[COST] = replace(cost, saved=tuple((k, v) for k, v in cost.saved if k.split(".")[0] != product))
 
 
-def _window(attention: fx.Node, flops: sympy.Expr) -> sympy.Expr:
-    """Forward FLOPs of a fused causal attention kernel over its module's sliding window (Measured.window): the share
-    of the full score matrix the window's queries read (passes.measure.attended_fraction), as FlashAttention's and
+def _windowed(attention: fx.Node) -> None:
+    """A fused causal attention kernel over its module's sliding window (Measured.window): its FLOPs the share of
+    the full score matrix the window's queries read (passes.measure.attended_fraction), as FlashAttention's and
     cuDNN's window_size skip the blocks outside it."""
-    m = attention.meta.get(MEASURED)
-    q = _info(operands(attention)[0])
-    if m is None or not m.window or q is None or not q.shape[-2].is_number:
-        return flops
-    return m.full_flops * attended_fraction(int(q.shape[-2]), m.window) * (flops / m.flops if m.flops else 1)
+    m, cost, q = attention.meta.get(MEASURED), attention.meta[COST], _info(operands(attention)[0])
+    if m is None or not m.window or q is None or not q.shape[-2].is_number or cost.mm_flops == 0:
+        return
+    flops = m.full_flops * attended_fraction(int(q.shape[-2]), m.window)
+    attention.meta[COST] = replace(cost, fwd_flops=cost.fwd_flops - cost.mm_flops + flops, mm_flops=flops,
+                                   bwd_flops=cost.bwd_flops * flops / cost.mm_flops)
 
 
 def _written_attention(nodes: list[fx.Node]) -> None:
@@ -339,11 +340,8 @@ def fuse_kernels(nodes: list[fx.Node], megatron: bool = True) -> None:
         _weighted_products(nodes)
         _written_attention(nodes)
         for n in nodes:  # a sliding window as its window (the written-out cores have theirs already)
-            cost = n.meta[COST]
-            if cost.kind == "attention" and OPERANDS not in n.meta and (flops := _window(n, cost.mm_flops)) is not \
-                    cost.mm_flops:
-                n.meta[COST] = replace(cost, fwd_flops=cost.fwd_flops - cost.mm_flops + flops, mm_flops=flops,
-                                       bwd_flops=cost.bwd_flops * flops / cost.mm_flops)
+            if n.meta[COST].kind == "attention" and OPERANDS not in n.meta:
+                _windowed(n)
         freed = _grouped_attention(nodes)
     for n in nodes:
         if n.name in freed:
