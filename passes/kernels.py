@@ -40,6 +40,7 @@ blocks are fused only: the embedding, final norm, output projection and loss run
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import sympy
 import torch.fx as fx
@@ -50,7 +51,8 @@ from .meta_keys import COST, MEASURED, TENSOR, TP
 from .poly import Poly
 from .shapes import B, TensorInfo
 
-__all__ = ["KERNELS", "KV_SOURCE", "OPERANDS", "SHARED_INPUT", "fuse_kernels", "megatron_cross_entropy", "operands"]
+__all__ = ["KERNELS", "KV_SOURCE", "OPERANDS", "SHARED_INPUT", "fuse_kernels", "megatron_cross_entropy", "operands",
+           "written_cores"]
 
 KERNELS = ("traced", "megatron", "inductor")
 """How units are priced (passes.pipeline.analyze's `kernels`; planner.engines says each engine's): "traced", op by op
@@ -297,6 +299,17 @@ def _windowed(attention: fx.Node) -> None:
                                    bwd_flops=cost.bwd_flops * flops / cost.mm_flops)
 
 
+def written_cores(nodes: list[fx.Node], kind: Callable[[fx.Node], str] | None = None) -> list[tuple[int, int]]:
+    """(first, last) indices in `nodes` of each attention core written out as products of two activations: a
+    product (Q K^T) up to the next one (scores x V); a product whose operand is a weight gathered per token (grouped
+    experts) is none. `kind` names a node's op (default: its priced cost's kind)."""
+    kind = kind or (lambda n: n.meta[COST].kind)
+    products = [i for i, n in enumerate(nodes) if kind(n) == "matmul"
+                and all(a.op != "get_attr" for a in n.all_input_nodes)
+                and not (COST in n.meta and n.meta[COST].wgrad_mm_flops != 0)]
+    return list(zip(products[::2], products[1::2]))
+
+
 def _written_attention(nodes: list[fx.Node]) -> None:
     """An attention core the model file writes out in a causal attention module (Hugging Face's eager attention:
     Q K^T, scaled, the mask added, gpt-oss's sinks concatenated to the scores, softmax, P V), run by Megatron-Core
@@ -305,12 +318,9 @@ def _written_attention(nodes: list[fx.Node]) -> None:
     products' FLOPs over the causal (or windowed) share of the scores, reading q, k and v and writing the output,
     keeping those and the log-sum-exp (4 bytes per query row) for its backward, not the s x s probabilities; the
     rest of the core costs nothing."""
-    by_name = {n.name: i for i, n in enumerate(nodes)}
     gm = nodes[0].graph.owning_module if nodes else None
-    products = [n for n in nodes if n.meta[COST].kind == "matmul" and n.meta[COST].wgrad_mm_flops == 0
-                and all(a.op != "get_attr" for a in n.all_input_nodes) and len(n.all_input_nodes) == 2]
-    for qk, pv in zip(products[::2], products[1::2]):
-        core = nodes[by_name[qk.name]:by_name[pv.name] + 1]
+    for first, second in written_cores(nodes):
+        core, qk, pv = nodes[first:second + 1], nodes[first], nodes[second]
         m = qk.meta.get(MEASURED)
         q, k, v, out = qk.all_input_nodes[0], qk.all_input_nodes[1], pv.all_input_nodes[1], pv
         if m is None or not m.in_causal or not any(node_kind(n, gm) in ("softmax", "log_softmax") for n in core) \

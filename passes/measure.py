@@ -255,7 +255,7 @@ def _causal_fraction(node: fx.Node) -> sympy.Expr:
     """Share of the score matrix a causal kernel computes: (s + 1) / 2s for s query = key positions."""
     info = node.meta.get(TENSOR)
     s = info.shape[-2] if info is not None and len(info.shape) >= 2 else None
-    return sympy.Rational(int(s) + 1, 2 * int(s)) if s is not None and s.is_number else sympy.Rational(1, 2)
+    return attended_fraction(int(s)) if s is not None and s.is_number else sympy.Rational(1, 2)
 
 
 def attended_fraction(s: int, window: int = 0) -> sympy.Expr:

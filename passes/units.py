@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from .costs import NodeCost, storage_of
-from .kernels import KV_SOURCE, SHARED_INPUT, fuse_kernels, megatron_cross_entropy
+from .kernels import KV_SOURCE, SHARED_INPUT, fuse_kernels, megatron_cross_entropy, written_cores
 from .kernels import operands as attention_operands
 from .meta_keys import COST, MODULE, TENSOR, TP, UNIT
 from .poly import Poly
@@ -371,11 +371,7 @@ def attention_core(nodes: list[fx.Node], kind: Callable[[fx.Node], str] | None =
     chosen = {n.name for n in nodes if kind(n) == "attention"}  # a fused kernel is the whole core
     if chosen:
         return chosen
-    # products of two activations; a product whose operand is a weight gathered per token (grouped experts) is not
-    core = [i for i, n in enumerate(nodes) if kind(n) == "matmul"
-            and all(a.op != "get_attr" for a in n.all_input_nodes)
-            and not (COST in n.meta and n.meta[COST].wgrad_mm_flops != 0)]
-    for first, second in zip(core[::2], core[1::2]):
+    for first, second in written_cores(nodes, kind):
         chosen.update(n.name for n in nodes[first:second + 1] if kind(n) != "none")
     return chosen
 
