@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
               f"bubble fraction {plan.predictions.bubble_fraction:.1%}"
               + (f", fill {fp.fill_tflops_per_gpu:.2f} TFLOP/s/GPU in {fp.bubble_time_used:.0%} of bubble time"
                  if fp else ""))
+        date = datetime.date.today().isoformat()
+        out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"rehearse_{gpu.lower()}_{date}.json"
         reports = {}
         for rank in sorted({0, args.pp // 2, args.pp - 1}):
             r = rehearse(path, RehearseOptions(rank=rank, steps=args.steps, compare_no_fill=True,
@@ -141,8 +143,12 @@ def main(argv: list[str] | None = None) -> int:
             r.pop("metrics")
             reports[str(rank)] = r
             _print(rank, r)
-    date = datetime.date.today().isoformat()
-    out = Path(args.out) if args.out else ROOT / "bench" / "results" / f"rehearse_{gpu.lower()}_{date}.json"
+            _write(out, argv, device, date, target, plan, fp, reports)  # after each rank: a cut run keeps it
+    print(f"\nwritten {re.sub(str(ROOT) + '/', '', str(out))}")
+    return 0
+
+
+def _write(out: Path, argv: list[str] | None, device: str, date: str, target: str, plan, fp, reports: dict) -> None:
     doc = {"device": torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu", "torch": torch.__version__,
            "cuda": torch.version.cuda, "command": " ".join(["python", "bench/rehearse.py",
                                                            *map(shlex.quote, argv or sys.argv[1:])]),
@@ -157,8 +163,6 @@ def main(argv: list[str] | None = None) -> int:
            "ranks": reports}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1) + "\n")
-    print(f"\nwritten {re.sub(str(ROOT) + '/', '', str(out))}")
-    return 0
 
 
 if __name__ == "__main__":
