@@ -59,8 +59,10 @@ def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: 
     input X (forward) and output gradient dY (backward; torchao casts X again there) move their bytes
     (Fp8Recipe.activation_casts; `compiled`: as Inductor fuses them), each cast a kernel of its own; the dW's share
     of the dY cast is the weight gradient's. `groups`: each weight product is a
-    grouped GEMM of that many equal GEMMs (a rank's local experts), whose efficiency is that of one of them, and
-    which reads `weights` of the product's weights (the bytes it moves whatever the batch: 1/ep of the experts')."""
+    grouped GEMM of that many equal GEMMs (a rank's local experts), which reads `weights` of the product's weights (the
+    bytes it moves whatever the batch: 1/ep of the experts'). Its efficiency is that of one of them where each is its
+    own kernel (Transformer Engine's GroupedLinear), that of the whole where one kernel runs them all
+    (torch._grouped_mm: Efficiency.grouped_mm)."""
     gpu, eff = hw.gpu, hw.eff
     bw, vec = gpu.hbm_bw * eff.hbm, gpu.peak("fp32")
     mm = mm_bwd = mm_bytes = fwd = bwd = wgrad = 0.0
@@ -73,7 +75,8 @@ def _part_time(part: Part, b: float, t: int, hw: Hardware, precision: str, fp8: 
             by -= (1 - weights) * bytes_of(0) / t
         low = fp8 is not None and wf > 0 and not fused
         dtype = fp8.gemm_dtype if low else precision
-        rate = hw.matmul_rate(f / (groups if wf > 0 else 1.0), dtype, attention=fused) if f > 0 else gpu.peak(dtype)
+        size = f / groups if wf > 0 and not eff.grouped_mm else f
+        rate = hw.matmul_rate(size, dtype, attention=fused) if f > 0 else gpu.peak(dtype)
         fwd += max(f / rate, by / bw)
         product_bwd = max(fb / rate, 2 * by / bw)
         bwd += product_bwd
@@ -256,6 +259,11 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
         grouped = _part_time(unit.moe, b * load, r, hw, cfg.precision, fp8, groups=unit.experts / cfg.ep,
                              weights=1 / cfg.ep, compiled=compiled)
         rf, rb, rw = (x + g - o for x, g, o in zip((rf, rb, rw), grouped, one))
+        if hw.eff.grouped_mm and unit.router.kernels:  # torchtitan's router gate: under torch.autocast to float32,
+            # TF32 off (torchtitan/models/common/moe.py TokenChoiceTopKRouter), forward and backward at the fp32 rate
+            gate = _part_time(unit.router, b, r, hw, "fp32", compiled=compiled)
+            traced = _part_time(unit.router, b, r, hw, cfg.precision, fp8, compiled=compiled)
+            rf, rb, rw = (x + g - o for x, g, o in zip((rf, rb, rw), gate, traced))
         ep_f = 2 * expert_alltoall_s(unit.moe_dispatch_bytes(b) * load / r, unit.top_k, cfg, hw)  # dispatch, combine
         ep_b = ep_f  # their gradients, the other way
     cast = 0.0  # the weights' FP8 casts: once per iteration (cached FP8 weights), or every microbatch both ways
@@ -284,6 +292,7 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
         ar_f, ar_b = async_tp_s(unit, b, t, hw, cfg.precision, fp8, ar_f, ar_b)
     cp_f, cp_b = cp_ring_s(unit, hw, cfg)
     kf, kb = hw.eff.unit_factor(unit.kind)
+    ep_all = ep_f  # (the forward's all-to-alls whole, as a recomputation reruns them)
     if cfg.moe_a2a_overlap and ep_f:  # Megatron's 1F1B all-to-all overlap: a microbatch's forward all-to-alls run
         # while another's backward computes, and its backward's while the other's forward computes; the flex
         # dispatchers' kernels take their SMs from that compute while they run (DISPATCHER_SMS)
@@ -298,7 +307,8 @@ def unit_time(unit: Unit, hw: Hardware, cfg: ParallelConfig) -> UnitTime:
     wait = max(0.0, hw.eff.moe_host_s - fwd - (bwd if cfg.moe_a2a_overlap else 0.0)) \
         if unit.experts and not cfg.moe_capacity else 0.0
     fwd += wait
-    bwd += cfg.recompute_mode.extra_backward_s(unit, b, t, hw, cfg.precision, fwd, fp8=fp8, compiled=compiled)
+    bwd += cfg.recompute_mode.extra_backward_s(unit, b, t, hw, cfg.precision, fwd, fp8=fp8, compiled=compiled,
+                                               collectives_s=ep_all)
     return UnitTime(fwd_s=fwd, bwd_s=bwd, tp_comm_s=ar_f + ar_b, cp_comm_s=cp_f + cp_b, bwd_weight_s=(sw + rw) * kb,
                     ep_comm_s=ep_f + ep_b, weight_cast_s=cast, host_wait_s=wait)
 

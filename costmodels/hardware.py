@@ -54,6 +54,8 @@ class Efficiency:
     eager: bool = False  # memory-bound work at eager PyTorch's kernel speeds (costmodels.eager), as a fill job runs
     moe_host_s: float = 0.0  # least seconds of a mixture-of-experts layer's forward: the engine's host time for it,
     # which the dropless dispatch's stream drain exposes (costmodels.compute.MEGATRON_MOE_HOST_S); 0: not modelled
+    grouped_mm: bool = False  # a rank's local experts run as one torch._grouped_mm kernel over all of them, the
+    # router's gate in fp32 (planner.engines Engine.grouped_mm); False: a GEMM per expert
 
     def __post_init__(self) -> None:
         if not 0 <= self.fusion < 1:

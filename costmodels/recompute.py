@@ -26,8 +26,10 @@ class RecomputeMode:
     sharded part is split over t, the rest over r (t under sequence parallelism, else 1); b is per context-
     parallel rank (b/cp samples' worth of tokens)."""
     extra_backward_s: Callable[..., float]
-    """(unit, b, t, hardware, precision, forward seconds, fp8=recipe or None, compiled=bool) -> seconds the backward
-    spends recomputing (its weight products under the FP8 recipe the unit runs, compiled where the block is)."""
+    """(unit, b, t, hardware, precision, forward seconds, fp8=recipe or None, compiled=bool, collectives_s=seconds)
+    -> seconds the backward spends recomputing (its weight products under the FP8 recipe the unit runs, compiled where
+    the block is; collectives_s: the forward's expert all-to-alls, which a rerun that does not keep their outputs
+    repeats; the forward seconds already hold them)."""
     extra_flops: Callable[[Unit], float]
     """unit -> FLOPs per sample the recomputation executes."""
     working_set: bool
@@ -99,18 +101,21 @@ def _full_bytes(u: Unit, b: float, t: int, r: int = 1, cp: int = 1) -> float:
 
 
 def _selective_s(u: Unit, b: float, t: int, hw: Hardware, precision: str, fwd_s: float, fp8=None,
-                 compiled: bool = False) -> float:
+                 compiled: bool = False, collectives_s: float = 0.0) -> float:
     """Redo the oversized cheap tensors (attention scores, softmax, dropout) of the sharded part; under per-op
     checkpointing, the forward of every op the block did not keep, priced as its forward is (its GEMMs under the
     unit's FP8 recipe, which the rerun module runs too; the replicated part whole, as without sequence parallelism:
-    the mode is not told r)."""
+    the mode is not told r). Eager, torchtitan's per-op policy also reruns a MoE layer's dispatch and combine: its
+    token dispatcher exchanges them with spmd_types' all_to_all (torch.distributed.all_to_all over lists, c10d's
+    alltoall_), which the save list does not hold (it holds _c10d_functional.all_to_all_single, the collective the
+    dispatcher issues under torch.compile: torchtitan/models/common/token_dispatcher.py, torchtitan 0.3)."""
     if u.checkpoint == "op":
         if u.op_checkpoint is None:
             return 0.0
         from .compute import part_forward_s  # (here: compute imports memory, which imports this registry)
         op = u.op_checkpoint
         return part_forward_s(op.redo_sharded, b, t, hw, precision, fp8, compiled) + \
-            part_forward_s(op.redo, b, 1, hw, precision, fp8, compiled)
+            part_forward_s(op.redo, b, 1, hw, precision, fp8, compiled) + (0.0 if compiled else collectives_s)
     part, eff = u.sharded, hw.eff
     flops = part.selective_flops(b)
     if not flops:

@@ -120,6 +120,8 @@ class Unit:
     # the expert-parallel ranks, their products run as grouped GEMMs of each local expert's tokens
     moe_dispatch_bytes: Poly = field(default_factory=Poly)  # the routed tokens' hidden states (tokens x top_k x h):
     # what one all-to-all of the dispatch (or of the combine) moves under expert parallelism
+    router: Part = field(default_factory=Part)  # the router's gate (inside `replicated`): the linear of the MoE layer,
+    # outside its experts, that scores each token against every expert (torchtitan runs it in fp32)
     loss_bytes: Poly = field(default_factory=Poly)  # the last unit only: what the model file's loss_fn keeps for its
     # backward (cross-entropy: an fp32 log-softmax of the logits), measured on meta tensors
     loss_work: Poly = field(default_factory=Poly)  # the last unit only: the most bytes the backward of the model
@@ -396,23 +398,39 @@ def expert_layers(root: nn.Module) -> dict[str, tuple[int, int]]:
     return out
 
 
-def _moe(nodes: list[fx.Node], layers: dict[str, tuple[int, int]], selective: set[str]) -> dict:
-    """The Unit fields of its mixture-of-experts layer (none if it has none): the experts' nodes as a Part, and the
-    bytes one dispatch moves (the hidden states entering the experts, once per routed expert)."""
-    def within(n: fx.Node, path: str) -> bool:
-        module = n.meta.get(MODULE, "")
-        return module == path or module.startswith(path + ".")
+def _within(n: fx.Node, path: str) -> bool:
+    module = n.meta.get(MODULE, "")
+    return module == path or module.startswith(path + ".")
 
-    path = next((p for n in nodes for p in layers if within(n, p)), None)
+
+def _moe_nodes(nodes: list[fx.Node], layers: dict[str, tuple[int, int]],
+               gm: fx.GraphModule) -> tuple[str, list[fx.Node], list[fx.Node]] | None:
+    """The unit's mixture-of-experts layer: (the experts' module path, their nodes, the router's gate: the linears of
+    the layer outside its experts with one output per expert); None for a unit without one."""
+    path = next((p for n in nodes for p in layers if _within(n, p)), None)
     if path is None:
+        return None
+    layer = path.rsplit(".", 1)[0] if "." in path else ""
+    inside = [n for n in nodes if n.meta[TP] == "replicated" and _within(n, path)]
+    gate = [n for n in nodes if n.meta[TP] == "replicated" and _within(n, layer) and not _within(n, path)
+            and (shape := linear_shape(n, gm)) is not None and shape[1] == layers[path][0]]
+    return path, inside, gate
+
+
+def _moe(nodes: list[fx.Node], layers: dict[str, tuple[int, int]], selective: set[str], gm: fx.GraphModule) -> dict:
+    """The Unit fields of its mixture-of-experts layer (none if it has none): the experts' nodes as a Part, the
+    router's gate as another, and the bytes one dispatch moves (the hidden states entering the experts, once per
+    routed expert)."""
+    found = _moe_nodes(nodes, layers, gm)
+    if found is None:
         return {}
-    inside = [n for n in nodes if n.meta[TP] == "replicated" and within(n, path)]
+    path, inside, gate = found
     names = {n.name for n in inside}
     entering = [i.nbytes for n in inside for a in n.all_input_nodes
                 if a.name not in names and a.op != "get_attr" and isinstance(i := a.meta.get(TENSOR), TensorInfo)
                 and i.dtype.is_floating_point]
     experts, k = layers[path]
-    return {"experts": experts, "top_k": k, "moe": _part(inside, selective),
+    return {"experts": experts, "top_k": k, "moe": _part(inside, selective), "router": _part(gate, selective),
             "moe_dispatch_bytes": Poly.of(k * max(entering, key=lambda e: e.subs(B, 1), default=sympy.Integer(0)), B)}
 
 
@@ -463,10 +481,20 @@ def lower_units(gm: fx.GraphModule, root: nn.Module, kernels: str = "traced") ->
                           heads=heads[index].heads, kv_heads=heads[index].kv_heads,
                           kv=_kv_part(nodes, heads[index], gm, selective), attn_kv_bytes=Poly.of(_attention_kv_bytes(nodes), B),
                           matmuls=sum(1 for n in nodes if n.meta[COST].mm_flops != 0),
-                          op_checkpoint=op_checkpoint(nodes, role_of, root, compiled=kernels == "inductor")
+                          op_checkpoint=op_checkpoint(nodes, role_of, root, compiled=kernels == "inductor",
+                                                      recomputed=_titan_recomputed(nodes, moe_layers, gm))
                           if kind == "block" else None,
-                          **_moe(nodes, moe_layers, selective)))
+                          **_moe(nodes, moe_layers, selective, gm)))
     return units
+
+
+def _titan_recomputed(nodes: list[fx.Node], layers: dict[str, tuple[int, int]], gm: fx.GraphModule) -> set[str]:
+    """The products of a mixture-of-experts layer torchtitan's per-op policy always recomputes, uncounted: its
+    experts', which it runs as torch._grouped_mm (torchtitan/models/common/moe.py GroupedExperts), an op its save list
+    does not hold, and the router's gate, whose weight shape SelectiveAC.Config.force_recompute_mm_shapes_by_fqns
+    (["moe.router.gate"]) forces to recompute (torchtitan/distributed/activation_checkpoint.py, torchtitan 0.3)."""
+    found = _moe_nodes(nodes, layers, gm)
+    return set() if found is None else {n.name for n in (*found[1], *found[2]) if n.meta[COST].mm_flops != 0}
 
 
 def _sac_policy(n: fx.Node, root: nn.Module) -> str:
@@ -474,9 +502,11 @@ def _sac_policy(n: fx.Node, root: nn.Module) -> str:
     save list _get_default_save_ops: torch._functorch.partitioners' compute-intensive ops and the SDPA kernels):
     "mm" for an aten.mm (the F.linear of a weight without bias, a 2-D product), which it saves or recomputes by its
     count; "save" for a kernel it always saves (the fused attention kernels, aten.addmm: a linear with a bias over a
-    contiguous input; aten.bmm: a product of two batched activations; convolutions); "" for the rest, recomputed."""
+    contiguous input; aten.bmm: a product of two batched activations; convolutions; aten.topk, a router's choice of
+    experts, and aten.max, an FP8 scale's amax, both in torchtitan's own additions to the list); "" for the rest,
+    recomputed."""
     c: NodeCost = n.meta[COST]
-    if c.kind in ("attention", "conv"):
+    if c.kind in ("attention", "conv") or n.target in (torch.ops.aten.topk.default, torch.ops.aten.max.default):
         return "save"
     if c.mm_flops == 0 or c.kind not in ("matmul", "linear"):
         return ""
@@ -491,14 +521,15 @@ def _sac_policy(n: fx.Node, root: nn.Module) -> str:
 
 
 def op_checkpoint(nodes: list[fx.Node], role_of: dict[str, str], root: nn.Module,
-                  compiled: bool = False) -> OpCheckpoint:
+                  compiled: bool = False, recomputed: set[str] = frozenset()) -> OpCheckpoint:
     """The block under torchtitan's per-op selective activation checkpointing: the policy saves the outputs of the
     kernels it always saves (_sac_policy) and of every aten.mm but the second, fourth, ... of the block's forward
     (its count restarts in each block's checkpoint), and recomputes every other op in the backward. The checkpoint
     keeps the block's inputs (only those that need a gradient: the others, rotary tables and masks, are the model's
     and passed to every block). A Llama block keeps its input and the outputs of wq, wv, the attention kernel (with
     its log-sum-exp), w1 and w2, and reruns wk, wo, w3, the norms, rotary embedding and SwiGLU's elementwise ops.
-    torch.distributed._tools.sac_estimator.SACEstimator measures the same policy's memory op by op.
+    The products named in `recomputed` (a MoE layer's experts and router gate: _titan_recomputed) are rerun and not
+    counted. torch.distributed._tools.sac_estimator.SACEstimator measures the same policy's memory op by op.
 
     `compiled`: the block compiled with torch.compile (passes.kernels "inductor"), where the policy only tags the
     graph's nodes (must-save, prefer-recompute) for AOTAutograd's min-cut partitioner, which saves and reruns only
@@ -516,7 +547,7 @@ def op_checkpoint(nodes: list[fx.Node], role_of: dict[str, str], root: nn.Module
                 kept[storage_of(a).name] = info.nbytes
     redo, count, saves = [], 0, set()
     for n in nodes:
-        policy = _sac_policy(n, root)
+        policy = "" if n.name in recomputed else _sac_policy(n, root)
         count += policy == "mm"
         if policy == "save" or policy == "mm" and count % 2:
             saves.add(n.name)

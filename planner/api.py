@@ -78,6 +78,11 @@ def engine_pins(pins: Pins, hw: Hardware) -> Pins:
     if pins.moe_capacity and pins.moe_dispatcher == "deepep":  # megatron-core TransformerConfig refuses it
         raise UserError("Megatron-Core's flex dispatcher with DeepEP does not pad experts to a capacity "
                         "(--moe-capacity): use --moe-dispatcher alltoall or hybridep, or dropless routing")
+    if pins.moe_a2a_overlap and not engine.moe_a2a_overlap:
+        where = " or ".join(f"{e.title} ({e.moe_a2a_overlap})" for e in ENGINES.values() if e.moe_a2a_overlap)
+        raise UserError(f"hiding the expert all-to-alls behind another microbatch (--moe-a2a-overlap) runs in {where}; "
+                        f"{engine.title}'s MoE layers wait for their dispatch and combine: add "
+                        f"{_elsewhere(lambda e: e.moe_a2a_overlap)[1]}, or plan without --moe-a2a-overlap")
     if pins.fp8 and not engine.fp8:
         where = " or ".join(f"{e.title} ({e.fp8})" for e in ENGINES.values() if e.fp8)
         raise UserError(f"FP8 runs in {where}, not in {engine.title}: add {_elsewhere(lambda e: e.fp8)[1]}")
@@ -207,6 +212,8 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
         hw = hw.with_eff(fusion=0.0, eager=True)
     if kernels == "megatron":  # an eager Megatron-Core's MoE layers wait for its host
         hw = hw.with_eff(moe_host_s=MEGATRON_MOE_HOST_S)
+    if engine.grouped_mm:  # (how its MoE layers' experts and router run)
+        hw = hw.with_eff(grouped_mm=True)
     refused = {} if engine.export else profile.tp_refusals  # (what the fxplanner runtime cannot split)
     _check_pinned_split(pins, refused)
     ev = Evaluator(units=profile.units, hw=hw, global_batch=global_batch, n_gpus=gpus,

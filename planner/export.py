@@ -102,13 +102,21 @@ def _common_unexpressed(plan: Plan, engine: str, why: str = "runs no work in the
 TITAN_AC = {"none": "activation-checkpoint:none", "selective": "activation-checkpoint:selective",
             "full": "activation-checkpoint:full", "block": "activation-checkpoint:full"}
 TITAN_LLAMA3 = {(32, 4096): "llama3_8b", (80, 8192): "llama3_70b", (126, 16384): "llama3_405b"}
+TITAN_MOE = {("qwen3_moe", 48, 2048): ("qwen3", "qwen3_30b_a3b"), ("deepseek_v3", 61, 7168): ("deepseek_v3",
+                                                                                             "deepseek_v3_671b")}
+"""The mixture-of-experts models torchtitan ships a config for (torchtitan 0.3 config_registry), by the Hugging Face
+family, depth and width of the model file: torchtitan trains them with its own MoE (GroupedExperts, its token
+dispatcher), as planner.engines prices them."""
 
 
 def titan_config(plan: Plan) -> tuple[str, str] | None:
     """torchtitan's (module, config function) for the plan's model, when it is one torchtitan ships: a Hugging Face
     Llama, or a model file written as torchtitan's Llama 3 is (examples/titan_llama.py: SwiGLU, RMSNorm, rotary
-    positions, no biases, an untied head, no experts), at one of its flavors' depth and width."""
+    positions, no biases, an untied head, no experts), at one of its flavors' depth and width; Qwen3-30B-A3B and
+    DeepSeek-V3 (TITAN_MOE)."""
     shape = plan.source.model_shape
+    if shape.get("experts"):
+        return TITAN_MOE.get((shape.get("family"), shape.get("layers"), shape.get("hidden")))
     written = shape.get("norm") == "RMSNorm" and shape.get("position") == "rope" and not shape.get("tied") \
         and not shape.get("bias") and not shape.get("experts")
     if (shape.get("family") == "llama" or written) and shape.get("gated"):
@@ -124,7 +132,8 @@ def _titan_fqns(rows: list[list[tuple[str, int]]], head: str) -> list[list[str]]
     return [[n for kind, i in row for n in (names[kind] if kind in names else [f"layers.{i}"])] for row in rows]
 
 
-TITAN_FLAVORS = {"llama3_8b": "8B", "llama3_70b": "70B", "llama3_405b": "405B", "llama3_debugmodel": "debugmodel"}
+TITAN_FLAVORS = {"llama3_8b": "8B", "llama3_70b": "70B", "llama3_405b": "405B", "llama3_debugmodel": "debugmodel",
+                 "qwen3_30b_a3b": "30B-A3B", "deepseek_v3_671b": "671B"}
 
 
 def titan_schedule(plan: Plan) -> str:
@@ -164,6 +173,10 @@ def _titan_job(plan: Plan, module: str | None, config: str | None, schedule_csv:
             unexpressed.append("sharded optimizer (ZeRO-1): torchtitan shards with FSDP only; exported as FSDP over "
                                "the data-parallel ranks without resharding after the forward (ZeRO-2: gradients are "
                                "sharded too, parameters gathered once per step)")
+    if c.ep > 1 and c.moe_dispatcher != "alltoall":
+        unexpressed.append(f"the {c.moe_dispatcher} token dispatcher: torchtitan's model config chooses it "
+                           f'(model_registry(..., moe_comm_backend="{c.moe_dispatcher}")), which a job cannot set; '
+                           "name a config built with it (--titan-config), or it runs its standard all-to-all")
     if c.tp_comm_overlap:
         unexpressed.append("tensor-parallel communication overlap: torchtitan's nearest is async TP "
                            "(compile.enable_async_tensor_parallel, under torch.compile; re-plan with --compile "
@@ -259,8 +272,9 @@ def to_torchtitan(plan: Plan, *, module: str | None = None, config: str | None =
         sections["fill"] = {"plan": fill_plan}
         files[fill_plan] = plan.model_dump_json(by_alias=True, indent=1) + "\n"
     sections["parallelism"]["enable_sequence_parallel"] = c.sp  # 0.3 only: 0.2 always runs SP with TP
-    if c.pp > 1:
-        sections["training"]["disable_cuda_graphs"] = True  # torchtitan refuses CUDA graphs with pipelining
+    if c.pp > 1 or c.ep > 1:  # torchtitan refuses CUDA graphs with pipelining, and beside a token dispatcher that
+        # synchronizes with the host (its standard all-to-all one: torchtitan/trainer.py _validate_cuda_graphs)
+        sections["training"]["disable_cuda_graphs"] = True
     argv = ["--module", module, "--config", config]
     for sec, kv in sections.items():
         for key, value in kv.items():
@@ -550,6 +564,7 @@ def check_torchtitan(ex: Export, world: int, plan: Plan | None = None) -> dict[s
     dims = ParallelDims.from_config(cfg.parallelism, world)
     par = cfg.parallelism
     seen = {"dp_replicate": dims.dp_replicate, "dp_shard": dims.dp_shard, "tp": dims.tp, "pp": dims.pp, "cp": dims.cp,
+            "ep": dims.ep,
             "microbatch": par.pipeline_parallel_microbatch_size,
             "local_batch": cfg.training.local_batch_size, "global_batch": cfg.training.global_batch_size,
             "seq": cfg.training.seq_len, "parts": len(par.module_fqns_per_model_part or []),

@@ -73,6 +73,18 @@ class Engine:
     """It divides the experts of mixture-of-experts layers over expert-parallel ranks (--ep)."""
     moe_capacity: bool = False
     """It pads experts to a capacity factor (--moe-capacity); the others route every token to its experts."""
+    moe_a2a_overlap: str = ""
+    """How it hides a microbatch's expert all-to-alls behind another microbatch's compute (--moe-a2a-overlap), as
+    sentences name it; "": its MoE layers wait for their dispatch and combine (torchtitan 0.3's token dispatchers,
+    standard, DeepEP and HybridEP alike, read the combine's result at once and run the shared experts after it:
+    torchtitan/models/common/token_dispatcher.py), and a plan with --moe-a2a-overlap is refused."""
+    grouped_mm: bool = False
+    """It runs a rank's local experts as torchtitan's GroupedExperts does (torchtitan/models/common/moe.py), priced so
+    by costmodels.compute.unit_time: each of the experts' products is one torch._grouped_mm kernel over all the rank's
+    experts and their tokens, which reaches the rate of one product of their total size
+    (bench/results/README_cuda_2026-11-28.md), and the router's gate runs in fp32 (torch.autocast to float32 around
+    it, TF32 off). False: a GEMM per expert, each at its own size (Transformer Engine's GroupedLinear issues one cuBLAS
+    call per expert), the gate in the model's precision."""
     grad_fp32: bool = False
     """By default it accumulates and reduces bf16 training's gradients in fp32 (else in the weights' dtype)."""
     grad_reduce_bf16: bool = True
@@ -113,11 +125,13 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            kernels="megatron", attention="te", fp8="Transformer Engine's recipes",
            fp8_recipe=attrgetter("megatron_recipe"),
            fp8_default=default_recipe, fsdp="Megatron-FSDP", hsdp="Megatron-FSDP's hybrid FSDP", expert_parallel=True,
-           moe_capacity=True, grad_fp32=True),
+           moe_capacity=True, moe_a2a_overlap="its 1F1B all-to-all overlap, --overlap-moe-expert-parallel-comm",
+           grad_fp32=True),
     Engine(name="torchtitan", title="torchtitan", export="to_torchtitan", fill="planner.engines.titan",
            schedule_names={"gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "Interleaved1F1B"},
            fp8="torchao's float8", fp8_recipe=attrgetter("titan_recipe"), fp8_default=lambda peaks: "torchao-rowwise",
-           fsdp="FSDP2", hsdp="FSDP2's HSDP", optimizer_only=False, expert_parallel=True, recompute_block=False,
+           fsdp="FSDP2", hsdp="FSDP2's HSDP", optimizer_only=False, expert_parallel=True, grouped_mm=True,
+           recompute_block=False,
            selective="op", grad_fp32=True, grad_reduce_bf16=False,
            compile="inductor", eager=True,
            async_tp="torch's micro-pipelined TP (Inductor's micro_pipeline_tp pass)",

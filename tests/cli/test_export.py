@@ -393,3 +393,23 @@ def test_planner_plan_compile_for_torchtitan_plans_and_exports(tmp_path):
     result = runner.invoke(app, ["export", str(out), "--to", "torchtitan", "--toml", "-o", str(toml)])
     assert result.exit_code == 0, result.output
     assert "[compile]\nenable = true" in toml.read_text()
+
+
+@needs_titan
+def test_a_moe_model_torchtitan_ships_exports_as_its_config_with_the_plans_expert_parallelism():
+    """Issue 49, mechanism 8: Qwen3-30B-A3B written as Hugging Face writes it plans under --engine torchtitan (its
+    experts priced as torchtitan's GroupedExperts run them) and exports as torchtitan's own qwen3_30b_a3b, with the
+    plan's expert parallelism, and without the CUDA graphs torchtitan refuses beside its host-synchronizing token
+    dispatcher; torchtitan parses it and builds the plan's 48 layers of 2048."""
+    pytest.importorskip("transformers", reason="the hf extra is not installed")
+    plan, _ = make_plan(str(EXAMPLES / "hf_qwen3_moe.py"), gpus=8, global_batch=16, target="h100-sxm",
+                        model_args={"preset": "qwen3-30b-a3b"},
+                        pins=Pins(engine="torchtitan", tp=1, pp=1, dp=8, ep=8, zero=3, b=1))
+    assert plan.source.efficiency["grouped_mm"]
+    ex = to_torchtitan(plan)
+    assert ex.argv[:4] == ["--module", "qwen3", "--config", "qwen3_30b_a3b"] and not ex.unexpressed
+    assert "--training.disable_cuda_graphs" in ex.argv
+    seen = check_torchtitan(ex, plan.source.gpus, plan)
+    assert (seen["ep"], seen["dp_shard"], seen["layers"], seen["hidden"]) == (8, 8, 48, 2048)
+    toml = to_torchtitan(plan, toml=True).text
+    assert 'name = "qwen3"' in toml and 'flavor = "30B-A3B"' in toml and "expert_parallel_degree = 8" in toml

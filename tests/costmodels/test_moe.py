@@ -1,12 +1,15 @@
 """Mixture of experts with expert parallelism: a Mixtral layer's expert FLOPs, all-to-all bytes and expert parameters
-against their closed forms, written here from the layer's shapes."""
+against their closed forms, written here from the layer's shapes; the layer as Megatron-Core and as torchtitan run
+it."""
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
 pytest.importorskip("transformers")
 
-from costmodels.compute import unit_time  # noqa: E402
+from costmodels.compute import _part_time, part_forward_s, unit_time  # noqa: E402
 from costmodels.hardware import Hardware  # noqa: E402
 from costmodels.memory import expert_count, param_count, stage_memory  # noqa: E402
 from passes.pipeline import analyze  # noqa: E402
@@ -163,3 +166,52 @@ def test_a_dropless_moe_layer_forward_waits_for_the_engines_host(mixtral):
     assert unit_time(dense, host, c).fwd_s == unit_time(dense, HW, c).fwd_s
     assert moe_host_wait_s(u, host, c) == pytest.approx(MEGATRON_MOE_HOST_S - short.fwd_s)
     assert moe_host_wait_s(u, HW, c) == 0 == moe_host_wait_s(dense, host, c)
+
+
+def test_torchtitan_runs_a_ranks_experts_as_one_grouped_kernel_and_its_router_gate_in_fp32(mixtral):
+    """torchtitan's GroupedExperts runs each expert product as one torch._grouped_mm over all the rank's experts: it
+    reaches the rate of one product of their total size, where Transformer Engine's GroupedLinear runs each expert's
+    own GEMM at its size (measured on an H200, bench/results/README_cuda_2026-11-28.md). Its router's gate, an
+    (h, E) linear, runs under autocast to fp32, forward and backward at the fp32 rate."""
+    u, b = block(mixtral), 2
+    titan = HW.with_eff(grouped_mm=True)
+    assert u.router.mm_flops(b) == 2 * b * SEQ * H * E and u.router.params == H * E
+    one_kernel = _part_time(u.moe, b, 1, titan, "bf16", groups=E)
+    assert one_kernel == pytest.approx(_part_time(u.moe, b, 1, HW, "bf16"))  # the rate of the whole
+    per_expert = _part_time(u.moe, b, 1, HW, "bf16", groups=E)
+    assert all(g < p for g, p in zip(one_kernel, per_expert))
+    gate = [f - h for f, h in zip(_part_time(u.router, b, 1, HW, "fp32"), _part_time(u.router, b, 1, HW, "bf16"))]
+    assert gate[0] > 0
+    c = config(ep=1)
+    te, tt = unit_time(u, HW, c), unit_time(u, titan, c)
+    assert tt.fwd_s == pytest.approx(te.fwd_s - per_expert[0] + one_kernel[0] + gate[0])
+    assert tt.bwd_s == pytest.approx(te.bwd_s - per_expert[1] + one_kernel[1] + gate[1])
+    # one local expert (ep = 8): one GEMM either way, the same price but for the gate
+    c8 = config(ep=8)
+    assert unit_time(u, titan, c8).fwd_s == pytest.approx(unit_time(u, HW, c8).fwd_s + gate[0])
+
+
+def test_torchtitans_per_op_checkpoint_reruns_the_experts_the_router_gate_and_the_eager_all_to_alls(mixtral):
+    """torchtitan's SelectiveAC saves no torch._grouped_mm output (its save list does not hold the op) and forces the
+    router gate's shape to recompute, uncounted: a Mixtral block keeps wq's and wv's outputs and reruns wk, wo, every
+    expert product and the gate. Eager, its token dispatcher's all-to-alls (spmd_types' list all_to_all) are not in
+    the save list either, so the backward reruns the dispatch and the combine; compiled, the dispatcher issues
+    _c10d_functional.all_to_all_single, which the list saves."""
+    u, b = block(mixtral), 2
+    tokens, kv = b * SEQ, 1024  # Mixtral's 8 kv heads of 128
+    op = u.op_checkpoint
+    assert op.redo_sharded.mm_flops(b) == 2 * tokens * H * (kv + H)  # wk, wo
+    assert op.redo.mm_flops(b) == u.moe.mm_flops(b) + u.router.mm_flops(b)
+    titan, hw = replace(u, checkpoint="op"), HW.with_eff(grouped_mm=True)
+    c, kept = config(ep=8, recompute="selective"), config(ep=8)
+    rerun = part_forward_s(op.redo_sharded, b, 1, hw, "bf16") + part_forward_s(op.redo, b, 1, hw, "bf16")
+    plain, eager = unit_time(titan, hw, kept), unit_time(titan, hw, c)
+    a2a = plain.ep_comm_s / 2  # the forward's dispatch and combine
+    assert a2a > 0
+    assert eager.bwd_s == pytest.approx(plain.bwd_s + rerun + a2a)
+    on, off = (unit_time(titan, hw, config(ep=8, compile=True, recompute=r)) for r in ("selective", "none"))
+    compiled = part_forward_s(op.redo_sharded, b, 1, hw, "bf16", compiled=True) + \
+        part_forward_s(op.redo, b, 1, hw, "bf16", compiled=True)
+    assert on.bwd_s == pytest.approx(off.bwd_s + compiled)  # no all-to-all again
+    full = unit_time(titan, hw, config(ep=8, recompute="full"))
+    assert full.bwd_s == pytest.approx(plain.bwd_s + plain.fwd_s)  # the whole forward again, all-to-alls and all

@@ -209,3 +209,21 @@ def test_torchtitan_reduces_gradients_in_fp32_only():
     msg = str(e.value)
     assert "--grad-reduce-in-bf16" in msg and "--engine megatron" in msg, msg
     assert msg.count(". ") == 0 and "\n" not in msg
+
+
+def test_torchtitan_waits_for_its_all_to_alls_and_says_which_dispatcher_its_job_cannot_choose():
+    """torchtitan's MoE layers read the combine's result at once (its standard, DeepEP and HybridEP dispatchers
+    alike): --moe-a2a-overlap is refused in one sentence naming Megatron-Core. A DeepEP plan exports with one line
+    saying that torchtitan's model config, not its job, chooses that dispatcher."""
+    from planner.export import to_torchtitan
+
+    kw = dict(gpus=8, global_batch=16, target="h100-sxm", model_args={"layers": 2, "seq": 1024})
+    with pytest.raises(UserError) as e:
+        make_plan(str(EXAMPLES / "hf_mixtral.py"), pins=Pins(engine="torchtitan", ep=8, moe_a2a_overlap=True), **kw)
+    msg = str(e.value)
+    assert "--engine megatron" in msg and "--moe-a2a-overlap" in msg and "torchtitan" in msg, msg
+    assert msg.count(". ") == 0 and "\n" not in msg
+    plan, _ = make_plan(str(EXAMPLES / "hf_mixtral.py"), pins=Pins(engine="torchtitan", ep=8, tp=1, pp=1, dp=8,
+                                                                  moe_dispatcher="deepep"), **kw)
+    (line,) = [u for u in to_torchtitan(plan, module="qwen3", config="qwen3_moe_debug").unexpressed if "deepep" in u]
+    assert 'moe_comm_backend="deepep"' in line
