@@ -54,11 +54,13 @@ from .shapes import B, TensorInfo
 __all__ = ["KERNELS", "KV_SOURCE", "OPERANDS", "SHARED_INPUT", "fuse_kernels", "megatron_cross_entropy", "operands",
            "written_cores"]
 
-KERNELS = ("traced", "megatron", "inductor")
+KERNELS = ("traced", "titan", "megatron", "inductor")
 """How units are priced (passes.pipeline.analyze's `kernels`; planner.engines says each engine's): "traced", op by op
-as the model file writes them; "megatron", as Megatron-Core with Transformer Engine runs them (`fuse_kernels`, and
-`megatron_cross_entropy` in place of the file's loss_fn); "inductor", the blocks as torch.compile runs each
-(`fuse_kernels(..., megatron=False)`), the rest as traced."""
+as the model file writes them; "titan", as torchtitan runs them eagerly: op by op but for an attention core the file
+writes out, which torchtitan's own model runs as one fused kernel (`titan_attention`); "megatron", as Megatron-Core
+with Transformer Engine runs them (`fuse_kernels`, and `megatron_cross_entropy` in place of the file's loss_fn);
+"inductor", as torchtitan runs them compiled: the blocks as torch.compile runs each (`fuse_kernels(...,
+megatron=False)`), the rest as "titan"."""
 KV_SOURCE = "fxp.kv_source"  # on an attention node: {operand index: the grouped tensor a repeat copied it from}
 SHARED_INPUT = "fxp.shared_input"  # on a weight product: an earlier product of the unit reads the same input X
 OPERANDS = "fxp.operands"  # on an attention core the file writes out, priced as the fused kernel: {0: q, 1: k, 2: v}
@@ -86,7 +88,7 @@ def _size(e: sympy.Expr) -> float:
 
 def operands(attention: fx.Node) -> dict[int, fx.Node]:
     """{0: query, 1: key, 2: value} of a fused attention node: its inputs, or (an attention core the file writes out,
-    which the engine runs fused: `_written_attention`) the operands of its two products."""
+    which the engine runs fused: `written_attention`) the operands of its two products."""
     return attention.meta.get(OPERANDS) or dict(list(enumerate(attention.all_input_nodes))[:3])
 
 
@@ -310,14 +312,16 @@ def written_cores(nodes: list[fx.Node], kind: Callable[[fx.Node], str] | None = 
     return list(zip(products[::2], products[1::2]))
 
 
-def _written_attention(nodes: list[fx.Node]) -> None:
+def written_attention(nodes: list[fx.Node]) -> None:
     """An attention core the model file writes out in a causal attention module (Hugging Face's eager attention:
     Q K^T, scaled, the mask added, gpt-oss's sinks concatenated to the scores, softmax, P V), run by Megatron-Core
     as one fused kernel (Transformer Engine's DotProductAttention: FlashAttention or cuDNN, the sinks as its
     learnable softmax offset, a sliding window as its window_size): priced on the P V node as that kernel, the two
     products' FLOPs over the causal (or windowed) share of the scores, reading q, k and v and writing the output,
     keeping those and the log-sum-exp (4 bytes per query row) for its backward, not the s x s probabilities; the
-    rest of the core costs nothing."""
+    rest of the core costs nothing. torchtitan runs such a model as its own, whose attention is one fused kernel too
+    (gpt-oss: torch's varlen FlashAttention with the layer's window, the sinks a rescale of its output by the
+    log-sum-exp: torchtitan/models/gpt_oss/model.py), priced the same way ("titan", "inductor")."""
     gm = nodes[0].graph.owning_module if nodes else None
     for first, second in written_cores(nodes):
         core, qk, pv = nodes[first:second + 1], nodes[first], nodes[second]
@@ -341,6 +345,22 @@ def _written_attention(nodes: list[fx.Node]) -> None:
         pv.meta[OPERANDS] = {0: q, 1: k, 2: v}
 
 
+def _free(nodes: list[fx.Node], freed: set[str]) -> set[str]:
+    """Price the named nodes (the repeats a kernel reading grouped keys and values does without) as views."""
+    for n in nodes:
+        if n.name in freed:
+            n.meta[COST] = replace(n.meta[COST], kind="view", fwd_bytes=ZERO, bwd_bytes=ZERO)
+    return freed
+
+
+def titan_attention(nodes: list[fx.Node]) -> None:
+    """A written-out attention core as torchtitan's own model runs it (`written_attention`), its kernel reading the
+    grouped keys and values as they are (torch's varlen FlashAttention and FlexAttention take grouped-query attention
+    without repeats): the repeats that fed the core cost nothing. Other attention stays as the file calls it."""
+    written_attention(nodes)
+    _free(nodes, _grouped_attention([n for n in nodes if OPERANDS in n.meta]))
+
+
 def fuse_kernels(nodes: list[fx.Node], megatron: bool = True) -> None:
     """Rewrite the priced costs (node.meta[COST]) of one unit's nodes as Megatron-Core with Transformer Engine runs
     them, or (not `megatron`) as torch.compile's Inductor does: the fused regions without Megatron's grouped keys and
@@ -348,14 +368,11 @@ def fuse_kernels(nodes: list[fx.Node], megatron: bool = True) -> None:
     freed: set[str] = set()
     if megatron:
         _weighted_products(nodes)
-        _written_attention(nodes)
+        written_attention(nodes)
         for n in nodes:  # a sliding window as its window (the written-out cores have theirs already)
             if n.meta[COST].kind == "attention" and OPERANDS not in n.meta:
                 _windowed(n)
-        freed = _grouped_attention(nodes)
-    for n in nodes:
-        if n.name in freed:
-            n.meta[COST] = replace(n.meta[COST], kind="view", fwd_bytes=ZERO, bwd_bytes=ZERO)
+        freed = _free(nodes, _grouped_attention(nodes))
     fusable = {n.name for n in nodes if n.op in ("call_function", "call_method", "call_module")
                and n.name not in freed and n.meta[COST].kind in FUSED and not _gathers(n)
                and (megatron or not _complex(n))}  # Inductor generates no code for complex tensors: each such op

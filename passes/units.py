@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch import nn
 
 from .costs import NodeCost, storage_of
-from .kernels import KV_SOURCE, SHARED_INPUT, fuse_kernels, megatron_cross_entropy, written_cores
+from .kernels import KV_SOURCE, SHARED_INPUT, fuse_kernels, megatron_cross_entropy, titan_attention, written_cores
 from .kernels import operands as attention_operands
 from .meta_keys import COST, MODULE, TENSOR, TP, UNIT
 from .poly import Poly
@@ -444,9 +444,10 @@ def lower_units(gm: fx.GraphModule, root: nn.Module, kernels: str = "traced") ->
     if kernels == "megatron":
         for _, _, nodes in groups:
             fuse_kernels(nodes)
-    elif kernels == "inductor":  # torch.compile per block (torchtitan's apply_compile); the rest eager
-        for _, kind, nodes in groups:
-            if kind == "block":
+    elif kernels in ("titan", "inductor"):  # torchtitan: a written-out attention core as its own model's kernel,
+        for _, kind, nodes in groups:  # and compiled, torch.compile per block (its apply_compile); the rest eager
+            titan_attention(nodes)
+            if kernels == "inductor" and kind == "block":
                 fuse_kernels(nodes, megatron=False)
     role_of = {n.name: n.meta.get(TP, "replicated") for n in gm.graph.nodes}
     units = []

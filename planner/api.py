@@ -205,8 +205,8 @@ def make_plan(model: str, *, gpus: int, global_batch: int, target: str, gpus_per
             raise UserError(f"expert parallelism (--ep {pins.ep}) runs in {where}, not in {engine.title}: add {flags}")
     if pins.layout and (stages := layout_stages(pins.layout)):  # a layout the model cannot take: one sentence now
         layout_bounds(pins.layout, [u.kind for u in profile.units], stages)
-    if kernels != "traced":  # the units are priced as the engine's fused kernels (the blocks torch.compile fuses,
-        # the rest as eager as they run): nothing more to fuse
+    if kernels not in ("traced", "titan"):  # the units are priced as the engine's fused kernels (the blocks
+        # torch.compile fuses, the rest as eager as they run): nothing more to fuse
         hw = hw.with_eff(fusion=0.0)
     elif engine.eager:  # op by op, as eager PyTorch runs each (costmodels.eager)
         hw = hw.with_eff(fusion=0.0, eager=True)

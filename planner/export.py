@@ -102,8 +102,9 @@ def _common_unexpressed(plan: Plan, engine: str, why: str = "runs no work in the
 TITAN_AC = {"none": "activation-checkpoint:none", "selective": "activation-checkpoint:selective",
             "full": "activation-checkpoint:full", "block": "activation-checkpoint:full"}
 TITAN_LLAMA3 = {(32, 4096): "llama3_8b", (80, 8192): "llama3_70b", (126, 16384): "llama3_405b"}
-TITAN_MOE = {("qwen3_moe", 48, 2048): ("qwen3", "qwen3_30b_a3b"), ("deepseek_v3", 61, 7168): ("deepseek_v3",
-                                                                                             "deepseek_v3_671b")}
+TITAN_MOE = {("qwen3_moe", 48, 2048): ("qwen3", "qwen3_30b_a3b"),
+             ("deepseek_v3", 61, 7168): ("deepseek_v3", "deepseek_v3_671b"),
+             ("gpt_oss", 24, 2880): ("gpt_oss", "gpt_oss_20b"), ("gpt_oss", 36, 2880): ("gpt_oss", "gpt_oss_120b")}
 """The mixture-of-experts models torchtitan ships a config for (torchtitan 0.3 config_registry), by the Hugging Face
 family, depth and width of the model file: torchtitan trains them with its own MoE (GroupedExperts, its token
 dispatcher), as planner.engines prices them."""
@@ -112,8 +113,8 @@ dispatcher), as planner.engines prices them."""
 def titan_config(plan: Plan) -> tuple[str, str] | None:
     """torchtitan's (module, config function) for the plan's model, when it is one torchtitan ships: a Hugging Face
     Llama, or a model file written as torchtitan's Llama 3 is (examples/titan_llama.py: SwiGLU, RMSNorm, rotary
-    positions, no biases, an untied head, no experts), at one of its flavors' depth and width; Qwen3-30B-A3B and
-    DeepSeek-V3 (TITAN_MOE)."""
+    positions, no biases, an untied head, no experts), at one of its flavors' depth and width; Qwen3-30B-A3B,
+    DeepSeek-V3 and gpt-oss (TITAN_MOE)."""
     shape = plan.source.model_shape
     if shape.get("experts"):
         return TITAN_MOE.get((shape.get("family"), shape.get("layers"), shape.get("hidden")))

@@ -38,6 +38,7 @@ class Engine:
     schedule CSV)."""
     kernels: str = "traced"
     """How its units are priced: a key of passes.kernels.KERNELS ("traced": op by op as the model file writes them;
+    "titan": so, but for an attention core the file writes out, which torchtitan's own model runs as one fused kernel;
     "megatron": as Transformer Engine's fused kernels run them, with Megatron's own cross-entropy)."""
     attention: str = "sdpa"
     """The fused attention kernel it runs (targets.specs.ATTENTION_KERNELS), whose share of the peak on the GPU is the
@@ -132,7 +133,7 @@ ENGINES: dict[str, Engine] = {e.name: e for e in (
            fp8="torchao's float8", fp8_recipe=attrgetter("titan_recipe"), fp8_default=lambda peaks: "torchao-rowwise",
            fsdp="FSDP2", hsdp="FSDP2's HSDP", optimizer_only=False, expert_parallel=True, grouped_mm=True,
            recompute_block=False,
-           selective="op", grad_fp32=True, grad_reduce_bf16=False,
+           selective="op", grad_fp32=True, grad_reduce_bf16=False, kernels="titan",
            compile="inductor", eager=True,
            async_tp="torch's micro-pipelined TP (Inductor's micro_pipeline_tp pass)",
            memory=EngineMemory(master_shard=True, step_frees_grads=True, grad_pool=True, loss_parallel=True,

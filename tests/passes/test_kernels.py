@@ -148,19 +148,23 @@ def test_megatron_runs_a_sliding_window_over_its_window():
     pytest.importorskip("transformers", reason="the hf extra is not installed")
     args = dict(layers=2, hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
                 vocab_size=512, seq=512, sliding_window=128)
-    for (_, traced, m), (_, engine, _) in zip(_attention_nodes(EXAMPLES / "hf_mistral.py", args, "traced"),
-                                              _attention_nodes(EXAMPLES / "hf_mistral.py", args, "megatron")):
-        assert m.window == 128 and traced.mm_flops == m.full_flops * attended_fraction(512)
+    titan = _attention_nodes(EXAMPLES / "hf_mistral.py", args, "titan")  # torchtitan runs the file's SDPA call
+    for (_, traced, m), (_, engine, _), (_, tt, _) in zip(_attention_nodes(EXAMPLES / "hf_mistral.py", args, "traced"),
+                                                          _attention_nodes(EXAMPLES / "hf_mistral.py", args, "megatron"),
+                                                          titan):
+        assert m.window == 128 and traced.mm_flops == m.full_flops * attended_fraction(512) == tt.mm_flops
         assert engine.mm_flops == m.full_flops * attended_fraction(512, 128)
         assert engine.bwd_flops == sympy.Rational(5, 2) * engine.mm_flops  # (flash: 5 products for 2)
 
 
-def test_megatron_fuses_the_attention_gpt_oss_writes_out():
+@pytest.mark.parametrize("kernels", ["megatron", "titan", "inductor"])
+def test_the_engines_fuse_the_attention_gpt_oss_writes_out(kernels):
     """gpt-oss writes its attention out (Hugging Face's eager attention: the sinks are concatenated to the scores);
-    Megatron-Core runs it as Transformer Engine's fused kernel with learnable sinks and, on every second layer, a
-    128-token window: one kernel per layer whose FLOPs are the two products' over the causal (windowed) share of the
-    scores, keeping q, the grouped k and v, the output and its log-sum-exp, not the s x s probabilities the file
-    keeps."""
+    Megatron-Core runs it as Transformer Engine's fused kernel with learnable sinks, torchtitan (eager or compiled)
+    its own gpt-oss, whose attention is torch's varlen FlashAttention with the sinks a rescale by the log-sum-exp; both
+    with a 128-token window on every second layer: one kernel per layer whose FLOPs are the two products' over the
+    causal (windowed) share of the scores, keeping q, the grouped k and v, the output and its log-sum-exp, not the
+    s x s probabilities the file keeps."""
     from passes.measure import attended_fraction
     from passes.shapes import B
 
@@ -168,7 +172,7 @@ def test_megatron_fuses_the_attention_gpt_oss_writes_out():
     s, heads, kv, hd = 512, 64, 8, 64  # gpt-oss-120b's heads, at a short sequence
     args = {"preset": "gpt-oss-20b", "layers": 2, "seq": s}
     assert _attention_nodes(EXAMPLES / "hf_gpt_oss.py", args, "traced") == []  # written out: two products
-    fused = _attention_nodes(EXAMPLES / "hf_gpt_oss.py", args, "megatron")
+    fused = _attention_nodes(EXAMPLES / "hf_gpt_oss.py", args, kernels)
     assert len(fused) == 2
     full = 2 * 2 * s * s * heads * hd  # Q K^T and P V per sample, in full
     per_row = s * heads  # query rows per sample
