@@ -52,7 +52,7 @@ from .poly import Poly
 from .shapes import B, TensorInfo
 
 __all__ = ["KERNELS", "KV_SOURCE", "OPERANDS", "SHARED_INPUT", "fuse_kernels", "megatron_cross_entropy", "operands",
-           "written_cores"]
+           "titan_attention", "written_attention", "written_cores"]
 
 KERNELS = ("traced", "titan", "megatron", "inductor")
 """How units are priced (passes.pipeline.analyze's `kernels`; planner.engines says each engine's): "traced", op by op
