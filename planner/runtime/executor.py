@@ -33,6 +33,7 @@ gradients are averaged over dp x cp. CUDA-only, untested here: nccl, the ``ready
 """
 from __future__ import annotations
 
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -592,8 +593,12 @@ def prepare(plan: Plan, model_file: ModelFile, options: RunOptions, executor: ty
     if c.tp > 1:
         apply_tensor_parallel(stages, plan, model, groups.tp_mesh, inner)
     slots = 1 + max(len(p.send) for p in split.programs)
-    return executor(plan=plan, model_file=model_file, groups=groups, stages=stages, specs=specs, slots=slots,
-                    options=options, cp=cp, **extra)
+    ex = executor(plan=plan, model_file=model_file, groups=groups, stages=stages, specs=specs, slots=slots,
+                  options=options, cp=cp, **extra)
+    del model, split
+    gc.collect()  # the whole model and its traced graphs are cyclic garbage now, every other stage's weights with
+    # them: freed here, not whenever Python's collector next reaches its oldest generation
+    return ex
 
 
 

@@ -311,6 +311,7 @@ class GradSync:
             with torch.no_grad():
                 for (_, p), m in zip(self.named, self.masters):
                     p.copy_(m)
+                    m.grad = None  # (the fp32 copy of the gradient lives through the step only)
             return
         if not self.zero:
             if scale != 1.0:
@@ -334,6 +335,7 @@ class GradSync:
                 g[:part.numel()] = part
             self.master.grad = g
         self.optimizer.step()
+        self.master.grad = None  # (through the step only)
         with torch.no_grad():
             shards = [torch.empty_like(self.master) for _ in range(self.d)]
             dist.all_gather(shards, self.master.detach(), group=self.group)
