@@ -45,10 +45,10 @@ class EngineMemory:
     cross_entropy's backward holds (aten.nll_loss_backward's and aten._log_softmax_backward_data's, fp32 and of the
     logits' size each) beside the saved log-softmax and every kept activation, a working set of the last unit's
     backward. torchtitan computes that loss (torchtitan/components/loss.py cross_entropy_loss: the logits cast to
-    fp32, over the whole vocabulary). The fxplanner runtime computes it too, the same physics; it is left off there
-    for now because pricing it moves the free search's choices in bench/thesis_tables.py (issue 49: for the lead to
-    accept). Megatron-Core runs its own fused vocabulary-parallel cross-entropy (no loss_work is measured for kernels
-    "megatron")."""
+    fp32, over the whole vocabulary), and so does the fxplanner runtime, which runs the model file's loss_fn: its last
+    stage held both gradients at its peak (a CPU tracker of every live storage over a rehearsed HF Llama rank,
+    bench/results/README_cuda_2026-11-28.md). Megatron-Core runs its own fused vocabulary-parallel cross-entropy (no
+    loss_work is measured for kernels "megatron")."""
 
 
 DEFAULT_MEMORY = EngineMemory()

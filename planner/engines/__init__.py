@@ -120,7 +120,8 @@ class Engine:
 
 
 ENGINES: dict[str, Engine] = {e.name: e for e in (
-    Engine(name="fxplanner", title="the fxplanner runtime", fill="planner.runtime.fill_client"),
+    Engine(name="fxplanner", title="the fxplanner runtime", fill="planner.runtime.fill_client",
+           memory=EngineMemory(loss_backward=True)),
     Engine(name="megatron", title="Megatron-Core", export="to_megatron", schedules=("1f1b", "interleaved"),
            fill="planner.engines.megatron_fill",
            kernels="megatron", attention="te", fp8="Transformer Engine's recipes",

@@ -78,8 +78,8 @@ def test_every_fill_job_is_accounted_for(tmp_path):
     from planner.plan import load_plan
 
     path = tmp_path / "plan.json"
-    res = CliRunner().invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "64", "--zero", "1", "--fill",
-                                   str(EXAMPLES / "fill" / "jobs.yaml"), "-o", str(path)])  # (ZeRO-2 would not pipeline)
+    res = CliRunner().invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "64", "--zero", "1", "--pp", "2",
+                                   "--fill", str(EXAMPLES / "fill" / "jobs.yaml"), "-o", str(path)])  # (pipelined: bubbles)
     assert res.exit_code == 0, res.stdout
     fill = load_plan(path).fill
     placed = {j.name.split("@")[0] for j in fill.jobs}
@@ -210,8 +210,8 @@ def test_plan_says_whether_shrinking_or_filling_the_bubbles_won_with_both_figure
     from planner.plan import load_plan
 
     path = tmp_path / "plan.json"
-    res = CliRunner().invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "64", "--zero", "1", "--fill",
-                                   str(EXAMPLES / "fill" / "jobs.yaml"), "-o", str(path)])  # (ZeRO-2 would not pipeline)
+    res = CliRunner().invoke(app, ["plan", str(EXAMPLES / "gpt.py"), "--gpus", "64", "--zero", "1", "--pp", "2",
+                                   "--fill", str(EXAMPLES / "fill" / "jobs.yaml"), "-o", str(path)])  # (pipelined: bubbles)
     assert res.exit_code == 0, res.stdout
     plan = load_plan(path)
     choice = plan.fill.predictions.choice
