@@ -417,11 +417,11 @@ def _moe_nodes(nodes: list[fx.Node], layers: dict[str, tuple[int, int]],
     return path, inside, gate
 
 
-def _moe(nodes: list[fx.Node], layers: dict[str, tuple[int, int]], selective: set[str], gm: fx.GraphModule) -> dict:
-    """The Unit fields of its mixture-of-experts layer (none if it has none): the experts' nodes as a Part, the
-    router's gate as another, and the bytes one dispatch moves (the hidden states entering the experts, once per
-    routed expert)."""
-    found = _moe_nodes(nodes, layers, gm)
+def _moe(found: tuple[str, list[fx.Node], list[fx.Node]] | None, layers: dict[str, tuple[int, int]],
+         selective: set[str]) -> dict:
+    """The Unit fields of its mixture-of-experts layer (`_moe_nodes`; none if it has none): the experts' nodes as a
+    Part, the router's gate as another, and the bytes one dispatch moves (the hidden states entering the experts, once
+    per routed expert)."""
     if found is None:
         return {}
     path, inside, gate = found
@@ -457,6 +457,7 @@ def lower_units(gm: fx.GraphModule, root: nn.Module, kernels: str = "traced") ->
         in_b, out_b = _boundary_bytes(nodes)
         elem = next((p.element_size() for p in gm.parameters()), 4)
         selective = attention_core(nodes)
+        moe = _moe_nodes(nodes, moe_layers, gm)  # (its experts and router gate, or None)
         sharded = [n for n in nodes if n.meta[TP] != "replicated"]
         replicated = [n for n in nodes if n.meta[TP] == "replicated"]
         fwd_ar, bwd_ar, count = _tp_allreduces(nodes)
@@ -483,18 +484,17 @@ def lower_units(gm: fx.GraphModule, root: nn.Module, kernels: str = "traced") ->
                           kv=_kv_part(nodes, heads[index], gm, selective), attn_kv_bytes=Poly.of(_attention_kv_bytes(nodes), B),
                           matmuls=sum(1 for n in nodes if n.meta[COST].mm_flops != 0),
                           op_checkpoint=op_checkpoint(nodes, role_of, root, compiled=kernels == "inductor",
-                                                      recomputed=_titan_recomputed(nodes, moe_layers, gm))
+                                                      recomputed=_titan_recomputed(moe))
                           if kind == "block" else None,
-                          **_moe(nodes, moe_layers, selective, gm)))
+                          **_moe(moe, moe_layers, selective)))
     return units
 
 
-def _titan_recomputed(nodes: list[fx.Node], layers: dict[str, tuple[int, int]], gm: fx.GraphModule) -> set[str]:
+def _titan_recomputed(found: tuple[str, list[fx.Node], list[fx.Node]] | None) -> set[str]:
     """The products of a mixture-of-experts layer torchtitan's per-op policy always recomputes, uncounted: its
     experts', which it runs as torch._grouped_mm (torchtitan/models/common/moe.py GroupedExperts), an op its save list
     does not hold, and the router's gate, whose weight shape SelectiveAC.Config.force_recompute_mm_shapes_by_fqns
     (["moe.router.gate"]) forces to recompute (torchtitan/distributed/activation_checkpoint.py, torchtitan 0.3)."""
-    found = _moe_nodes(nodes, layers, gm)
     return set() if found is None else {n.name for n in (*found[1], *found[2]) if n.meta[COST].mm_flops != 0}
 
 
