@@ -117,10 +117,11 @@ def measure(n: int, fp8: bool, hw: Hardware) -> dict:
     prec = "fp8" if fp8 else "bf16"
     flops = [2.0 * m * k * nn for m, k, nn in shapes(n)]
     predicted = EXPERTS * sum(f / hw.matmul_rate(f, prec) for f in flops)
+    one_kernel = sum(EXPERTS * f / hw.matmul_rate(EXPERTS * f, prec) for f in flops)  # (Efficiency.grouped_mm's)
     launches = EXPERTS * len(flops) * hw.eff.launch_s
     total = EXPERTS * sum(flops)
     return {"tokens_per_expert": n, "precision": prec, "eager_ms": eager * 1e3, "graph_ms": replay * 1e3,
-            "predicted_gemm_ms": predicted * 1e3, "predicted_launch_ms": launches * 1e3,
+            "predicted_gemm_ms": predicted * 1e3, "predicted_one_kernel_ms": one_kernel * 1e3, "predicted_launch_ms": launches * 1e3,
             "grouped_mm_ms": grouped and grouped * 1e3, "grouped_mm_tflops": grouped and total / grouped / 1e12,
             "grouped_mm_error": error,
             "graph_tflops": total / replay / 1e12, "predicted_tflops": total / predicted / 1e12,
